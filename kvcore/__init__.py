@@ -1,0 +1,46 @@
+"""kvcore: move the KV cache of LLM requests from prefill workers into decode workers' memory.
+
+``import kvcore`` is cheap: it loads no plugin and imports no transport.
+"""
+
+from __future__ import annotations
+
+from kvcore.agent import (
+    AgentCapabilities,
+    MemoryKind,
+    MemoryRegion,
+    Notification,
+    Registration,
+    TransferAgent,
+    TransferHandle,
+    TransferOp,
+    TransferStatus,
+)
+from kvcore.config import TransceiverConfig, create_agent, resolve_backend
+from kvcore.errors import *  # noqa: F403
+from kvcore.errors import __all__ as _errors_all
+from kvcore.hookspecs import hookimpl
+from kvcore.plugins import KVCORE_PLUGIN_API, get_plugin_manager, make_plugin_manager
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "hookimpl",
+    "KVCORE_PLUGIN_API",
+    "AgentCapabilities",
+    "MemoryKind",
+    "MemoryRegion",
+    "Notification",
+    "Registration",
+    "TransferAgent",
+    "TransferHandle",
+    "TransferOp",
+    "TransferStatus",
+    "TransceiverConfig",
+    "create_agent",
+    "resolve_backend",
+    "get_plugin_manager",
+    "make_plugin_manager",
+    *_errors_all,
+]

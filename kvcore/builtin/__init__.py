@@ -1,0 +1,1 @@
+"""What the core registers through its own hooks, exactly as an external plugin would."""

@@ -1,0 +1,48 @@
+"""The core's built-in plugin: the same-host shared-memory agent, the matching-heads mapper, the page-table builders.
+
+Registered through the same hooks as any installed plugin; nothing heavy is
+imported here.
+"""
+
+from __future__ import annotations
+
+from kvcore.agent import AgentCapabilities, MemoryKind
+from kvcore.hookspecs import hookimpl
+from kvcore.registry import LayoutMapperRegistry, PageTableBuilderRegistry, TransferAgentRegistry
+
+KVCORE_PLUGIN_API = 1
+
+
+@hookimpl
+def kvcore_register_transfer_agents(registry: TransferAgentRegistry) -> None:
+    registry.add(
+        "shm",
+        "kvcore.builtin.shm:ShmAgent",
+        capabilities=AgentCapabilities(
+            memory_kinds=frozenset({MemoryKind.DRAM}), write=True, read=True, notifications=True, remote=False
+        ),
+        description="same-host shared memory (POSIX shm segments); no native dependency",
+    )
+
+
+@hookimpl
+def kvcore_register_layout_mappers(registry: LayoutMapperRegistry) -> None:
+    registry.add(
+        "matching_heads",
+        "kvcore.mapping:MatchingHeadsMapper",
+        description="identical per-block layout on both sides (same heads per rank)",
+    )
+
+
+@hookimpl
+def kvcore_register_page_table_builders(registry: PageTableBuilderRegistry) -> None:
+    registry.add(
+        "head_major_pool",
+        "kvcore.builders:build_head_major_pool",
+        description="one tensor holding all layers: [blocks, layers, kv, heads, tokens, dim]",
+    )
+    registry.add(
+        "token_major_layers",
+        "kvcore.builders:build_token_major_layers",
+        description="one tensor per layer: [kv, blocks, tokens, heads, dim] or [blocks, kv, tokens, heads, dim]",
+    )

@@ -1,0 +1,107 @@
+"""The ``kvcore`` command: ``plugins``, ``demo``, ``bench`` and ``--version``.
+
+Nothing plugin-related runs at import time; ``kvcore plugins`` works even when
+a plugin is broken (it reports the error instead of crashing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _version_text() -> str:
+    from kvcore import __version__
+    from kvcore.plugins import make_plugin_manager
+
+    lines = [f"kvcore {__version__}"]
+    pm = make_plugin_manager()
+    ext = [r for r in pm.records if not r.builtin]
+    if ext:
+        lines.append("registered plugins:")
+        for r in ext:
+            lines.append(f"  {r.name}: {r.dist_label} ({r.status})")
+    return "\n".join(lines)
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    """List plugins, what they provide and any error."""
+    from kvcore.plugins import make_plugin_manager
+
+    pm = make_plugin_manager()
+    pm.registries  # run the registration hooks so "provides" and register-phase failures are filled
+    records = pm.records
+    if not args.all:
+        records = [r for r in records if not r.builtin] + [r for r in records if r.builtin]
+    broken = [r for r in records if r.status in ("failed", "api_mismatch")]
+    if args.json:
+        print(json.dumps([r.as_dict() for r in records], indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="kvcore plugins", show_lines=False)
+        for col in ("NAME", "DISTRIBUTION", "VERSION", "STATUS", "PROVIDES", "ERROR"):
+            table.add_column(col, overflow="fold")
+        for r in records:
+            provides = "; ".join(f"{k.replace('_', ' ')}: {', '.join(v)}" for k, v in r.provides.items())
+            status = {"loaded": "[green]loaded[/]", "blocked": "[yellow]blocked[/]"}.get(r.status, f"[red]{r.status}[/]")
+            table.add_row(
+                r.name, "kvcore (built-in)" if r.builtin else (r.dist or "-"), r.version or "-", status, provides or "-",
+                r.error or "",
+            )
+        Console(width=max(100, Console().width)).print(table)
+        if not records:
+            print("no plugins installed")
+    if args.check and broken:
+        print(f"{len(broken)} plugin(s) broken: {', '.join(r.name for r in broken)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcore", description="KV-cache transfer for disaggregated LLM serving (prefill -> decode)."
+    )
+    parser.add_argument("--version", action="store_true", help="print kvcore's and the installed plugins' versions")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("plugins", help="list installed plugins, what they provide and their errors")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--check", action="store_true", help="exit 1 when a plugin failed to load")
+    p.add_argument("--all", action="store_true", help="(kept for compatibility; built-ins are always listed)")
+    p.set_defaults(func=cmd_plugins)
+
+    try:
+        from kvcore import demo
+
+        demo.add_parser(sub)
+    except ImportError:  # pragma: no cover - during development only
+        pass
+    try:
+        from kvcore import bench
+
+        bench.add_parser(sub)
+    except ImportError:  # pragma: no cover
+        pass
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        print(_version_text())
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

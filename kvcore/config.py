@@ -1,0 +1,198 @@
+"""Transceiver configuration and backend selection by name.
+
+Precedence, highest first: keyword arguments given in Python, ``KVCORE_*``
+environment variables, a YAML or TOML file, then the defaults below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvcore.errors import ConfigError, UnknownBackendError
+
+if TYPE_CHECKING:
+    from kvcore.agent import TransferAgent
+    from kvcore.plugins import PluginManager
+
+__all__ = ["TransceiverConfig", "resolve_backend", "create_agent", "AUTO_PREFERENCE"]
+
+log = logging.getLogger("kvcore.config")
+
+#: The order ``backend="auto"`` tries: the first whose plugin loads wins.
+AUTO_PREFERENCE = ("nixl", "shm")
+
+
+@dataclass
+class TransceiverConfig:
+    """Everything a transceiver needs to know; every field has a safe default."""
+
+    backend: str = "auto"
+    agent_options: dict[str, Any] = field(default_factory=dict)
+    host: str = "127.0.0.1"  # control-plane bind address; loopback unless asked otherwise
+    port: int = 0  # 0 picks a free port
+    request_timeout_s: float = 60.0  # bound on one request from start to terminal outcome
+    first_contact_timeout_s: float = 10.0  # bound on fetching a peer's RankInfo
+    transfer_timeout_s: float = 30.0  # bound on one submitted transfer at the transport
+    max_message_bytes: int = 16 * 1024 * 1024  # control-plane frame size bound
+    max_inflight_requests: int = 4096
+    bounce_min_fragments: int = 256  # plans with at least this many fragments ...
+    bounce_max_fragment_bytes: int = 4096  # ... all this small or smaller go through a bounce buffer
+    bounce_enabled: bool = True
+    required_plugins: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first invalid field."""
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError(f"backend must be a non-empty string, got {self.backend!r}")
+        if not isinstance(self.agent_options, dict):
+            raise ConfigError(f"agent_options must be a mapping, got {type(self.agent_options).__name__}")
+        if not (0 <= int(self.port) <= 65535):
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        for name in ("request_timeout_s", "first_contact_timeout_s", "transfer_timeout_s"):
+            if not float(getattr(self, name)) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_message_bytes", "max_inflight_requests", "bounce_min_fragments", "bounce_max_fragment_bytes"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    # --- loading -------------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        file: str | os.PathLike[str] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        **overrides: Any,
+    ) -> TransceiverConfig:
+        """Build a config from defaults < ``file`` < ``KVCORE_*`` environment < keyword ``overrides``."""
+        values: dict[str, Any] = {}
+        env = os.environ if env is None else env
+        if file is None and env.get("KVCORE_CONFIG"):
+            file = env["KVCORE_CONFIG"]
+        if file is not None:
+            values.update(cls._read_file(Path(file)))
+        values.update(cls._from_env(env))
+        values.update(overrides)
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(
+                f"unknown configuration field(s): {', '.join(sorted(unknown))}; "
+                f"known: {', '.join(f.name for f in dataclasses.fields(cls))}"
+            )
+        return cls(**values)
+
+    @classmethod
+    def _read_file(cls, path: Path) -> dict[str, Any]:
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read configuration file {str(path)!r}: {exc}") from exc
+        try:
+            if path.suffix == ".toml":
+                import tomllib
+
+                data: Any = tomllib.loads(text)
+            elif path.suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text) or {}
+            else:
+                raise ConfigError(f"configuration file {str(path)!r} must end in .toml, .yaml or .yml")
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"configuration file {str(path)!r} is not valid: {exc}") from exc
+        if isinstance(data, dict) and isinstance(data.get("kvcore"), dict):
+            data = data["kvcore"]  # allow a [kvcore] table / kvcore: section
+        if not isinstance(data, dict):
+            raise ConfigError(f"configuration file {str(path)!r} must hold a table of settings")
+        return dict(data)
+
+    @classmethod
+    def _from_env(cls, env: Mapping[str, str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key = "KVCORE_" + f.name.upper()
+            if key not in env:
+                continue
+            raw = env[key]
+            try:
+                if f.name == "agent_options":
+                    out[f.name] = json.loads(raw)
+                elif f.name == "required_plugins":
+                    out[f.name] = [p.strip() for p in raw.split(",") if p.strip()]
+                elif f.type in ("int", int):
+                    out[f.name] = int(raw)
+                elif f.type in ("float", float):
+                    out[f.name] = float(raw)
+                elif f.type in ("bool", bool):
+                    out[f.name] = raw.strip().lower() in {"1", "true", "yes", "on"}
+                else:
+                    out[f.name] = raw
+            except ValueError as exc:
+                raise ConfigError(f"{key}={raw!r} is not a valid {f.type}: {exc}") from exc
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def check_required_plugins(config: TransceiverConfig, pm: PluginManager) -> None:
+    """Fail fast when a ``required_plugins`` entry (``"kvcore-nixl>=0.1"``) is missing or too old."""
+    from packaging.requirements import Requirement
+
+    for spec in config.required_plugins:
+        req = Requirement(spec)
+        rec = next((r for r in pm.records if r.dist and r.dist.replace("_", "-") == req.name.replace("_", "-")), None)
+        if rec is None or rec.status != "loaded":
+            state = "not installed" if rec is None else f"{rec.status}: {rec.error}"
+            raise ConfigError(f"required plugin {spec!r} is {state}")
+        if rec.version and req.specifier and rec.version not in req.specifier:
+            raise ConfigError(f"required plugin {spec!r} but {rec.dist} {rec.version} is installed")
+
+
+def resolve_backend(config: TransceiverConfig | str, pm: PluginManager | None = None) -> tuple[str, type[TransferAgent]]:
+    """The backend name and agent class the configuration selects; ``auto`` tries ``AUTO_PREFERENCE`` in order."""
+    from kvcore.agent import TransferAgent
+    from kvcore.plugins import get_plugin_manager
+
+    pm = pm or get_plugin_manager()
+    name = config if isinstance(config, str) else config.backend
+    if not isinstance(config, str):
+        check_required_plugins(config, pm)
+    registry = pm.registries.transfer_agents
+    if name == "auto":
+        failures = []
+        for candidate in AUTO_PREFERENCE:
+            try:
+                cls = registry.get(candidate)
+            except UnknownBackendError as exc:
+                failures.append(f"{candidate}: {str(exc).splitlines()[0]}")
+                continue
+            log.info("backend 'auto' selected %r%s", candidate, f" (skipped {'; '.join(failures)})" if failures else "")
+            return candidate, cls
+        raise UnknownBackendError("backend 'auto' found no usable transfer agent:\n  " + "\n  ".join(failures))
+    cls = registry.get(name)
+    if not (isinstance(cls, type) and issubclass(cls, TransferAgent)):
+        raise UnknownBackendError(f"transfer agent {name!r} resolves to {cls!r}, which is not a TransferAgent subclass")
+    return name, cls
+
+
+def create_agent(
+    config: TransceiverConfig | str, agent_name: str, pm: PluginManager | None = None
+) -> TransferAgent:
+    """Instantiate the selected transfer agent with the configuration's ``agent_options``."""
+    _, cls = resolve_backend(config, pm)
+    options = {} if isinstance(config, str) else config.agent_options
+    return cls(agent_name, options)
