@@ -641,7 +641,12 @@ class TransferAgent(ABC):
 
     @abstractmethod
     def _poll(self, handle: TransferHandle) -> TransferStatus:
-        """Report the transfer's state; raise a ``TransferError`` subclass on failure."""
+        """Report the transfer's state; raise a ``TransferError`` subclass on failure.
+
+        ``DONE`` is a promise: every byte of every fragment is visible in the
+        destination memory (for WRITE, in the peer's memory), so the receiver may
+        read it as soon as the initiator reports completion on the control plane.
+        """
 
     @abstractmethod
     def _release(self, handle: TransferHandle) -> None:
