@@ -1,0 +1,688 @@
+"""The NIXL transfer agent: kvcore's ``TransferAgent`` contract over NVIDIA NIXL (UCX backend by default).
+
+One ``nixl_agent`` per kvcore agent, created with no backends and no NIXL
+progress thread (NIXL 1.5 hard-codes a zero progress delay, which spins a full
+core), then ``create_backend(<backend>, <params>)``. The default backend is UCX
+with ``ucx_error_handling_mode=none``, which gives same-host shared-memory /
+CMA transports and truly one-sided writes; set ``backend_params`` to
+``{"ucx_error_handling_mode": "peer"}`` for multi-node deployments.
+
+Progress. Without a progress thread, NIXL moves only when this agent is
+called: ``poll``/``wait`` progress the initiator, ``get_notifications()`` and
+``progress()`` progress the target. The *target* must progress before the
+first connection from a new peer arrives, and in ``peer`` error mode for writes
+of 256 KiB and more, so an engine must call ``agent.progress()`` or
+``agent.get_notifications()`` regularly (its loop does anyway). Alternatively
+pass ``progress_thread=True``: NIXL's own thread then runs with a
+``progress_delay_us`` sleep (100 µs by default) instead of spinning.
+
+Descriptors. The peer's NIXL metadata travels inside kvcore's msgpack
+descriptor as bytes (never NIXL's pickle-based descriptor serialization). For
+the common case, many equal-size fragments at offsets that are multiples of
+the fragment size inside registered regions, the agent prepares (once per
+peer and fragment size, cached) a strided descriptor list that splits every
+registered region into units of that size, and builds each transfer with
+``make_prepped_xfer`` and numpy index arrays computed in bulk. Anything else
+goes through ``initialize_xfer`` with contiguous runs merged first. No Python
+loop runs per fragment.
+
+Failures. NIXL exceptions map to kvcore errors: a disconnected peer is
+``PeerLostError``, a range NIXL does not know is ``RemoteRangeError``, a
+registration failure is ``RegistrationError``, anything else
+``TransferFailedError``. A transfer to a peer that is alive but hung stays
+pending forever; ``wait(timeout)`` bounds it, and such a transfer cannot be
+aborted (``can_abort`` is False): NIXL's release of an in-flight UCX request
+gives no guarantee that no more bytes land.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+
+from kvcore.agent import (
+    AgentCapabilities,
+    AgentDescriptor,
+    MemoryKind,
+    MemoryRegion,
+    Notification,
+    Registration,
+    RemoteAgent,
+    TransferAgent,
+    TransferHandle,
+    TransferStatus,
+    process_incarnation,
+)
+from kvcore.errors import (
+    ConfigError,
+    PeerLostError,
+    RegistrationError,
+    RemoteAgentError,
+    RemoteRangeError,
+    TransferError,
+    TransferFailedError,
+    UnknownBackendError,
+    UnsupportedOperationError,
+)
+
+__all__ = ["NixlAgent", "load_nixl", "NIXL_MODULES", "DEFAULT_BACKEND_PARAMS", "map_nixl_error"]
+
+#: Import candidates in order: the meta package, then the CUDA-flavoured wheels.
+NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+
+#: Backend init params kvcore uses unless options override them (string values, as NIXL wants).
+DEFAULT_BACKEND_PARAMS: dict[str, dict[str, str]] = {
+    # 'none' selects shm/CMA on one host: one-sided writes, 0.3 ms first connection.
+    # Multi-node (IB/RoCE) deployments should pass {"ucx_error_handling_mode": "peer"}.
+    "UCX": {"ucx_error_handling_mode": "none"},
+}
+
+_INSTALL_HINT = (
+    "pip install 'kvcore-nixl[cu12]' (or 'kvcore-nixl[cu13]'), i.e. the nixl-cu12 / nixl-cu13 wheel for your CUDA"
+)
+
+_PAYLOAD_VERSION = 1
+_NAME_SEP = "#"  # NIXL agent name = <kvcore name>#<incarnation>.<n>; notifications map back by the prefix
+
+_KNOWN_OPTIONS = {
+    "nixl_backend",
+    "backend_params",
+    "progress_thread",
+    "progress_delay_us",
+    "unit_dlist_max_entries",
+    "unit_dlist_cache",
+}
+
+_nixl_cache: ModuleType | None = None
+_nixl_lock = threading.Lock()
+_agent_seq = itertools.count(1)
+
+
+def load_nixl() -> ModuleType:
+    """NIXL's Python API module (``nixl._api``, else ``nixl_cu12._api``, else ``nixl_cu13._api``).
+
+    Raises ``UnknownBackendError`` with the install hint when none imports; the
+    last import failure is chained.
+    """
+    global _nixl_cache
+    if _nixl_cache is not None:
+        return _nixl_cache
+    failures: list[str] = []
+    last: BaseException | None = None
+    for name in NIXL_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as exc:  # the nixl meta package raises ImportError for a missing CUDA flavour
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            last = exc
+            continue
+        _nixl_cache = mod
+        return mod
+    raise UnknownBackendError(
+        "transfer agent 'nixl' needs NIXL's Python API, which could not be imported:\n  "
+        + "\n  ".join(failures)
+        + f"\n  hint: {_INSTALL_HINT}"
+    ) from last
+
+
+def map_nixl_error(
+    exc: BaseException, context: str, *, not_found: type[TransferError] = RemoteRangeError
+) -> TransferError:
+    """Translate a NIXL exception into the kvcore error a caller can act on; ``context`` starts the message."""
+    kind = type(exc).__name__
+    detail = f"{context}: {kind}: {exc}"
+    if isinstance(exc, TransferError):
+        return exc
+    if kind == "nixlRemoteDisconnectError":
+        err: TransferError = PeerLostError(f"{detail} (the peer process died or its connection was lost)")
+    elif kind == "nixlNotFoundError":
+        err = not_found(f"{detail} (NIXL does not know these addresses as registered memory)")
+    elif kind in ("nixlInvalidParamError", "nixlMismatchError"):
+        err = TransferFailedError(f"{detail} (NIXL rejected the request's parameters)")
+    elif kind == "nixlBackendError":
+        err = TransferFailedError(f"{detail} (the NIXL backend failed; see NIXL/UCX log lines above)")
+    else:
+        err = TransferFailedError(detail)
+    err.__cause__ = exc
+    return err
+
+
+class NixlPayload(msgspec.Struct, array_like=True, frozen=True):
+    """The transport part of a kvcore descriptor: the NIXL agent's name, backend and metadata blob."""
+
+    version: int
+    nixl_name: str
+    nixl_backend: str
+    metadata: bytes
+
+
+_payload_decoder = msgspec.msgpack.Decoder(NixlPayload)
+_payload_encoder = msgspec.msgpack.Encoder()
+
+
+class _Dlist:
+    """A prepared NIXL descriptor list plus a use count (released only when unused and stale)."""
+
+    __slots__ = ("handle", "stale", "users")
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.users = 0
+        self.stale = False
+
+
+@dataclass
+class _Side:
+    """The registered regions of one side (local or a peer), sorted by start, for index arithmetic."""
+
+    starts: np.ndarray  # uint64, sorted
+    lengths: np.ndarray  # uint64
+    devices: np.ndarray  # uint64
+    kinds: list[str]  # NIXL memory type per region
+    target: str  # prep_xfer_dlist agent name: "NIXL_INIT_AGENT" or the peer's NIXL name
+    units: dict[int, tuple[_Dlist, np.ndarray]] = field(default_factory=dict)  # unit -> (dlist, first index)
+
+    @classmethod
+    def build(cls, regions: list[tuple[int, int, str, int]], target: str) -> _Side:
+        regions = sorted(regions)
+        return cls(
+            starts=np.array([r[0] for r in regions], dtype=np.uint64),
+            lengths=np.array([r[1] for r in regions], dtype=np.uint64),
+            devices=np.array([r[3] for r in regions], dtype=np.uint64),
+            kinds=[r[2] for r in regions],
+            target=target,
+        )
+
+    def locate(self, addrs: np.ndarray) -> np.ndarray:
+        """Index of the region holding each address (addresses were range-checked by the base class)."""
+        idx = np.searchsorted(self.starts, addrs, side="right").astype(np.int64) - 1
+        return np.maximum(idx, 0)
+
+
+@dataclass
+class _Peer:
+    """A loaded NIXL peer: its NIXL name, metadata and prepared descriptor lists."""
+
+    nixl_name: str
+    metadata: bytes
+    side: _Side
+
+
+@dataclass
+class _Xfer:
+    """One posted NIXL transfer and the descriptor lists it holds."""
+
+    handle: Any
+    dlists: tuple[_Dlist, ...]
+    done: bool = False
+
+
+class NixlAgent(TransferAgent):
+    """kvcore transfer agent over NIXL: one-sided WRITE/READ, DRAM and VRAM, notifications, remote peers.
+
+    Options (``TransceiverConfig.agent_options``):
+
+    ``nixl_backend``            NIXL backend plugin, default ``"UCX"`` (``"LIBFABRIC"``, ...)
+    ``backend_params``          init params for it (str -> str), merged over kvcore's defaults
+                                (UCX: ``ucx_error_handling_mode=none``; use ``peer`` multi-node)
+    ``progress_thread``         run NIXL's progress thread (default False: the engine calls
+                                ``progress()``/``get_notifications()``)
+    ``progress_delay_us``       that thread's sleep between rounds (default 100; NIXL's own is 0)
+    ``unit_dlist_max_entries``  largest prepared unit list (default 4 Mi entries); above it a
+                                transfer falls back to per-submit descriptors
+    ``unit_dlist_cache``        unit sizes kept prepared per side (default 4)
+    """
+
+    backend: ClassVar[str] = "nixl"
+    capabilities: ClassVar[AgentCapabilities] = AgentCapabilities(
+        memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
+        write=True,
+        read=True,
+        notifications=True,
+        remote=True,
+        can_abort=False,
+    )
+
+    def __init__(self, name: str, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(name, options)
+        unknown = set(self.options) - _KNOWN_OPTIONS
+        if unknown:
+            raise ConfigError(
+                f"unknown nixl agent option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(_KNOWN_OPTIONS))}"
+            )
+        self._nixl_backend = str(self.options.get("nixl_backend", "UCX"))
+        params = self.options.get("backend_params", {})
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"nixl agent option backend_params must be a mapping, got {type(params).__name__}")
+        self._backend_params = {
+            **DEFAULT_BACKEND_PARAMS.get(self._nixl_backend, {}),
+            **{str(k): str(v) for k, v in params.items()},
+        }
+        self._progress_thread = bool(self.options.get("progress_thread", False))
+        self._progress_delay_us = int(self.options.get("progress_delay_us", 100))
+        self._unit_max = int(self.options.get("unit_dlist_max_entries", 1 << 22))
+        self._unit_cache = max(1, int(self.options.get("unit_dlist_cache", 4)))
+        if self._progress_delay_us < 0 or self._unit_max < 1:
+            raise ConfigError("nixl agent options progress_delay_us must be >= 0 and unit_dlist_max_entries >= 1")
+
+        api = load_nixl()
+        self._api = api
+        self._nixl_name = f"{name}{_NAME_SEP}{process_incarnation()[:12]}.{next(_agent_seq)}"
+        self._nixl = self._create_nixl_agent(api)
+        try:
+            self._nixl.create_backend(self._nixl_backend, self._backend_params)
+        except Exception as exc:
+            plugins = ", ".join(self._nixl.get_plugin_list())
+            raise TransferFailedError(
+                f"nixl agent {name!r} could not create NIXL backend {self._nixl_backend!r} with params "
+                f"{self._backend_params}: {type(exc).__name__}: {exc} (available NIXL plugins: {plugins})"
+            ) from exc
+        self._mem_types = set(self._nixl.get_backend_mem_types(self._nixl_backend))
+        self._local: _Side | None = None
+        self._pending_notifs: list[Notification] = []
+        self._leaked: list[Any] = []  # NIXL handles whose release failed; kept alive with the agent
+
+    def _create_nixl_agent(self, api: ModuleType) -> Any:
+        config = api.nixl_agent_config(enable_prog_thread=self._progress_thread, backends=[])
+        if not self._progress_thread:
+            return api.nixl_agent(self._nixl_name, config)
+        # nixl_agent() hard-codes pthrDelay=0 (a spinning thread); swap in a config class that keeps ours.
+        bind = api.nixlBind
+        original = bind.nixlAgentConfig
+        delay = self._progress_delay_us
+
+        class _DelayedConfig(original):  # type: ignore[misc, valid-type]
+            def __setattr__(self, key: str, value: Any) -> None:
+                super().__setattr__(key, delay if key == "pthrDelay" else value)
+
+        with _nixl_lock:
+            bind.nixlAgentConfig = _DelayedConfig
+            try:
+                return api.nixl_agent(self._nixl_name, config)
+            finally:
+                bind.nixlAgentConfig = original
+
+    @property
+    def nixl_name(self) -> str:
+        """The underlying NIXL agent's name (unique per process incarnation)."""
+        return self._nixl_name
+
+    @property
+    def nixl_backend(self) -> str:
+        return self._nixl_backend
+
+    @property
+    def backend_params(self) -> dict[str, str]:
+        """The init params NIXL reports for the created backend."""
+        return dict(self._nixl.get_backend_params(self._nixl_backend))
+
+    # --- memory -----------------------------------------------------------------------------
+
+    def _register(self, region: MemoryRegion, keepalive: Any) -> Any:
+        seg = f"{region.kind.value}_SEG"
+        if seg not in self._mem_types:
+            raise UnsupportedOperationError(
+                f"NIXL backend {self._nixl_backend!r} cannot register {region.kind.value} memory "
+                f"(it supports {', '.join(sorted(self._mem_types))})"
+            )
+        descs = np.array([[region.address, region.length, region.device_id]], dtype=np.uint64)
+        try:
+            return self._nixl.register_memory(descs, region.kind.value)
+        except Exception as exc:
+            raise map_nixl_error(
+                exc,
+                f"NIXL could not register {region.length} bytes of {region.kind.value} at {region.address:#x}",
+                not_found=RegistrationError,
+            ) from exc
+
+    def _deregister(self, registration: Registration) -> None:
+        pending = [h for h in self._handles.values() if self.poll(h) is TransferStatus.PENDING]
+        if pending:
+            raise RegistrationError(
+                f"cannot deregister {registration.region.length} bytes at {registration.region.address:#x}: "
+                f"{len(pending)} transfer(s) of agent {self.name!r} are still in flight; wait for them first"
+            )
+        # NIXL segfaults on transfers or prepared lists that outlive the memory they describe.
+        for h in self._handles.values():
+            self._free_xfer(h)
+        self._drop_side(self._local)
+        self._local = None
+        try:
+            self._nixl.deregister_memory(registration.native)
+        except Exception as exc:
+            raise map_nixl_error(exc, "NIXL could not deregister memory", not_found=RegistrationError) from exc
+
+    def _local_side(self) -> _Side:
+        if self._local is None:
+            regs = [
+                (r.region.address, r.region.length, r.region.kind.value, r.region.device_id)
+                for r in self._registrations.values()
+            ]
+            self._local = _Side.build(regs, "NIXL_INIT_AGENT")
+        return self._local
+
+    def _registrations_changed(self) -> None:
+        super()._registrations_changed()
+        if getattr(self, "_local", None) is not None:
+            self._drop_side(self._local)
+            self._local = None
+
+    # --- descriptors and peers --------------------------------------------------------------
+
+    def _descriptor_payload(self) -> bytes:
+        payload = NixlPayload(_PAYLOAD_VERSION, self._nixl_name, self._nixl_backend, self._nixl.get_agent_metadata())
+        return _payload_encoder.encode(payload)
+
+    def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> Any:
+        try:
+            payload = _payload_decoder.decode(descriptor.payload)
+        except msgspec.DecodeError as exc:
+            raise RemoteAgentError(f"nixl payload of peer {descriptor.name!r} is malformed: {exc}") from exc
+        if payload.version != _PAYLOAD_VERSION:
+            raise RemoteAgentError(
+                f"nixl payload version of peer {descriptor.name!r}: expected {_PAYLOAD_VERSION}, got {payload.version}"
+            )
+        if payload.nixl_backend != self._nixl_backend:
+            raise RemoteAgentError(
+                f"peer {descriptor.name!r} uses NIXL backend {payload.nixl_backend!r}; "
+                f"agent {self.name!r} uses {self._nixl_backend!r}"
+            )
+        if payload.nixl_name == self._nixl_name:
+            raise RemoteAgentError(f"peer {descriptor.name!r} is this agent itself; loopback is not supported")
+        regions = [(r.address, r.length, r.kind, r.device_id) for r in descriptor.regions]
+        old: _Peer | None = previous.native if previous is not None else None
+        if old is not None and old.nixl_name == payload.nixl_name and old.metadata == payload.metadata:
+            old.side = self._rebuild_side(old.side, regions) if _side_regions(old.side) != sorted(regions) else old.side
+            return old
+        if old is not None:
+            busy = [
+                h
+                for h in self._handles.values()
+                if h.remote == descriptor.name and self.poll(h) is TransferStatus.PENDING
+            ]
+            if busy:
+                raise RemoteAgentError(
+                    f"peer {descriptor.name!r} changed its NIXL metadata while {len(busy)} transfer(s) to it are "
+                    "in flight; wait for them before loading the new descriptor"
+                )
+            self._forget_peer(descriptor.name, old)
+        try:
+            loaded = self._nixl.add_remote_agent(payload.metadata)
+        except Exception as exc:
+            raise map_nixl_error(
+                exc, f"NIXL could not load the metadata of peer {descriptor.name!r}", not_found=RemoteAgentError
+            ) from exc
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != payload.nixl_name:
+            self._nixl.remove_remote_agent(loaded)
+            raise RemoteAgentError(
+                f"peer {descriptor.name!r} claims NIXL name {payload.nixl_name!r} but its metadata names {loaded!r}"
+            )
+        return _Peer(payload.nixl_name, payload.metadata, _Side.build(regions, payload.nixl_name))
+
+    def _rebuild_side(self, side: _Side, regions: list[tuple[int, int, str, int]]) -> _Side:
+        self._drop_side(side)
+        return _Side.build(regions, side.target)
+
+    def _unload_remote(self, remote: RemoteAgent) -> None:
+        self._forget_peer(remote.name, remote.native)
+
+    def _forget_peer(self, name: str, peer: _Peer) -> None:
+        for h in self._handles.values():
+            if h.remote == name:
+                self._free_xfer(h)
+        self._drop_side(peer.side)
+        try:
+            self._nixl.remove_remote_agent(peer.nixl_name)
+        except Exception as exc:
+            raise map_nixl_error(exc, f"NIXL could not remove peer {name!r}", not_found=RemoteAgentError) from exc
+
+    # --- descriptor lists -------------------------------------------------------------------
+
+    def _drop_side(self, side: _Side | None) -> None:
+        if side is None:
+            return
+        for dl, _ in side.units.values():
+            dl.stale = True
+            self._maybe_release_dlist(dl)
+        side.units.clear()
+
+    def _maybe_release_dlist(self, dl: _Dlist) -> None:
+        if dl.stale and dl.users == 0 and dl.handle is not None:
+            handle, dl.handle = dl.handle, None
+            try:
+                handle.release()
+            except Exception:
+                self._leaked.append(handle)
+
+    def _unit_list(self, side: _Side, unit: int) -> tuple[_Dlist, np.ndarray] | None:
+        """The cached list splitting every region of ``side`` into ``unit``-byte descriptors, prepared on a miss."""
+        hit = side.units.get(unit)
+        if hit is not None:
+            side.units[unit] = side.units.pop(unit)  # most recently used last
+            return hit
+        counts = side.lengths // np.uint64(unit)
+        if int(counts.sum()) > self._unit_max or len(set(side.kinds)) != 1:
+            return None
+        first = np.zeros(counts.size, dtype=np.int64)
+        np.cumsum(counts[:-1], out=first[1:])
+        keep = counts > 0
+        # Nx5 strided rows (address, length, device, stride, count): one row per region, expanded by NIXL.
+        rows = np.stack(
+            [side.starts, np.full_like(side.starts, unit), side.devices, np.full_like(side.starts, unit), counts],
+            axis=1,
+        )[keep]
+        handle = self._nixl.prep_xfer_dlist(side.target, np.ascontiguousarray(rows), side.kinds[0])
+        while len(side.units) >= self._unit_cache:
+            victim = next(iter(side.units))
+            dl, _ = side.units.pop(victim)
+            dl.stale = True
+            self._maybe_release_dlist(dl)
+        entry = (_Dlist(handle), first)
+        side.units[unit] = entry
+        return entry
+
+    @staticmethod
+    def _unit_indices(side: _Side, first: np.ndarray, addrs: np.ndarray, unit: int) -> np.ndarray | None:
+        region = side.locate(addrs)
+        offset = addrs - side.starts[region]
+        if np.any(offset % np.uint64(unit)):
+            return None
+        idx = first[region] + (offset // np.uint64(unit)).astype(np.int64)
+        return idx.astype(np.int32) if idx.size == 0 or int(idx.max()) < 2**31 else None
+
+    # --- transfers --------------------------------------------------------------------------
+
+    def _submit(
+        self,
+        handle: TransferHandle,
+        remote: RemoteAgent,
+        local: np.ndarray,
+        remote_addrs: np.ndarray,
+        sizes: np.ndarray,
+    ) -> Any:
+        if handle.notification == b"":
+            raise UnsupportedOperationError(
+                "the nixl agent cannot deliver an empty notification; send at least one byte"
+            )
+        peer: _Peer = remote.native
+        lside, rside = self._local_side(), peer.side
+        op = handle.op.value
+        notif = handle.notification or b""
+        xfer = None
+        if sizes.size == 0:
+            raise TransferError("a transfer needs at least one fragment")
+        try:
+            xfer = self._prepped_xfer(op, lside, rside, local, remote_addrs, sizes, notif)
+            if xfer is None:
+                xfer = self._direct_xfer(op, lside, rside, peer, local, remote_addrs, sizes, notif)
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise map_nixl_error(exc, f"NIXL refused the {op} of {sizes.size} fragments to {remote.name!r}") from exc
+        try:
+            state = self._nixl.transfer(xfer.handle, notif)
+        except Exception as exc:
+            self._free_native(xfer)
+            raise map_nixl_error(exc, f"NIXL could not post the {op} to {remote.name!r}") from exc
+        if state == "ERR":
+            self._free_native(xfer)
+            raise TransferFailedError(
+                f"NIXL reported an error posting the {op} of {sizes.size} fragments to {remote.name!r}"
+            )
+        xfer.done = state == "DONE"
+        return xfer
+
+    def _prepped_xfer(
+        self, op: str, lside: _Side, rside: _Side, local: np.ndarray, rem: np.ndarray, sizes: np.ndarray, notif: bytes
+    ) -> _Xfer | None:
+        """Equal-size, unit-aligned fragments: indices into cached unit lists (None when not applicable)."""
+        unit = int(sizes[0])
+        if not np.all(sizes == sizes[0]):
+            return None
+        lunit = self._unit_list(lside, unit)
+        runit = self._unit_list(rside, unit) if lunit is not None else None
+        if lunit is None or runit is None:
+            return None
+        lidx = self._unit_indices(lside, lunit[1], local, unit)
+        ridx = self._unit_indices(rside, runit[1], rem, unit) if lidx is not None else None
+        if lidx is None or ridx is None:
+            return None
+        h = self._nixl.make_prepped_xfer(op, lunit[0].handle, lidx, runit[0].handle, ridx, notif)
+        lunit[0].users += 1
+        runit[0].users += 1
+        return _Xfer(h, (lunit[0], runit[0]))
+
+    def _direct_xfer(
+        self,
+        op: str,
+        lside: _Side,
+        rside: _Side,
+        peer: _Peer,
+        local: np.ndarray,
+        rem: np.ndarray,
+        sizes: np.ndarray,
+        notif: bytes,
+    ) -> _Xfer:
+        """Any fragments: merged contiguous runs, one-step ``initialize_xfer`` on Nx3 arrays."""
+        lreg, rreg = lside.locate(local), rside.locate(rem)
+        lkind, rkind = _one_kind(lside, lreg, "local"), _one_kind(rside, rreg, "remote")
+        # Merge neighbours contiguous on both sides and inside the same registrations.
+        brk = np.ones(sizes.size, dtype=bool)
+        if sizes.size > 1:
+            brk[1:] = (
+                (local[:-1] + sizes[:-1] != local[1:])
+                | (rem[:-1] + sizes[:-1] != rem[1:])
+                | (lreg[:-1] != lreg[1:])
+                | (rreg[:-1] != rreg[1:])
+            )
+        starts = np.flatnonzero(brk)
+        run_sizes = np.add.reduceat(sizes, starts) if starts.size != sizes.size else sizes
+        ld = np.empty((starts.size, 3), dtype=np.uint64)
+        rd = np.empty((starts.size, 3), dtype=np.uint64)
+        ld[:, 0], ld[:, 1], ld[:, 2] = local[starts], run_sizes, lside.devices[lreg[starts]]
+        rd[:, 0], rd[:, 1], rd[:, 2] = rem[starts], run_sizes, rside.devices[rreg[starts]]
+        api = self._nixl
+        h = api.initialize_xfer(op, api.get_xfer_descs(ld, lkind), api.get_xfer_descs(rd, rkind), peer.nixl_name, notif)
+        return _Xfer(h, ())
+
+    def _poll(self, handle: TransferHandle) -> TransferStatus:
+        xfer: _Xfer | None = handle.native
+        if xfer is None:
+            raise TransferFailedError(f"transfer {handle.id} lost its NIXL handle (its peer or memory went away)")
+        if xfer.done:
+            return TransferStatus.DONE
+        try:
+            state = self._nixl.check_xfer_state(xfer.handle)
+        except Exception as exc:
+            raise map_nixl_error(exc, f"nixl transfer {handle.id} to {handle.remote!r} failed") from exc
+        if state == "DONE":
+            xfer.done = True
+            return TransferStatus.DONE
+        if state == "PROC":
+            return TransferStatus.PENDING
+        raise TransferFailedError(f"nixl transfer {handle.id} to {handle.remote!r} failed (NIXL state {state!r})")
+
+    def _release(self, handle: TransferHandle) -> None:
+        self._free_xfer(handle)
+
+    def _free_xfer(self, handle: TransferHandle) -> None:
+        xfer: _Xfer | None = handle.native
+        if xfer is not None:
+            handle.native = None
+            if handle.status is TransferStatus.PENDING:
+                handle.status = TransferStatus.FAILED
+                handle.error = TransferFailedError(f"transfer {handle.id} was dropped while pending")
+            self._free_native(xfer)
+
+    def _free_native(self, xfer: _Xfer) -> None:
+        try:
+            xfer.handle.release()
+        except Exception:
+            self._leaked.append(xfer.handle)  # NIXL refused (still active): keep it alive rather than free it
+        for dl in xfer.dlists:
+            dl.users -= 1
+            self._maybe_release_dlist(dl)
+        xfer.dlists = ()
+
+    # --- notifications and progress ---------------------------------------------------------
+
+    def _drain(self) -> None:
+        try:
+            notifs = self._nixl.get_new_notifs()
+        except Exception as exc:
+            raise map_nixl_error(exc, f"nixl agent {self.name!r} could not read notifications") from exc
+        for nixl_name, messages in notifs.items():
+            peer = nixl_name.decode() if isinstance(nixl_name, bytes) else str(nixl_name)
+            peer = peer.rpartition(_NAME_SEP)[0] or peer
+            self._pending_notifs.extend(Notification(peer, bytes(m)) for m in messages)
+
+    def progress(self) -> None:
+        """Progress NIXL once (accept connections, complete target-side work), buffering notifications."""
+        self._check_open()
+        self._drain()
+
+    def _get_notifications(self) -> list[Notification]:
+        self._drain()
+        out, self._pending_notifs = self._pending_notifs, []
+        return out
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def _close(self) -> None:
+        self._drop_side(self._local)
+        self._local = None
+        self._pending_notifs.clear()
+
+    def _native_resources(self) -> dict[str, int]:
+        dlists = 0
+        sides = [self._local] + [r.native.side for r in self._remotes.values()]
+        for side in sides:
+            if side is not None:
+                dlists += len(side.units)
+        return {"nixl_dlists": dlists}
+
+
+def _side_regions(side: _Side) -> list[tuple[int, int, str, int]]:
+    return sorted(zip(side.starts.tolist(), side.lengths.tolist(), side.kinds, side.devices.tolist(), strict=True))
+
+
+def _one_kind(side: _Side, regions: np.ndarray, label: str) -> str:
+    kinds = set(side.kinds)
+    if len(kinds) == 1:
+        return side.kinds[0]
+    used = {side.kinds[i] for i in np.unique(regions).tolist()}
+    if len(used) != 1:
+        raise UnsupportedOperationError(
+            f"one nixl transfer cannot mix memory kinds on its {label} side ({', '.join(sorted(used))}); "
+            "submit DRAM and VRAM fragments separately"
+        )
+    return used.pop()
