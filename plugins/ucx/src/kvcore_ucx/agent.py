@@ -1,0 +1,758 @@
+"""``UcxAgent``: the kvcore transfer agent on raw UCX RMA (``ucp_put_nbx``/``ucp_get_nbx``) through cffi.
+
+One-sided on the wire: the initiator writes (or reads) straight into memory the
+peer mapped with ``ucp_mem_map`` and described by a packed rkey in its agent
+descriptor; the peer's CPU does no per-fragment work (on one host UCX moves the
+bytes with CMA ``process_vm_writev`` in the initiator's thread). A notification
+is a small eager active message sent only after ``ucp_ep_flush_nbx`` reported
+every fragment remotely complete, so data always lands before its notice.
+
+Threading: every UCX call happens under one lock (the worker is created
+``UCS_THREAD_MODE_SERIALIZED``). A progress thread per agent sleeps on the
+worker's event fd and progresses the worker when something arrives (wire-up,
+notifications, software-emulated puts on TCP); ``close()`` stops and joins it
+within ``close_timeout_s``.
+
+Options (``TransceiverConfig.agent_options``):
+
+``error_handling``
+    ``"none"`` (default: shared memory + CMA on one host, zero-copy, truly
+    one-sided) or ``"peer"`` (UCX peer-failure detection; UCX then excludes
+    shared-memory transports and uses TCP/IB).
+``progress_thread``
+    run the progress thread (default ``True``). Without it the target must call
+    ``progress()`` or ``get_notifications()`` for notifications and wire-up.
+``progress_interval_s``
+    upper bound on the progress thread's sleep (default 0.05 s).
+``close_timeout_s``
+    bound on joining the progress thread and closing endpoints (default 2 s).
+``max_notification_bytes``
+    largest notification accepted (default 64 KiB).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvcore.agent import (
+    AgentCapabilities,
+    AgentDescriptor,
+    MemoryKind,
+    MemoryRegion,
+    Notification,
+    Registration,
+    RemoteAgent,
+    TransferAgent,
+    TransferHandle,
+    TransferOp,
+    TransferStatus,
+)
+from kvcore.errors import (
+    PeerLostError,
+    RegistrationError,
+    RemoteAgentError,
+    RemoteRangeError,
+    TransferError,
+    TransferFailedError,
+    TransferTimeoutError,
+    UnsupportedOperationError,
+)
+from kvcore_ucx import _ucp
+from kvcore_ucx._ucp import ptr_status
+
+__all__ = ["UcxAgent", "CAPABILITIES", "merge_runs"]
+
+log = logging.getLogger("kvcore_ucx")
+
+CAPABILITIES = AgentCapabilities(
+    memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
+    write=True,
+    read=True,
+    notifications=True,
+    remote=True,
+    can_abort=False,
+)
+
+#: Active-message id of kvcore notifications on a UCX worker.
+_AM_NOTIFY_ID = 0x6B76
+#: Version of the UCX part of the descriptor payload.
+_PAYLOAD_VERSION = 1
+_MAX_NAME_BYTES = 1024
+
+
+class _RkeyInfo(msgspec.Struct, array_like=True, frozen=True):
+    address: int
+    length: int
+    rkey: bytes
+
+
+class _Payload(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    worker_address: bytes
+    ucx_version: str
+    host: str
+    pid: int
+    error_handling: str
+    rkeys: list[_RkeyInfo]
+
+
+_payload_decoder = msgspec.msgpack.Decoder(_Payload)
+_payload_encoder = msgspec.msgpack.Encoder()
+
+
+def merge_runs(
+    local: np.ndarray, remote: np.ndarray, sizes: np.ndarray, *keys: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Merge neighbours that are contiguous on both sides (and share every ``keys`` value) into one fragment."""
+    n = sizes.size
+    if n <= 1:
+        return local, remote, sizes, list(keys)
+    ends_l = local[:-1] + sizes[:-1]
+    ends_r = remote[:-1] + sizes[:-1]
+    cont = (local[1:] == ends_l) & (remote[1:] == ends_r)
+    for k in keys:
+        cont &= k[1:] == k[:-1]
+    if not cont.any():
+        return local, remote, sizes, list(keys)
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return local[starts], remote[starts], np.add.reduceat(sizes, starts), [k[starts] for k in keys]
+
+
+def _status_error(lib: _ucp.UcpLibrary, status: int, what: str, peer: str) -> TransferError:
+    text = f"{what} to peer {peer!r} failed: UCS_ERR_{lib.status_string(status)}"
+    if status in _ucp.PEER_LOST_STATUSES or -89 <= status <= -40:
+        return PeerLostError(text + "; the peer process died or is unreachable")
+    if status == _ucp.UCS_ERR_TIMED_OUT:
+        return TransferTimeoutError(text)
+    return TransferFailedError(text)
+
+
+@dataclass(eq=False)
+class _LocalMem:
+    memh: Any  # ucp_mem_h cdata
+    rkey: bytes
+    kind: MemoryKind
+
+
+@dataclass(eq=False)
+class _RkeySet:
+    """Unpacked rkeys of one descriptor generation; destroyed when no transfer uses them any more."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+    handles: list[Any]
+    users: int = 0
+    retired: bool = False
+
+
+@dataclass(eq=False)
+class _Peer:
+    name: str
+    incarnation: str
+    worker_address: bytes
+    ep: Any  # ucp_ep_h cdata
+    rkeys: _RkeySet
+    pid: int
+    failed: int = 0  # UCS status from the error handler ("peer" mode), 0 while healthy
+    user_handle: Any = None  # ffi.new_handle for the error callback
+
+
+@dataclass(eq=False)
+class _Xfer:
+    peer: _Peer
+    rkeys: _RkeySet
+    requests: list[int] = field(default_factory=list)
+    flush: int = 0  # pending flush request (0: none or complete)
+    am: int = 0  # pending notification request
+    notify: bool = False
+    keep: list[Any] = field(default_factory=list)  # buffers UCX reads until the request completes
+    error: TransferError | None = None
+    done: bool = False
+
+
+class UcxAgent(TransferAgent):
+    """Transfer agent on UCX RMA: one endpoint per peer, rkeys in the descriptor, notifications after a flush."""
+
+    backend = "ucx"
+    capabilities = CAPABILITIES
+
+    def __init__(self, name: str, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(name, options)
+        opts = self.options
+        unknown = set(opts) - {
+            "error_handling",
+            "progress_thread",
+            "progress_interval_s",
+            "close_timeout_s",
+            "max_notification_bytes",
+        }
+        if unknown:
+            raise TransferError(f"unknown ucx agent option(s): {', '.join(sorted(unknown))}")
+        self._err_mode_name = str(opts.get("error_handling", "none"))
+        if self._err_mode_name not in ("none", "peer"):
+            raise TransferError(f"ucx option error_handling: expected 'none' or 'peer', got {self._err_mode_name!r}")
+        self._interval = float(opts.get("progress_interval_s", 0.05))
+        self._close_timeout = float(opts.get("close_timeout_s", 2.0))
+        self._max_notif = int(opts.get("max_notification_bytes", 64 * 1024))
+        if not (self._interval > 0 and self._close_timeout > 0 and self._max_notif > 0):
+            raise TransferError("ucx options progress_interval_s, close_timeout_s, max_notification_bytes must be > 0")
+        self._name_bytes = name.encode()
+        if len(self._name_bytes) > _MAX_NAME_BYTES:
+            raise TransferError(f"agent name is {len(self._name_bytes)} bytes; the ucx agent allows {_MAX_NAME_BYTES}")
+
+        self._u = _ucp.load()
+        ffi, lib = self._u.ffi, self._u.lib
+        self._ffi, self._lib = ffi, lib
+        self._lock = threading.Lock()
+        self._notifications: list[Notification] = []
+        self._peers: dict[str, _Peer] = {}
+        self._retired: list[_RkeySet] = []
+        self._context: Any = None
+        self._worker: Any = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._efd = -1
+        try:
+            self._init_ucx(bool(opts.get("progress_thread", True)))
+        except BaseException:
+            self._teardown_ucx()
+            raise
+
+    # --- setup / teardown ------------------------------------------------------------------
+
+    def _check(self, status: int, what: str) -> None:
+        if status != _ucp.UCS_OK:
+            raise TransferError(f"ucx agent {self.name!r}: {what} failed: UCS_ERR_{self._u.status_string(status)}")
+
+    def _init_ucx(self, progress_thread: bool) -> None:
+        ffi, lib = self._ffi, self._lib
+        cfg = ffi.new("ucp_config_t **")
+        self._check(lib.ucp_config_read(ffi.NULL, ffi.NULL, cfg), "ucp_config_read")
+        params = ffi.new("ucp_params_t *")
+        params.field_mask = _ucp.UCP_PARAM_FIELD_FEATURES | _ucp.UCP_PARAM_FIELD_NAME
+        params.features = _ucp.UCP_FEATURE_RMA | _ucp.UCP_FEATURE_AM | _ucp.UCP_FEATURE_WAKEUP
+        cname = ffi.new("char[]", self._name_bytes[:31])
+        params.name = cname
+        ctx = ffi.new("ucp_context_h *")
+        try:
+            self._check(lib.ucp_init_version(_ucp.API_MAJOR, _ucp.API_MINOR, params, cfg[0], ctx), "ucp_init")
+        finally:
+            lib.ucp_config_release(cfg[0])
+        self._context = ctx[0]
+        attr = ffi.new("ucp_context_attr_t *")
+        attr.field_mask = _ucp.UCP_ATTR_FIELD_MEMORY_TYPES
+        self._check(lib.ucp_context_query(self._context, attr), "ucp_context_query")
+        self._memory_types = int(attr.memory_types)
+
+        wparams = ffi.new("ucp_worker_params_t *")
+        wparams.field_mask = _ucp.UCP_WORKER_PARAM_FIELD_THREAD_MODE
+        wparams.thread_mode = _ucp.UCS_THREAD_MODE_SERIALIZED
+        worker = ffi.new("ucp_worker_h *")
+        self._check(lib.ucp_worker_create(self._context, wparams, worker), "ucp_worker_create")
+        self._worker = worker[0]
+
+        wattr = ffi.new("ucp_worker_attr_t *")
+        wattr.field_mask = _ucp.UCP_WORKER_ATTR_FIELD_ADDRESS
+        self._check(lib.ucp_worker_query(self._worker, wattr), "ucp_worker_query")
+        self._address = bytes(ffi.buffer(wattr.address, wattr.address_length))
+        lib.ucp_worker_release_address(self._worker, wattr.address)
+
+        # The AM callback runs inside ucp_worker_progress, i.e. with self._lock held.
+        self._am_cb = ffi.callback("ucp_am_recv_callback_t", self._on_notification, onerror=self._on_cb_error)
+        hparams = ffi.new("ucp_am_handler_param_t *")
+        hparams.field_mask = (
+            _ucp.UCP_AM_HANDLER_PARAM_FIELD_ID
+            | _ucp.UCP_AM_HANDLER_PARAM_FIELD_CB
+            | _ucp.UCP_AM_HANDLER_PARAM_FIELD_FLAGS
+        )
+        hparams.id = _AM_NOTIFY_ID
+        hparams.flags = _ucp.UCP_AM_FLAG_WHOLE_MSG
+        hparams.cb = self._am_cb
+        self._check(lib.ucp_worker_set_am_recv_handler(self._worker, hparams), "ucp_worker_set_am_recv_handler")
+
+        self._name_cdata = ffi.from_buffer(self._name_bytes)
+        self._param_plain = ffi.new("ucp_request_param_t *")  # no callback: poll requests by status
+        self._param_am = ffi.new("ucp_request_param_t *")
+        self._param_am.op_attr_mask = _ucp.UCP_OP_ATTR_FIELD_FLAGS
+        self._param_am.flags = _ucp.UCP_AM_SEND_FLAG_EAGER | _ucp.UCP_AM_SEND_FLAG_COPY_HEADER
+        self._param_rma = ffi.new("ucp_request_param_t *")
+        self._param_rma.op_attr_mask = _ucp.UCP_OP_ATTR_FIELD_MEMH
+        self._param_close = ffi.new("ucp_request_param_t *")
+        self._param_close.op_attr_mask = _ucp.UCP_OP_ATTR_FIELD_FLAGS
+        self._param_close.flags = _ucp.UCP_EP_CLOSE_FLAG_FORCE if self._err_mode_name == "peer" else 0
+        self._err_cb = ffi.callback("ucp_err_handler_cb_t", self._on_ep_error)
+
+        if progress_thread:
+            efd = ffi.new("int *")
+            self._check(lib.ucp_worker_get_efd(self._worker, efd), "ucp_worker_get_efd")
+            self._efd = efd[0]
+            self._thread = threading.Thread(
+                target=self._progress_loop, name=f"kvcore-ucx-progress-{self.name}", daemon=True
+            )
+            self._thread.start()
+
+    def _teardown_ucx(self) -> None:
+        lib = self._lib
+        if self._thread is not None:
+            self._stop.set()
+            if self._worker is not None:
+                lib.ucp_worker_signal(self._worker)
+            self._thread.join(self._close_timeout)
+            if self._thread.is_alive():
+                # Destroying the worker under a live thread would crash it; leak the worker instead.
+                raise TransferError(
+                    f"ucx agent {self.name!r}: progress thread did not stop within {self._close_timeout}s"
+                )
+            self._thread = None
+        if self._worker is not None:
+            lib.ucp_worker_destroy(self._worker)
+            self._worker = None
+        if self._context is not None:
+            lib.ucp_cleanup(self._context)
+            self._context = None
+
+    def _progress_loop(self) -> None:
+        lib, worker = self._lib, self._worker
+        poller = select.poll()
+        poller.register(self._efd, select.POLLIN)
+        timeout_ms = max(1, int(self._interval * 1000))
+        while not self._stop.is_set():
+            with self._lock:
+                while lib.ucp_worker_progress(worker):
+                    pass
+                armed = lib.ucp_worker_arm(worker)
+            if armed == _ucp.UCS_ERR_BUSY:
+                continue  # more events already pending
+            if armed != _ucp.UCS_OK:
+                self._stop.wait(self._interval)
+                continue
+            try:
+                poller.poll(timeout_ms)
+            except InterruptedError:
+                pass
+
+    def _progress_locked(self) -> None:
+        lib, worker = self._lib, self._worker
+        while lib.ucp_worker_progress(worker):
+            pass
+
+    # --- callbacks (run inside ucp_worker_progress, lock held) ------------------------------
+
+    def _on_notification(self, arg: Any, header: Any, header_length: int, data: Any, length: int, param: Any) -> int:
+        ffi = self._ffi
+        if param.recv_attr & _ucp.UCP_AM_RECV_ATTR_FLAG_RNDV:
+            log.warning("ucx agent %r dropped a rendezvous notification (senders always use eager)", self.name)
+            return _ucp.UCS_OK
+        if header_length > _MAX_NAME_BYTES or length > self._max_notif:
+            log.warning("ucx agent %r dropped an oversized notification (%d bytes)", self.name, length)
+            return _ucp.UCS_OK
+        sender = bytes(ffi.buffer(header, header_length)).decode(errors="replace")
+        message = bytes(ffi.buffer(data, length)) if length else b""
+        self._notifications.append(Notification(sender, message))
+        return _ucp.UCS_OK
+
+    def _on_cb_error(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        log.error("ucx agent %r: notification callback failed: %s", self.name, exc)
+
+    def _on_ep_error(self, arg: Any, ep: Any, status: int) -> None:
+        peer = self._ffi.from_handle(arg) if arg != self._ffi.NULL else None
+        if isinstance(peer, _Peer):
+            peer.failed = status or -25
+            log.warning("ucx agent %r: endpoint to %r failed: %s", self.name, peer.name, self._u.status_string(status))
+
+    # --- memory -----------------------------------------------------------------------------
+
+    def _register(self, region: MemoryRegion, keepalive: Any) -> Any:
+        ffi, lib = self._ffi, self._lib
+        if region.kind is MemoryKind.VRAM and not self._memory_types & (1 << _ucp.UCS_MEMORY_TYPE_CUDA):
+            raise UnsupportedOperationError(
+                "this UCX cannot register VRAM: CUDA memory is not among its memory types "
+                "(no CUDA driver, or libuct_cuda is not loadable); DRAM works"
+            )
+        params = ffi.new("ucp_mem_map_params_t *")
+        params.field_mask = (
+            _ucp.UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+            | _ucp.UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            | _ucp.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+        )
+        params.address = ffi.cast("void *", region.address)
+        params.length = region.length
+        params.memory_type = _ucp.UCS_MEMORY_TYPE_CUDA if region.kind is MemoryKind.VRAM else _ucp.UCS_MEMORY_TYPE_HOST
+        memh = ffi.new("ucp_mem_h *")
+        with self._lock:
+            status = lib.ucp_mem_map(self._context, params, memh)
+            if status != _ucp.UCS_OK:
+                raise RegistrationError(
+                    f"ucp_mem_map of {region.length} bytes at {region.address:#x} failed: "
+                    f"UCS_ERR_{self._u.status_string(status)}"
+                )
+            buf, size = ffi.new("void **"), ffi.new("size_t *")
+            status = lib.ucp_rkey_pack(self._context, memh[0], buf, size)
+            if status != _ucp.UCS_OK:
+                lib.ucp_mem_unmap(self._context, memh[0])
+                raise RegistrationError(f"ucp_rkey_pack failed: UCS_ERR_{self._u.status_string(status)}")
+            rkey = bytes(ffi.buffer(buf[0], size[0]))
+            lib.ucp_rkey_buffer_release(buf[0])
+        return _LocalMem(memh[0], rkey, region.kind)
+
+    def _deregister(self, registration: Registration) -> None:
+        mem: _LocalMem = registration.native
+        with self._lock:
+            status = self._lib.ucp_mem_unmap(self._context, mem.memh)
+        if status != _ucp.UCS_OK:
+            raise RegistrationError(f"ucp_mem_unmap failed: UCS_ERR_{self._u.status_string(status)}")
+
+    # --- descriptors and peers --------------------------------------------------------------
+
+    def _descriptor_payload(self) -> bytes:
+        rkeys = [
+            _RkeyInfo(r.region.address, r.region.length, r.native.rkey)
+            for r in sorted(self._registrations.values(), key=lambda r: r.region.address)
+        ]
+        payload = _Payload(
+            version=_PAYLOAD_VERSION,
+            worker_address=self._address,
+            ucx_version=".".join(map(str, self._u.version)),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            error_handling=self._err_mode_name,
+            rkeys=rkeys,
+        )
+        return _payload_encoder.encode(payload)
+
+    def _decode_payload(self, desc: AgentDescriptor) -> _Payload:
+        try:
+            payload = _payload_decoder.decode(desc.payload)
+        except msgspec.DecodeError as exc:
+            raise RemoteAgentError(f"peer {desc.name!r}: malformed ucx descriptor payload: {exc}") from exc
+        if payload.version != _PAYLOAD_VERSION:
+            raise RemoteAgentError(
+                f"peer {desc.name!r}: ucx payload version: expected {_PAYLOAD_VERSION}, got {payload.version}"
+            )
+        if payload.error_handling != self._err_mode_name:
+            raise RemoteAgentError(
+                f"peer {desc.name!r}: ucx error_handling: this agent uses {self._err_mode_name!r}, "
+                f"the peer uses {payload.error_handling!r}; UCX refuses mixed endpoints"
+            )
+        regions = sorted((r.address, r.length) for r in desc.regions)
+        keyed = sorted((r.address, r.length) for r in payload.rkeys)
+        if regions != keyed:
+            raise RemoteAgentError(
+                f"peer {desc.name!r}: ucx payload describes {len(keyed)} rkeys that do not match its "
+                f"{len(regions)} registered regions"
+            )
+        return payload
+
+    def _unpack_rkeys(self, ep: Any, payload: _Payload, peer_name: str) -> _RkeySet:
+        ffi, lib = self._ffi, self._lib
+        handles: list[Any] = []
+        out = ffi.new("ucp_rkey_h *")
+        for info in payload.rkeys:
+            status = lib.ucp_ep_rkey_unpack(ep, ffi.from_buffer(info.rkey), out)
+            if status != _ucp.UCS_OK:
+                for h in handles:
+                    lib.ucp_rkey_destroy(h)
+                raise RemoteAgentError(
+                    f"peer {peer_name!r}: ucp_ep_rkey_unpack of region {info.address:#x} failed: "
+                    f"UCS_ERR_{self._u.status_string(status)}"
+                )
+            handles.append(out[0])
+        starts = np.array([r.address for r in payload.rkeys], dtype=np.uint64)
+        ends = np.array([r.address + r.length for r in payload.rkeys], dtype=np.uint64)
+        return _RkeySet(starts, ends, handles)
+
+    def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> Any:
+        payload = self._decode_payload(descriptor)
+        ffi, lib = self._ffi, self._lib
+        old: _Peer | None = previous.native if previous is not None else None
+        with self._lock:
+            if (
+                old is not None
+                and old.incarnation == descriptor.incarnation
+                and old.worker_address == payload.worker_address
+                and not old.failed
+            ):
+                # Same process, new registrations: keep the endpoint, swap the rkeys.
+                rkeys = self._unpack_rkeys(old.ep, payload, descriptor.name)
+                self._retire_rkeys(old.rkeys)
+                old.rkeys = rkeys
+                return old
+            peer = _Peer(descriptor.name, descriptor.incarnation, payload.worker_address, None, None, payload.pid)  # type: ignore[arg-type]
+            peer.user_handle = ffi.new_handle(peer)
+            params = ffi.new("ucp_ep_params_t *")
+            params.field_mask = (
+                _ucp.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | _ucp.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | _ucp.UCP_EP_PARAM_FIELD_ERR_HANDLER
+            )
+            addr = ffi.from_buffer(payload.worker_address)
+            params.address = ffi.cast("ucp_address_t *", addr)
+            if self._err_mode_name == "peer":
+                params.err_mode = _ucp.UCP_ERR_HANDLING_MODE_PEER
+            else:
+                params.err_mode = _ucp.UCP_ERR_HANDLING_MODE_NONE
+            params.err_handler.cb = self._err_cb
+            params.err_handler.arg = peer.user_handle
+            ep = ffi.new("ucp_ep_h *")
+            status = lib.ucp_ep_create(self._worker, params, ep)
+            if status != _ucp.UCS_OK:
+                raise RemoteAgentError(
+                    f"peer {descriptor.name!r}: ucp_ep_create failed: UCS_ERR_{self._u.status_string(status)}"
+                )
+            peer.ep = ep[0]
+            try:
+                peer.rkeys = self._unpack_rkeys(peer.ep, payload, descriptor.name)
+            except BaseException:
+                self._close_ep_locked(peer)
+                raise
+            if old is not None:
+                self._drop_peer_locked(old)
+            self._peers[descriptor.name] = peer
+        return peer
+
+    def _unload_remote(self, remote: RemoteAgent) -> None:
+        peer: _Peer = remote.native
+        with self._lock:
+            self._drop_peer_locked(peer)
+            if self._peers.get(peer.name) is peer:
+                del self._peers[peer.name]
+
+    def _drop_peer_locked(self, peer: _Peer) -> None:
+        self._retire_rkeys(peer.rkeys)
+        self._collect_retired()
+        self._close_ep_locked(peer)
+
+    def _retire_rkeys(self, rkeys: _RkeySet) -> None:
+        rkeys.retired = True
+        self._retired.append(rkeys)
+        self._collect_retired()
+
+    def _collect_retired(self) -> None:
+        keep = []
+        for rk in self._retired:
+            if rk.users:
+                keep.append(rk)
+                continue
+            for h in rk.handles:
+                self._lib.ucp_rkey_destroy(h)
+            rk.handles = []
+        self._retired = keep
+
+    def _close_ep_locked(self, peer: _Peer) -> None:
+        if peer.ep is None:
+            return
+        lib = self._lib
+        req = lib.ucp_ep_close_nbx(peer.ep, self._param_close)
+        peer.ep = None
+        if ptr_status(req) != _ucp.UCS_INPROGRESS:
+            return
+        deadline = time.monotonic() + self._close_timeout
+        while lib.ucp_request_check_status(req) == _ucp.UCS_INPROGRESS and time.monotonic() < deadline:
+            lib.ucp_worker_progress(self._worker)
+        if lib.ucp_request_check_status(req) == _ucp.UCS_INPROGRESS:
+            log.warning("ucx agent %r: closing the endpoint to %r did not finish; cancelling", self.name, peer.name)
+            lib.ucp_request_cancel(self._worker, req)
+        lib.ucp_request_free(req)
+
+    # --- transfers --------------------------------------------------------------------------
+
+    def _local_memhs(self, local: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, list[Any]]:
+        regs = sorted(self._registrations.values(), key=lambda r: r.region.address)
+        starts = np.array([r.region.address for r in regs], dtype=np.uint64)
+        ends = np.array([r.region.end for r in regs], dtype=np.uint64)
+        idx = np.searchsorted(starts, local, side="right").astype(np.int64) - 1
+        bad = (idx < 0) | (local + sizes > ends[np.maximum(idx, 0)])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise RegistrationError(
+                f"fragment {i}: local range [{int(local[i]):#x}, +{int(sizes[i])}) spans two registrations of "
+                f"agent {self.name!r}; split it at the registration boundary"
+            )
+        return idx, [r.native.memh for r in regs]
+
+    def _submit(
+        self,
+        handle: TransferHandle,
+        remote: RemoteAgent,
+        local: np.ndarray,
+        remote_addrs: np.ndarray,
+        sizes: np.ndarray,
+    ) -> Any:
+        peer: _Peer = remote.native
+        if peer.failed:
+            raise _status_error(self._u, peer.failed, "endpoint", peer.name)
+        if handle.notification is not None and len(handle.notification) > self._max_notif:
+            raise TransferError(
+                f"notification is {len(handle.notification)} bytes; the ucx agent allows {self._max_notif}"
+            )
+        rk = peer.rkeys
+        ridx = np.searchsorted(rk.starts, remote_addrs, side="right").astype(np.int64) - 1
+        rbad = (ridx < 0) | (remote_addrs + sizes > rk.ends[np.maximum(ridx, 0)])
+        if rbad.any():
+            i = int(np.flatnonzero(rbad)[0])
+            raise RemoteRangeError(
+                f"fragment {i}: remote range [{int(remote_addrs[i]):#x}, +{int(sizes[i])}) is not inside one "
+                f"registration of peer {peer.name!r}; nothing was moved"
+            )
+        lidx, memhs = self._local_memhs(local, sizes)
+        local, remote_addrs, sizes, (lidx, ridx) = merge_runs(local, remote_addrs, sizes, lidx, ridx)
+        xfer = _Xfer(peer, rk, notify=handle.notification is not None)
+        rk.users += 1
+        lib = self._lib
+        op = lib.ucp_put_nbx if handle.op is TransferOp.WRITE else lib.ucp_get_nbx
+        param = self._param_rma
+        ep, rkh = peer.ep, rk.handles
+        requests = xfer.requests
+        with self._lock:
+            for la, ra, sz, li, ri in zip(
+                local.tolist(), remote_addrs.tolist(), sizes.tolist(), lidx.tolist(), ridx.tolist()
+            ):
+                param.memh = memhs[li]
+                st = op(ep, la, sz, ra, rkh[ri], param)
+                if st:
+                    if st >= _ucp.PTR_ERR_MIN:
+                        xfer.error = _status_error(self._u, st - (1 << 64), f"{handle.op.value}", peer.name)
+                        break
+                    requests.append(st)
+            if xfer.error is None:
+                # Remote completion of everything posted on this endpoint so far; the notice waits for it.
+                xfer.flush = lib.ucp_ep_flush_nbx(ep, self._param_plain)
+                st = ptr_status(xfer.flush)
+                if st != _ucp.UCS_INPROGRESS:
+                    xfer.flush = 0
+                    if st != _ucp.UCS_OK:
+                        xfer.error = _status_error(self._u, st, "flush", peer.name)
+            self._advance_locked(handle, xfer)
+        return xfer
+
+    def _advance_locked(self, handle: TransferHandle, xfer: _Xfer) -> None:
+        """Move a transfer along: finished requests -> flush -> notification -> done."""
+        lib = self._lib
+        if xfer.requests:
+            pending = []
+            for req in xfer.requests:
+                st = lib.ucp_request_check_status(req)
+                if st == _ucp.UCS_INPROGRESS:
+                    pending.append(req)
+                    continue
+                lib.ucp_request_free(req)
+                if st != _ucp.UCS_OK and xfer.error is None:
+                    xfer.error = _status_error(self._u, st, handle.op.value, xfer.peer.name)
+            xfer.requests = pending
+        if xfer.flush:
+            st = lib.ucp_request_check_status(xfer.flush)
+            if st == _ucp.UCS_INPROGRESS:
+                return
+            lib.ucp_request_free(xfer.flush)
+            xfer.flush = 0
+            if st != _ucp.UCS_OK and xfer.error is None:
+                xfer.error = _status_error(self._u, st, "flush", xfer.peer.name)
+        if xfer.requests or xfer.error is not None:
+            return
+        if xfer.notify and handle.notification is not None and not xfer.am:
+            if xfer.peer.ep is None:
+                xfer.error = PeerLostError(f"peer {xfer.peer.name!r} was unloaded before the notification was sent")
+                return
+            msg = self._ffi.from_buffer(handle.notification)
+            xfer.keep = [msg]
+            req = lib.ucp_am_send_nbx(
+                xfer.peer.ep,
+                _AM_NOTIFY_ID,
+                self._name_cdata,
+                len(self._name_bytes),
+                msg,
+                len(handle.notification),
+                self._param_am,
+            )
+            xfer.notify = False
+            st = ptr_status(req)
+            if st == _ucp.UCS_INPROGRESS:
+                xfer.am = req
+            elif st != _ucp.UCS_OK:
+                xfer.error = _status_error(self._u, st, "notification", xfer.peer.name)
+                return
+        if xfer.am:
+            st = lib.ucp_request_check_status(xfer.am)
+            if st == _ucp.UCS_INPROGRESS:
+                return
+            lib.ucp_request_free(xfer.am)
+            xfer.am = 0
+            xfer.keep = []
+            if st != _ucp.UCS_OK:
+                xfer.error = _status_error(self._u, st, "notification", xfer.peer.name)
+                return
+        xfer.done = True
+
+    def _poll(self, handle: TransferHandle) -> TransferStatus:
+        xfer: _Xfer = handle.native
+        if not xfer.done and xfer.error is None:
+            with self._lock:
+                self._progress_locked()
+                self._advance_locked(handle, xfer)
+        if xfer.peer.failed and not xfer.done and xfer.error is None:
+            xfer.error = _status_error(self._u, xfer.peer.failed, "endpoint", xfer.peer.name)
+        if xfer.error is not None and not (xfer.requests or xfer.flush or xfer.am):
+            raise xfer.error
+        if xfer.error is not None:
+            return TransferStatus.PENDING  # failed, but UCX still owns buffers of this transfer
+        return TransferStatus.DONE if xfer.done else TransferStatus.PENDING
+
+    def _release(self, handle: TransferHandle) -> None:
+        xfer: _Xfer | None = handle.native
+        if xfer is None:
+            return
+        with self._lock:
+            for req in [*xfer.requests, xfer.flush, xfer.am]:
+                if req:
+                    self._lib.ucp_request_free(req)  # UCX frees it when it completes
+            xfer.requests, xfer.flush, xfer.am = [], 0, 0
+            xfer.rkeys.users -= 1
+            if xfer.rkeys.retired:
+                self._collect_retired()
+
+    def _get_notifications(self) -> list[Notification]:
+        with self._lock:
+            self._progress_locked()
+            out, self._notifications = self._notifications, []
+        return out
+
+    def progress(self) -> None:
+        """Progress the UCX worker once from the caller's thread."""
+        if self._closed:
+            return
+        with self._lock:
+            self._progress_locked()
+
+    def _close(self) -> None:
+        with self._lock:
+            for peer in list(self._peers.values()):
+                self._drop_peer_locked(peer)
+            self._peers.clear()
+            for rk in self._retired:
+                for h in rk.handles:
+                    self._lib.ucp_rkey_destroy(h)
+            self._retired = []
+        self._teardown_ucx()
+
+    def _native_resources(self) -> dict[str, int]:
+        return {
+            "ucx_endpoints": sum(1 for p in self._peers.values() if p.ep is not None),
+            "ucx_retired_rkey_sets": len(self._retired),
+            "progress_threads": int(self._thread is not None and self._thread.is_alive()),
+        }
+
+    @property
+    def worker_address(self) -> bytes:
+        """This agent's UCX worker address (also inside its descriptor)."""
+        return self._address

@@ -1,0 +1,28 @@
+"""kvcore plugin hooks of ``kvcore-ucx``: registers the ``ucx`` transfer agent; imports nothing heavy."""
+
+from __future__ import annotations
+
+from kvcore.agent import AgentCapabilities, MemoryKind
+from kvcore.hookspecs import hookimpl
+from kvcore.registry import TransferAgentRegistry
+
+KVCORE_PLUGIN_API = 1
+
+
+@hookimpl
+def kvcore_register_transfer_agents(registry: TransferAgentRegistry) -> None:
+    """Register ``ucx``: one-sided UCX RMA (put/get) through cffi against the libucx-cu12 wheel."""
+    registry.add(
+        "ucx",
+        "kvcore_ucx.agent:UcxAgent",
+        capabilities=AgentCapabilities(
+            memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
+            write=True,
+            read=True,
+            notifications=True,
+            remote=True,
+            can_abort=False,
+        ),
+        description="UCX RMA (ucp_put_nbx/ucp_get_nbx, rkeys in the descriptor); CMA/shm on one host, TCP/IB across",
+        install_hint="pip install ./plugins/ucx  (distribution kvcore-ucx; depends on libucx-cu12 and cffi)",
+    )
