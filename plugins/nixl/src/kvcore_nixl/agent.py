@@ -73,7 +73,15 @@ from kvcore.errors import (
     UnsupportedOperationError,
 )
 
-__all__ = ["NixlAgent", "load_nixl", "NIXL_MODULES", "DEFAULT_BACKEND_PARAMS", "map_nixl_error"]
+__all__ = [
+    "NixlAgent",
+    "NixlPayload",
+    "decode_payload",
+    "load_nixl",
+    "NIXL_MODULES",
+    "DEFAULT_BACKEND_PARAMS",
+    "map_nixl_error",
+]
 
 #: Import candidates in order: the meta package, then the CUDA-flavoured wheels.
 NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
@@ -99,6 +107,8 @@ _KNOWN_OPTIONS = {
     "progress_delay_us",
     "unit_dlist_max_entries",
     "unit_dlist_cache",
+    "unit_dlists",
+    "direct_max_descriptors",
 }
 
 _nixl_cache: ModuleType | None = None
@@ -166,6 +176,15 @@ class NixlPayload(msgspec.Struct, array_like=True, frozen=True):
 
 _payload_decoder = msgspec.msgpack.Decoder(NixlPayload)
 _payload_encoder = msgspec.msgpack.Encoder()
+
+
+def decode_payload(descriptor: bytes) -> NixlPayload:
+    """The NIXL part of a ``nixl`` agent's kvcore descriptor (validated); ``RemoteAgentError`` if malformed."""
+    desc = TransferAgent.decode_descriptor(descriptor)
+    try:
+        return _payload_decoder.decode(desc.payload)
+    except msgspec.DecodeError as exc:
+        raise RemoteAgentError(f"nixl payload of peer {desc.name!r} is malformed: {exc}") from exc
 
 
 class _Dlist:
@@ -239,6 +258,9 @@ class NixlAgent(TransferAgent):
     ``unit_dlist_max_entries``  largest prepared unit list (default 4 Mi entries); above it a
                                 transfer falls back to per-submit descriptors
     ``unit_dlist_cache``        unit sizes kept prepared per side (default 4)
+    ``unit_dlists``             ``"auto"`` (default): prepared unit lists when a submit still has
+                                more than ``direct_max_descriptors`` (12288) descriptors after
+                                merging, else one-step lists; ``True``/``False`` force a path
     """
 
     backend: ClassVar[str] = "nixl"
@@ -270,6 +292,10 @@ class NixlAgent(TransferAgent):
         self._progress_delay_us = int(self.options.get("progress_delay_us", 100))
         self._unit_max = int(self.options.get("unit_dlist_max_entries", 1 << 22))
         self._unit_cache = max(1, int(self.options.get("unit_dlist_cache", 4)))
+        self._use_units: bool | str = self.options.get("unit_dlists", "auto")
+        if self._use_units not in (True, False, "auto"):
+            raise ConfigError(f"nixl agent option unit_dlists must be true, false or 'auto', got {self._use_units!r}")
+        self._direct_max = int(self.options.get("direct_max_descriptors", 12288))
         if self._progress_delay_us < 0 or self._unit_max < 1:
             raise ConfigError("nixl agent options progress_delay_us must be >= 0 and unit_dlist_max_entries >= 1")
 
@@ -494,7 +520,9 @@ class NixlAgent(TransferAgent):
     def _unit_indices(side: _Side, first: np.ndarray, addrs: np.ndarray, unit: int) -> np.ndarray | None:
         region = side.locate(addrs)
         offset = addrs - side.starts[region]
-        if np.any(offset % np.uint64(unit)):
+        u = np.uint64(unit)
+        # Overlapping registrations could place a fragment in another region than located: refuse then.
+        if np.any(offset % u) or np.any(offset + u > side.lengths[region]):
             return None
         idx = first[region] + (offset // np.uint64(unit)).astype(np.int64)
         return idx.astype(np.int32) if idx.size == 0 or int(idx.max()) < 2**31 else None
@@ -521,9 +549,14 @@ class NixlAgent(TransferAgent):
         if sizes.size == 0:
             raise TransferError("a transfer needs at least one fragment")
         try:
-            xfer = self._prepped_xfer(op, lside, rside, local, remote_addrs, sizes, notif)
+            runs = _merge_runs(lside, rside, local, remote_addrs, sizes)
+            xfer = None
+            # Measured (8192 x 64 KiB scattered: initialize_xfer 0.29 ms vs prepped 0.39 ms; 32768 x 16 KiB:
+            # 4.6 ms vs 2.7 ms): one-step lists win up to ~12k descriptors, prepared unit lists above.
+            if self._use_units is True or (self._use_units == "auto" and runs[0].size > self._direct_max):
+                xfer = self._prepped_xfer(op, lside, rside, local, remote_addrs, sizes, notif)
             if xfer is None:
-                xfer = self._direct_xfer(op, lside, rside, peer, local, remote_addrs, sizes, notif)
+                xfer = self._direct_xfer(op, lside, rside, peer, runs, notif)
         except TransferError:
             raise
         except Exception as exc:
@@ -567,29 +600,16 @@ class NixlAgent(TransferAgent):
         lside: _Side,
         rside: _Side,
         peer: _Peer,
-        local: np.ndarray,
-        rem: np.ndarray,
-        sizes: np.ndarray,
+        runs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
         notif: bytes,
     ) -> _Xfer:
-        """Any fragments: merged contiguous runs, one-step ``initialize_xfer`` on Nx3 arrays."""
-        lreg, rreg = lside.locate(local), rside.locate(rem)
+        """Any fragments, as merged runs: one-step ``initialize_xfer`` on Nx3 arrays."""
+        local, rem, sizes, lreg, rreg = runs
         lkind, rkind = _one_kind(lside, lreg, "local"), _one_kind(rside, rreg, "remote")
-        # Merge neighbours contiguous on both sides and inside the same registrations.
-        brk = np.ones(sizes.size, dtype=bool)
-        if sizes.size > 1:
-            brk[1:] = (
-                (local[:-1] + sizes[:-1] != local[1:])
-                | (rem[:-1] + sizes[:-1] != rem[1:])
-                | (lreg[:-1] != lreg[1:])
-                | (rreg[:-1] != rreg[1:])
-            )
-        starts = np.flatnonzero(brk)
-        run_sizes = np.add.reduceat(sizes, starts) if starts.size != sizes.size else sizes
-        ld = np.empty((starts.size, 3), dtype=np.uint64)
-        rd = np.empty((starts.size, 3), dtype=np.uint64)
-        ld[:, 0], ld[:, 1], ld[:, 2] = local[starts], run_sizes, lside.devices[lreg[starts]]
-        rd[:, 0], rd[:, 1], rd[:, 2] = rem[starts], run_sizes, rside.devices[rreg[starts]]
+        ld = np.empty((sizes.size, 3), dtype=np.uint64)
+        rd = np.empty((sizes.size, 3), dtype=np.uint64)
+        ld[:, 0], ld[:, 1], ld[:, 2] = local, sizes, lside.devices[lreg]
+        rd[:, 0], rd[:, 1], rd[:, 2] = rem, sizes, rside.devices[rreg]
         api = self._nixl
         h = api.initialize_xfer(op, api.get_xfer_descs(ld, lkind), api.get_xfer_descs(rd, rkind), peer.nixl_name, notif)
         return _Xfer(h, ())
@@ -669,6 +689,26 @@ class NixlAgent(TransferAgent):
             if side is not None:
                 dlists += len(side.units)
         return {"nixl_dlists": dlists}
+
+
+def _merge_runs(
+    lside: _Side, rside: _Side, local: np.ndarray, rem: np.ndarray, sizes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Merge neighbours contiguous on both sides and inside the same registrations: (local, remote, sizes, lreg, rreg)."""
+    lreg, rreg = lside.locate(local), rside.locate(rem)
+    if sizes.size < 2:
+        return local, rem, sizes, lreg, rreg
+    brk = np.ones(sizes.size, dtype=bool)
+    brk[1:] = (
+        (local[:-1] + sizes[:-1] != local[1:])
+        | (rem[:-1] + sizes[:-1] != rem[1:])
+        | (lreg[:-1] != lreg[1:])
+        | (rreg[:-1] != rreg[1:])
+    )
+    starts = np.flatnonzero(brk)
+    if starts.size == sizes.size:
+        return local, rem, sizes, lreg, rreg
+    return local[starts], rem[starts], np.add.reduceat(sizes, starts), lreg[starts], rreg[starts]
 
 
 def _side_regions(side: _Side) -> list[tuple[int, int, str, int]]:

@@ -1,0 +1,263 @@
+"""Bare NIXL vs ``NixlAgent.submit`` vs host memcpy on one KV-cache fragment plan, across two processes.
+
+``run_bench()`` spawns a target process (a ``NixlAgent`` owning the destination
+pool, calling ``progress()`` like an engine loop), runs every mode for
+``iterations`` timed rounds after one warm-up, checks the bytes the target holds
+against an independently computed expectation, and returns a dict of numbers.
+
+The plan: ``layers`` x {K, V} per-layer pools of ``blocks`` blocks, one
+fragment per (block, layer, K|V) of ``tokens * heads * head_dim * 2`` bytes
+(bf16), destination block ids a random permutation of the source's, so no two
+fragments are contiguous on both sides (the scattered case).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import multiprocessing as mp
+import os
+import statistics
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+
+__all__ = ["run_bench", "fragment_plan"]
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder()
+_GB = 1e9
+
+
+def fragment_plan(
+    blocks: int, layers: int, fragment_bytes: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Source offsets, destination offsets and sizes (uint64) of the scattered per-block per-layer K/V plan."""
+    dst_block = np.random.default_rng(seed).permutation(blocks).astype(np.uint64)
+    blk = np.arange(blocks, dtype=np.uint64)
+    lkv = np.arange(layers * 2, dtype=np.uint64)  # (layer, K|V) pools, each [blocks, fragment]
+    pool = np.uint64(blocks * fragment_bytes)
+    src = (lkv[:, None] * pool + blk[None, :] * np.uint64(fragment_bytes)).ravel()
+    dst = (lkv[:, None] * pool + dst_block[None, :] * np.uint64(fragment_bytes)).ravel()
+    return src, dst, np.full(src.size, fragment_bytes, dtype=np.uint64)
+
+
+def _target(conn: Any, nbytes: int, options: dict[str, Any]) -> None:
+    import torch
+
+    from kvcore_nixl.agent import NixlAgent
+
+    agent = NixlAgent("bench-target", options)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    agent.register_memory(dst)
+    conn.send_bytes(_enc.encode({"desc": agent.descriptor(), "base": dst.data_ptr()}))
+    seen: list[bytes] = []
+    while True:
+        if not conn.poll(0.001):
+            seen.extend(n.message for n in agent.get_notifications())
+            continue
+        cmd = _dec.decode(conn.recv_bytes())
+        if cmd["op"] == "exit":
+            agent.close()
+            conn.send_bytes(_enc.encode({}))
+            return
+        if cmd["op"] == "zero":
+            dst.zero_()
+            conn.send_bytes(_enc.encode({}))
+        elif cmd["op"] == "digest":
+            deadline = time.monotonic() + 10.0
+            while cmd["notif"] not in seen and time.monotonic() < deadline:
+                seen.extend(n.message for n in agent.get_notifications())
+            got = cmd["notif"] in seen
+            seen.clear()
+            digest = hashlib.blake2b(dst.numpy().data, digest_size=16).hexdigest()
+            conn.send_bytes(_enc.encode({"digest": digest, "notified": got}))
+
+
+class _Target:
+    def __init__(self, nbytes: int, options: dict[str, Any]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_target, args=(child, nbytes, options), daemon=True)
+        self.proc.start()
+        child.close()
+        hello = self.call(None, timeout=120.0)
+        self.descriptor, self.base = hello["desc"], hello["base"]
+
+    def call(self, op: str | None, timeout: float = 60.0, **kw: Any) -> dict[str, Any]:
+        if op is not None:
+            self.conn.send_bytes(_enc.encode({"op": op, **kw}))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"benchmark target did not answer {op!r} within {timeout}s")
+        return _dec.decode(self.conn.recv_bytes())  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.proc.is_alive():
+                self.call("exit", timeout=10.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+
+def _gbps(nbytes: int, times: list[float]) -> float:
+    return nbytes / statistics.median(times) / _GB
+
+
+def run_bench(
+    *,
+    blocks: int = 128,
+    layers: int = 32,
+    heads: int = 8,
+    head_dim: int = 128,
+    tokens_per_block: int = 32,
+    iterations: int = 5,
+    options: dict[str, Any] | None = None,
+    verify: bool = True,
+    timeout: float = 30.0,
+) -> dict[str, Any]:
+    """Run bare NIXL, ``NixlAgent`` and memcpy on the same plan; return GB/s (median), ratios and checks."""
+    import torch
+
+    from kvcore.agent import TransferOp
+    from kvcore_nixl.agent import DEFAULT_BACKEND_PARAMS, NixlAgent, decode_payload, load_nixl
+
+    options = dict(options or {})
+    frag = tokens_per_block * heads * head_dim * 2
+    nbytes = blocks * layers * 2 * frag
+    src_off, dst_off, sizes = fragment_plan(blocks, layers, frag)
+    src = torch.from_numpy(np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8))
+    expected = np.empty(nbytes, dtype=np.uint8)
+    expected.reshape(-1, frag)[(dst_off // np.uint64(frag)).astype(np.int64)] = src.numpy().reshape(-1, frag)[
+        (src_off // np.uint64(frag)).astype(np.int64)
+    ]
+    expected_digest = hashlib.blake2b(expected.data, digest_size=16).hexdigest()
+    out: dict[str, Any] = {
+        "bytes": nbytes,
+        "fragments": int(sizes.size),
+        "fragment_bytes": frag,
+        "iterations": iterations,
+        "verified": {},
+    }
+    target = _Target(nbytes, options)
+    try:
+        src_addr = src_off + np.uint64(src.data_ptr())
+        dst_addr = dst_off + np.uint64(target.base)
+
+        def check(mode: str, notif: bytes) -> None:
+            if verify:
+                r = target.call("digest", notif=notif)
+                out["verified"][mode] = r["digest"] == expected_digest and r["notified"]
+                target.call("zero")
+
+        # --- bare NIXL: prepped lists of the identical fragments, one handle re-posted ---------
+        api = load_nixl()
+        bare = api.nixl_agent(f"bench-bare-{os.getpid()}", api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        backend = options.get("nixl_backend", "UCX")
+        bare.create_backend(backend, {**DEFAULT_BACKEND_PARAMS.get(backend, {}), **options.get("backend_params", {})})
+        reg = bare.register_memory(np.array([[src.data_ptr(), nbytes, 0]], dtype=np.uint64), "DRAM")
+        md = decode_payload(target.descriptor).metadata  # the target's NIXL metadata, from its kvcore descriptor
+        rname = bare.add_remote_agent(md)
+        rname = rname.decode() if isinstance(rname, bytes) else rname
+
+        def nx3(addrs: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(np.stack([addrs, sizes, np.zeros_like(sizes)], axis=1))
+
+        t0 = time.perf_counter()
+        lh = bare.prep_xfer_dlist("NIXL_INIT_AGENT", nx3(src_addr), "DRAM")
+        rh = bare.prep_xfer_dlist(rname, nx3(dst_addr), "DRAM")
+        idx = np.arange(sizes.size, dtype=np.int32)
+        xh = bare.make_prepped_xfer("WRITE", lh, idx, rh, idx, b"")
+        out["bare_setup_ms"] = (time.perf_counter() - t0) * 1e3
+
+        def bare_once(notif: bytes) -> float:
+            t = time.perf_counter()
+            state = bare.transfer(xh, notif)
+            deadline = t + timeout
+            while state == "PROC":
+                if time.perf_counter() > deadline:
+                    raise TimeoutError("bare NIXL transfer did not finish")
+                state = bare.check_xfer_state(xh)
+            if state != "DONE":
+                raise RuntimeError(f"bare NIXL transfer ended in {state}")
+            return time.perf_counter() - t
+
+        def bare_init_once(notif: bytes) -> float:
+            t = time.perf_counter()
+            h = bare.initialize_xfer(
+                "WRITE", bare.get_xfer_descs(nx3(src_addr), "DRAM"), bare.get_xfer_descs(nx3(dst_addr), "DRAM"), rname
+            )
+            state = bare.transfer(h, notif)
+            deadline = t + timeout
+            while state == "PROC":
+                if time.perf_counter() > deadline:
+                    raise TimeoutError("bare NIXL transfer did not finish")
+                state = bare.check_xfer_state(h)
+            h.release()
+            if state != "DONE":
+                raise RuntimeError(f"bare NIXL transfer ended in {state}")
+            return time.perf_counter() - t
+
+        # --- the kvcore agent ----------------------------------------------------------------
+        agent = NixlAgent("bench-initiator", options)
+        agent.register_memory(src)
+        peer = agent.load_remote_agent(target.descriptor)
+        prepped = NixlAgent("bench-initiator-prepped", {**options, "unit_dlists": True})
+        prepped.register_memory(src)
+        prepped_peer = prepped.load_remote_agent(target.descriptor)
+        submit_ms: list[float] = []
+
+        def agent_once(notif: bytes, ag: NixlAgent = agent, name: str = peer) -> float:
+            t = time.perf_counter()
+            h = ag.submit(TransferOp.WRITE, name, src_addr, dst_addr, sizes, notification=notif)
+            submit_ms.append((time.perf_counter() - t) * 1e3)
+            ag.wait(h, timeout=timeout, interval=0.0)
+            ag.release(h)
+            return time.perf_counter() - t
+
+        def prepped_once(notif: bytes) -> float:
+            return agent_once(notif, prepped, prepped_peer)
+
+        dst_np = np.empty(nbytes, dtype=np.uint8)
+        src_np = src.numpy()
+
+        def memcpy_once(_: bytes) -> float:
+            t = time.perf_counter()
+            np.copyto(dst_np, src_np)
+            return time.perf_counter() - t
+
+        modes = {
+            "bare_nixl": bare_once,
+            "agent": agent_once,
+            "bare_nixl_initialize": bare_init_once,
+            "agent_prepped": prepped_once,
+            "memcpy": memcpy_once,
+        }
+        for mode, fn in modes.items():
+            fn(f"warm-{mode}".encode())  # connection, first-touch, list preparation
+            submit_ms.clear()
+            times = [fn(f"{mode}-{i}".encode()) for i in range(iterations)]
+            out[f"{mode}_gbps"] = _gbps(nbytes, times)
+            out[f"{mode}_best_gbps"] = nbytes / min(times) / _GB
+            if mode.startswith("agent"):
+                out[f"{mode}_submit_ms"] = statistics.median(submit_ms)
+            if mode != "memcpy":
+                check(mode, f"{mode}-{iterations - 1}".encode())
+        out["agent_vs_bare"] = out["agent_gbps"] / out["bare_nixl_gbps"]
+        out["agent_vs_memcpy"] = out["agent_gbps"] / out["memcpy_gbps"]
+        out["bare_vs_memcpy"] = out["bare_nixl_gbps"] / out["memcpy_gbps"]
+        if verify:
+            out["verified"]["memcpy"] = bool(np.array_equal(dst_np, src_np))
+
+        xh.release()
+        lh.release()
+        rh.release()
+        bare.remove_remote_agent(rname)
+        bare.deregister_memory(reg)
+        agent.close()
+        prepped.close()
+    finally:
+        target.close()
+    return out
