@@ -27,7 +27,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -374,6 +374,7 @@ class TransferAgent(ABC):
             regions=[
                 RegionInfo(r.region.address, r.region.length, r.region.kind.value, r.region.device_id)
                 for r in self._registrations.values()
+                if self._exported(r)
             ],
             payload=self._descriptor_payload(),
         )
@@ -659,6 +660,15 @@ class TransferAgent(ABC):
     def _abort(self, handle: TransferHandle) -> None:
         """Stop an in-flight transfer (only for agents with ``can_abort``)."""
         raise UnsupportedOperationError(f"{self.backend} agent cannot abort transfers")
+
+    def _exported(self, registration: Registration) -> bool:
+        """Whether peers may address this registration (it is listed in the descriptor); default: all are.
+
+        A transport that can only reach some of its registrations remotely (the
+        shm agent: only memory inside its shared segments) returns False for the
+        rest, which stay usable as local sources and destinations.
+        """
+        return True
 
     def _close(self) -> None:
         """Release transport-wide resources (workers, threads, segments)."""
