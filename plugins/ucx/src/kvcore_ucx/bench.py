@@ -1,0 +1,257 @@
+"""Two-process bandwidth benchmark of the UCX designs: ``run(...) -> dict``.
+
+Cases (scattered on both sides: source fragments and destination slots are
+random permutations, so nothing merges):
+
+* ``llama8b_512MiB``: a 512 MiB Llama-3-8B-shaped request (4096 tokens, 32
+  layers, K and V, 8 KV heads x 128 x bf16, 32-token blocks) = 8192 x 64 KiB;
+* ``4096x16KiB``: 4096 x 16 KiB = 64 MiB.
+
+Designs: ``B`` (``kvcore_ucx.agent.UcxAgent``, UCX RMA through cffi) and ``A``
+(``kvcore_ucx.ucxx_proto.UcxxProtoAgent``, ucxx tag messages), each against a
+target in a second process (spawned; the control channel is a pipe carrying
+msgpack, never pickle). A host memcpy baseline (numpy, one thread) runs in the
+same call. Every run verifies the target's bytes against an expectation
+computed with numpy from the source. GB/s = 1e9 bytes/s over submit -> DONE,
+where DONE means the target holds the bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+__all__ = ["CASES", "run", "main"]
+
+KiB, MiB = 1024, 1024 * 1024
+#: name -> (fragments, fragment bytes)
+CASES: dict[str, tuple[int, int]] = {
+    "llama8b_512MiB": (8192, 64 * KiB),
+    "4096x16KiB": (4096, 16 * KiB),
+}
+_TIMEOUT_S = 120.0
+
+
+def _agent_class(design: str) -> type:
+    if design == "B":
+        from kvcore_ucx.agent import UcxAgent
+
+        return UcxAgent
+    if design == "A":
+        from kvcore_ucx.ucxx_proto import UcxxProtoAgent
+
+        return UcxxProtoAgent
+    raise ValueError(f"design must be 'A' or 'B', got {design!r}")
+
+
+def _send(conn: Any, obj: Any) -> None:
+    conn.send_bytes(msgspec.msgpack.encode(obj))
+
+
+def _recv(conn: Any, timeout: float = _TIMEOUT_S) -> Any:
+    if not conn.poll(timeout):
+        raise TimeoutError(f"benchmark peer did not answer within {timeout}s")
+    msg = msgspec.msgpack.decode(conn.recv_bytes())
+    if isinstance(msg, dict) and "error" in msg:
+        raise RuntimeError(f"benchmark peer failed: {msg['error']}")
+    return msg
+
+
+def _digest(buf: np.ndarray) -> str:
+    return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
+
+
+def _target_main(conn: Any, design: str, nbytes: int, options: dict[str, Any]) -> None:
+    """Target process: register a zeroed buffer, hand out the descriptor, answer digest/notification queries."""
+    from kvcore.agent import MemoryRegion
+
+    try:
+        agent = _agent_class(design)(f"bench-target-{design}", options)
+        dst = np.zeros(nbytes, dtype=np.uint8)
+        dst[:: 4096] = 0  # touch every page once, so no iteration pays first-touch faults
+        agent.register_memory(MemoryRegion(dst.ctypes.data, nbytes))
+        _send(conn, {"descriptor": agent.descriptor()})
+        notes: list[bytes] = []
+        while True:
+            cmd = _recv(conn, 3600)
+            if cmd["op"] == "quit":
+                break
+            if cmd["op"] == "digest":
+                _send(conn, {"digest": _digest(dst[: cmd["length"]])})
+            elif cmd["op"] == "notifications":
+                deadline = time.monotonic() + 10
+                while len(notes) < cmd["expect"] and time.monotonic() < deadline:
+                    notes.extend(n.message for n in agent.get_notifications())
+                    time.sleep(0.001)
+                _send(conn, {"notifications": notes})
+                notes = []
+        agent.close()
+        _send(conn, {"closed": True})
+    except Exception as exc:  # reported to the parent, which raises
+        _send(conn, {"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _spin_wait(agent: Any, handle: Any, deadline: float) -> None:
+    """Poll without back-off (``TransferAgent.wait`` backs off to 5 ms sleeps, which would blur the numbers)."""
+    from kvcore.agent import TransferStatus
+    from kvcore.errors import TransferTimeoutError
+
+    while agent.poll(handle) is TransferStatus.PENDING:
+        if time.perf_counter() > deadline:
+            raise TransferTimeoutError(f"benchmark transfer {handle.id} still pending at its deadline")
+        time.sleep(0)
+    if handle.error is not None:
+        raise handle.error
+
+
+def _memcpy_baseline(nbytes: int, repeats: int = 3) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _scattered_memcpy(src2d: np.ndarray, src_slot: np.ndarray, dst_slot: np.ndarray, repeats: int = 3) -> float:
+    dst2d = np.zeros_like(src2d)
+    dst2d[dst_slot] = src2d[src_slot]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst2d[dst_slot] = src2d[src_slot]
+        times.append(time.perf_counter() - t0)
+    return src2d.nbytes / statistics.median(times) / 1e9
+
+
+def _run_design(design: str, cases: Sequence[str], iterations: int, options: dict[str, Any], seed: int) -> dict[str, Any]:
+    from kvcore.agent import MemoryRegion, TransferOp
+
+    biggest = max(CASES[c][0] * CASES[c][1] for c in cases)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_target_main, args=(child, design, biggest, options), daemon=True)
+    proc.start()
+    agent = None
+    results: dict[str, Any] = {}
+    try:
+        t0 = time.perf_counter()
+        agent = _agent_class(design)(f"bench-initiator-{design}", options)
+        src = np.random.default_rng(seed).integers(0, 256, biggest, dtype=np.uint8)
+        agent.register_memory(MemoryRegion(src.ctypes.data, biggest))
+        peer = agent.load_remote_agent(_recv(parent)["descriptor"])
+        dst_base = agent.remote(peer).descriptor.regions[0].address
+        results["setup_s"] = round(time.perf_counter() - t0, 3)
+        rng = np.random.default_rng(seed + 1)
+        for case in cases:
+            n, bs = CASES[case]
+            src_slot = rng.permutation(n).astype(np.uint64)
+            dst_slot = rng.permutation(n).astype(np.uint64)
+            local = np.uint64(src.ctypes.data) + src_slot * np.uint64(bs)
+            remote = np.uint64(dst_base) + dst_slot * np.uint64(bs)
+            sizes = np.full(n, bs, dtype=np.uint64)
+            times, submits = [], []
+            for it in range(iterations + 1):  # the first is a warm-up
+                t0 = time.perf_counter()
+                h = agent.submit(TransferOp.WRITE, peer, local, remote, sizes, notification=f"{case}-{it}".encode())
+                t1 = time.perf_counter()
+                _spin_wait(agent, h, t0 + _TIMEOUT_S)
+                t2 = time.perf_counter()
+                agent.release(h)
+                if it:
+                    times.append(t2 - t0)
+                    submits.append(t1 - t0)
+            expected = np.zeros(n * bs, dtype=np.uint8)
+            expected.reshape(n, bs)[dst_slot] = src[: n * bs].reshape(n, bs)[src_slot]
+            _send(parent, {"op": "digest", "length": n * bs})
+            verified = _recv(parent)["digest"] == _digest(expected)
+            _send(parent, {"op": "notifications", "expect": iterations + 1})
+            notes = _recv(parent)["notifications"]
+            nbytes = n * bs
+            results[case] = {
+                "fragments": n,
+                "fragment_bytes": bs,
+                "bytes": nbytes,
+                "gbps_median": round(nbytes / statistics.median(times) / 1e9, 3),
+                "gbps_best": round(nbytes / min(times) / 1e9, 3),
+                "ms_median": round(statistics.median(times) * 1e3, 2),
+                "submit_ms_median": round(statistics.median(submits) * 1e3, 2),
+                "verified": verified,
+                "notifications_ok": notes == [f"{case}-{i}".encode() for i in range(iterations + 1)],
+            }
+        agent.close()
+        agent = None
+        _send(parent, {"op": "quit"})
+        _recv(parent)
+    finally:
+        if agent is not None:
+            agent.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    return results
+
+
+def run(
+    designs: Iterable[str] = ("B", "A"),
+    cases: Iterable[str] = tuple(CASES),
+    iterations: int = 3,
+    options: dict[str, Any] | None = None,
+    seed: int = 1234,
+) -> dict[str, Any]:
+    """Measure each design on the same fragments across two processes, plus a memcpy baseline; returns a dict."""
+    cases = list(cases)
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        raise ValueError(f"unknown benchmark case(s) {sorted(unknown)}; known: {sorted(CASES)}")
+    out: dict[str, Any] = {
+        "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "iterations": iterations,
+        "memcpy": {},
+    }
+    rng = np.random.default_rng(seed)
+    for case in cases:
+        n, bs = CASES[case]
+        src2d = rng.integers(0, 256, (n, bs), dtype=np.uint8)
+        out["memcpy"][case] = {
+            "contiguous_gbps": round(_memcpy_baseline(n * bs), 3),
+            "scattered_gbps": round(_scattered_memcpy(src2d, rng.permutation(n), rng.permutation(n)), 3),
+        }
+        del src2d
+    for design in designs:
+        try:
+            out[design] = _run_design(design, cases, iterations, dict(options or {}), seed)
+        except ImportError as exc:
+            out[design] = {"skipped": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvcore_ucx.bench [--designs B,A] [--cases ...] [--iterations N]``: print the result as JSON."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--designs", default="B,A")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--iterations", type=int, default=3)
+    args = p.parse_args(argv)
+    result = run(args.designs.split(","), args.cases.split(","), args.iterations)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
