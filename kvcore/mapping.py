@@ -1,0 +1,482 @@
+"""From two ranks' page tables and aligned block lists to a fragment plan (src ptr, dst ptr, size arrays).
+
+Mapper-kind selection (both peers declare the same kind, independently of the peer):
+
+* Every view declares ``mapper``: the kind able to re-shard its layout
+  (``head_mismatch_head_major`` for head-major KV, ``head_mismatch_token_major``
+  for token-major KV, ``replicated`` for MLA / index keys, ``mamba_conv``,
+  ``mamba_ssm``), or ``matching_heads`` for views that may never be re-sharded.
+  The builders choose it from the layout alone, so both peers agree whatever
+  their TP sizes. Different declared kinds raise ``PoolMismatchError``.
+* When the two views' per-buffer layouts are identical except for this rank's
+  shard/replica indices (``ViewLayout.shape_key()`` and ``buffer_bytes``
+  equal: a homogeneous deployment), the core's ``matching_heads`` mapper is
+  used whatever was declared. Otherwise the declared kind is looked up in the
+  layout-mapper registry; if no installed plugin provides it, a ``MappingError``
+  names the kind and the distribution to install (``kvcore-mixers``).
+
+Owner election (:func:`kvcore.peer.owns`) is applied per view pair before any
+mapper runs, so mappers only compute *where* bytes go, never *whether*.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import msgspec
+import numpy as np
+
+from kvcore.errors import (
+    IncompatiblePeerError,
+    LayoutError,
+    MappingError,
+    PoolMismatchError,
+    TopologyError,
+    UnknownBackendError,
+)
+from kvcore.page import REPLICATED, SECTIONED, PageTable, PoolView, ViewLayout
+from kvcore.peer import owns, peer_ranks
+from kvcore.topology import AttentionGeometry, MambaGeometry, Topology, require_no_cp
+
+if TYPE_CHECKING:
+    from kvcore.registry import LayoutMapperRegistry
+
+__all__ = [
+    "MATCHING_HEADS",
+    "FragmentPlan",
+    "LayoutMapper",
+    "MatchingHeadsMapper",
+    "RankLayout",
+    "ViewPair",
+    "align_blocks",
+    "plan_transfer",
+    "select_mapper_kind",
+    "shard_split",
+    "validate_compatible",
+]
+
+MATCHING_HEADS = "matching_heads"
+_U64 = np.uint64
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FragmentPlan:
+    """Parallel uint64 arrays: fragment ``i`` copies ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]``."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    sizes: np.ndarray
+
+    def __post_init__(self) -> None:
+        for name in ("src", "dst", "sizes"):
+            arr = np.ascontiguousarray(getattr(self, name), dtype=_U64).reshape(-1)
+            object.__setattr__(self, name, arr)
+        if not (len(self.src) == len(self.dst) == len(self.sizes)):
+            raise MappingError(
+                f"fragment plan: expected equal lengths, got src {len(self.src)}, dst {len(self.dst)}, "
+                f"sizes {len(self.sizes)}"
+            )
+
+    @classmethod
+    def empty(cls) -> FragmentPlan:
+        z = np.zeros(0, dtype=_U64)
+        return cls(z, z, z)
+
+    @classmethod
+    def concat(cls, plans: Iterable[FragmentPlan]) -> FragmentPlan:
+        plans = [p for p in plans if p.count]
+        if not plans:
+            return cls.empty()
+        if len(plans) == 1:
+            return plans[0]
+        return cls(
+            np.concatenate([p.src for p in plans]),
+            np.concatenate([p.dst for p in plans]),
+            np.concatenate([p.sizes for p in plans]),
+        )
+
+    @property
+    def count(self) -> int:
+        return len(self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sizes.sum(dtype=_U64))
+
+    def merge_contiguous(self) -> FragmentPlan:
+        """Merge neighbours contiguous on both sides (``src[i] == src[i-1]+size[i-1]``, same for dst); order kept."""
+        n = self.count
+        if n < 2:
+            return self
+        end_s = self.src[:-1] + self.sizes[:-1]
+        end_d = self.dst[:-1] + self.sizes[:-1]
+        starts = np.empty(n, dtype=bool)
+        starts[0] = True
+        np.logical_or(self.src[1:] != end_s, self.dst[1:] != end_d, out=starts[1:])
+        idx = np.flatnonzero(starts)
+        if len(idx) == n:
+            return self
+        return FragmentPlan(self.src[idx], self.dst[idx], np.add.reduceat(self.sizes, idx))
+
+    def __repr__(self) -> str:
+        return f"FragmentPlan(count={self.count}, nbytes={self.nbytes})"
+
+
+def shard_split(src: ViewLayout, dst: ViewLayout, src_bytes: int, dst_bytes: int) -> tuple[int, int, int]:
+    """``(src_offset, dst_offset, size)`` of the bytes two paired shards share, for one sharded run.
+
+    ``src_bytes``/``dst_bytes`` are the run's per-rank sizes (a buffer, a row or a
+    section). Equal shard counts copy the whole run; a coarser source copies the
+    destination's share from offset ``(dst_shard % k)*dst_bytes``; a finer source
+    lands at ``(src_shard % k)*src_bytes``. GQA duplication is handled because
+    shard indices (not TP ranks) are used (peers.md B6.3).
+    """
+    ns, nd = src.num_shards, dst.num_shards
+    if ns == nd:
+        if src_bytes != dst_bytes:
+            raise MappingError(
+                f"shard bytes: expected equal sizes with equal shard counts, got {src_bytes} and {dst_bytes}"
+            )
+        return 0, 0, src_bytes
+    if ns < nd:
+        k = nd // ns
+        if nd % ns or src_bytes != k * dst_bytes:
+            raise MappingError(f"shard bytes: expected src {src_bytes} == {k} x dst {dst_bytes} ({ns} vs {nd} shards)")
+        return (dst.shard_index % k) * dst_bytes, 0, dst_bytes
+    k = ns // nd
+    if ns % nd or dst_bytes != k * src_bytes:
+        raise MappingError(f"shard bytes: expected dst {dst_bytes} == {k} x src {src_bytes} ({ns} vs {nd} shards)")
+    return 0, (src.shard_index % k) * src_bytes, src_bytes
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ViewPair:
+    """One matched view pair with the buffer addresses to copy between.
+
+    ``src_addrs``/``dst_addrs`` have shape ``(entries, blocks)``: the start of
+    matched buffer ``e`` (layer-major, K then V) in aligned block/slot ``b``.
+    ``block_major`` asks the mapper to order fragments block-first (better
+    merging when all buffers of a slot are adjacent), else entry-first.
+    """
+
+    src: PoolView
+    dst: PoolView
+    src_addrs: np.ndarray
+    dst_addrs: np.ndarray
+    block_major: bool = True
+
+
+class LayoutMapper(ABC):
+    """Turns one matched view pair into fragments; plugins subclass it and register ``kind``."""
+
+    kind: ClassVar[str]
+
+    @abstractmethod
+    def buffer_fragments(self, src: PoolView, dst: PoolView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(src_offsets, dst_offsets, sizes)`` of the fragments inside one buffer pair; raise ``MappingError`` if unmappable.
+
+        Called once per view pair (not per block): the result is broadcast over
+        every matched buffer and block. Read only ``view.layout`` and
+        ``view.buffer_bytes``.
+        """
+
+    def map(self, pair: ViewPair) -> FragmentPlan:
+        """The fragments of ``pair``: ``outer(buffer addresses, in-buffer offsets)``, no Python loop per fragment."""
+        so, do, sz = (np.asarray(a, dtype=_U64).reshape(-1) for a in self.buffer_fragments(pair.src, pair.dst))
+        sa, da = pair.src_addrs, pair.dst_addrs
+        if pair.block_major:
+            sa, da = sa.T, da.T
+        src = (sa[..., None] + so).reshape(-1)
+        dst = (da[..., None] + do).reshape(-1)
+        sizes = np.broadcast_to(sz, sa.shape + sz.shape).reshape(-1)
+        return FragmentPlan(src, dst, sizes)
+
+
+class MatchingHeadsMapper(LayoutMapper):
+    """Identical per-buffer layout on both sides: copy each buffer whole; contiguous layers/blocks merge."""
+
+    kind = MATCHING_HEADS
+
+    def buffer_fragments(self, src: PoolView, dst: PoolView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if src.layout.shape_key() != dst.layout.shape_key() or src.buffer_bytes != dst.buffer_bytes:
+            raise MappingError(
+                f"view {src.role!r}: matching_heads expected identical layouts, got "
+                f"{src.layout.shape_key()} / {src.buffer_bytes} B and {dst.layout.shape_key()} / {dst.buffer_bytes} B"
+            )
+        return np.zeros(1, _U64), np.zeros(1, _U64), np.array([src.buffer_bytes], _U64)
+
+
+class RankLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a peer needs to plan transfers with a rank: topology, geometry, page table."""
+
+    topology: Topology
+    geometry: AttentionGeometry
+    page_table: PageTable
+    mamba: MambaGeometry | None = None
+
+
+# --- compatibility ---------------------------------------------------------------------------
+
+
+def _view_index(table: PageTable) -> dict[tuple[int, str], tuple[int, int]]:
+    """(global layer, role) -> (view index, layer position in that view)."""
+    out: dict[tuple[int, str], tuple[int, int]] = {}
+    for vi, view in enumerate(table.views):
+        for pos, layer in enumerate(view.layers):
+            out[(layer, view.role)] = (vi, pos)
+    return out
+
+
+def _view_diffs(role: str, cv: PoolView, gv: PoolView) -> list[str]:
+    diffs: list[str] = []
+    pre = f"view {role!r}"
+
+    def cmp(field: str, c: object, g: object) -> None:
+        if c != g:
+            diffs.append(f"{pre} {field}: context {c!r}, generation {g!r}")
+
+    cmp("mapper kind", cv.mapper, gv.mapper)
+    cmp("state vs token view (tokens_per_slot)", cv.tokens_per_slot, gv.tokens_per_slot)
+    cmp("buffers_per_layer", cv.buffers_per_layer, gv.buffers_per_layer)
+    cmp("window", cv.window, gv.window)
+    cl, gl = cv.layout, gv.layout
+    cmp("layout kind", cl.kind, gl.kind)
+    if cl.kind != gl.kind:
+        return diffs
+    cmp("unit_bytes", cl.unit_bytes, gl.unit_bytes)
+    cmp("rows", cl.rows, gl.rows)
+    ns, nd = cl.num_shards, gl.num_shards
+    if max(ns, nd) % min(ns, nd):
+        diffs.append(f"{pre} num_shards: expected one to divide the other, got context {ns}, generation {nd}")
+    elif cl.kind == SECTIONED:
+        if len(cl.section_bytes) != len(gl.section_bytes):
+            cmp("section count", len(cl.section_bytes), len(gl.section_bytes))
+        else:
+            cmp("total section bytes", [s * ns for s in cl.section_bytes], [s * nd for s in gl.section_bytes])
+    else:
+        cmp("buffer bytes x num_shards", cv.buffer_bytes * ns, gv.buffer_bytes * nd)
+    if cl.kind == REPLICATED and cv.is_state and cl.num_replicas != gl.num_replicas:
+        diffs.append(
+            f"{pre}: replicated state cannot move between different TP groups "
+            f"(context group {cl.num_replicas}, generation group {gl.num_replicas})"
+        )
+    return diffs
+
+
+def validate_compatible(ctx: RankLayout, gen: RankLayout) -> None:
+    """Raise ``IncompatiblePeerError`` listing every field that prevents ``ctx`` -> ``gen`` transfers; else None."""
+    diffs: list[str] = []
+    cg, gg = ctx.geometry, gen.geometry
+    for field in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "dtype", "kv_factor", "layout"):
+        c, g = getattr(cg, field), getattr(gg, field)
+        if c != g:
+            diffs.append(f"{field}: context {c!r}, generation {g!r}")
+    if ctx.mamba != gen.mamba:
+        diffs.append(f"mamba geometry: context {ctx.mamba!r}, generation {gen.mamba!r}")
+    for side, lay in (("context", ctx), ("generation", gen)):
+        if lay.topology.cp_size != 1:
+            diffs.append(
+                f"{side} cp_size: expected 1 (context parallelism is not supported), got {lay.topology.cp_size}"
+            )
+        if lay.topology.num_layers != lay.geometry.num_layers:
+            diffs.append(
+                f"{side} layers_per_pp: expected a sum of num_layers {lay.geometry.num_layers}, "
+                f"got {list(lay.topology.layers_per_pp)}"
+            )
+    a, b = ctx.topology.tp_per_dp, gen.topology.tp_per_dp
+    if max(a, b) % min(a, b):
+        diffs.append(f"TP per DP group: expected one to divide the other, got context {a}, generation {b}")
+    cidx, gidx = _view_index(ctx.page_table), _view_index(gen.page_table)
+    common = ctx.page_table.layers() & gen.page_table.layers()
+    only_c = sorted(k for k in cidx if k[0] in common and k not in gidx)
+    only_g = sorted(k for k in gidx if k[0] in common and k not in cidx)
+    if only_c or only_g:
+        diffs.append(f"pool roles on shared layers: only context has {only_c[:8]}, only generation has {only_g[:8]}")
+    seen: set[tuple[int, int]] = set()
+    for key, (cvi, _) in cidx.items():
+        if key in gidx and key[0] in common:
+            gvi = gidx[key][0]
+            if (cvi, gvi) not in seen:
+                seen.add((cvi, gvi))
+                diffs.extend(_view_diffs(key[1], ctx.page_table.views[cvi], gen.page_table.views[gvi]))
+    if diffs:
+        raise IncompatiblePeerError("incompatible peer:\n  " + "\n  ".join(diffs))
+
+
+# --- blocks ----------------------------------------------------------------------------------
+
+
+def align_blocks(
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+    tokens_per_block: int,
+    *,
+    prompt_len: int | None = None,
+    window: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Aligned ``(src, dst)`` block ids to copy; both lists are suffixes of the request's ``T`` blocks.
+
+    ``T = ceil(prompt_len/tokens_per_block)`` (or ``len(src_ids)`` without
+    ``prompt_len``). The receiver's list may be shorter (it holds a cached
+    prefix): only the common suffix moves. With a sliding ``window``, blocks
+    before ``(prompt_len+1-window)//tokens_per_block`` are stale and skipped
+    (peers.md B5).
+    """
+    ns, nd = len(src_ids), len(dst_ids)
+    if prompt_len is None:
+        if window is not None:
+            raise MappingError("prompt_len: expected a value when a sliding window applies, got None")
+        total = ns
+    else:
+        if prompt_len < 0:
+            raise MappingError(f"prompt_len: expected >= 0, got {prompt_len}")
+        total = -(-prompt_len // tokens_per_block)
+    if ns > total or nd > total:
+        raise MappingError(
+            f"block ids: expected at most {total} blocks (ceil(prompt_len/tokens_per_block)), "
+            f"got {ns} (source) and {nd} (destination)"
+        )
+    first = max(total - ns, total - nd)
+    if window is not None:
+        first = max(first, max(0, (prompt_len + 1 - window) // tokens_per_block))  # type: ignore[operator]
+    return src_ids[first - (total - ns) :], dst_ids[first - (total - nd) :]
+
+
+# --- planning --------------------------------------------------------------------------------
+
+
+def select_mapper_kind(src: PoolView, dst: PoolView) -> str:
+    """``matching_heads`` for identical per-buffer layouts, else the kind both views declare."""
+    if src.mapper != dst.mapper:
+        raise PoolMismatchError(
+            f"view {src.role!r}: mapper kind differs: source {src.mapper!r}, destination {dst.mapper!r}"
+        )
+    if src.layout.shape_key() == dst.layout.shape_key() and src.buffer_bytes == dst.buffer_bytes:
+        return MATCHING_HEADS
+    return src.mapper
+
+
+_INSTANCES: dict[type, LayoutMapper] = {}
+
+
+def _mapper(kind: str, mappers: LayoutMapperRegistry, role: str) -> LayoutMapper:
+    try:
+        cls = mappers.get(kind)
+    except UnknownBackendError as exc:
+        raise MappingError(f"view {role!r} needs layout mapper {kind!r}, which is not installed:\n{exc}") from exc
+    inst = _INSTANCES.get(cls)
+    if inst is None:
+        inst = _INSTANCES.setdefault(cls, cls())
+    return inst
+
+
+def _as_ids(ids: Sequence[int] | np.ndarray | None, what: str) -> np.ndarray:
+    if ids is None:
+        return np.zeros(0, dtype=np.int64)
+    arr = np.asarray(ids)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise LayoutError(f"{what}: expected integer block ids, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False).reshape(-1)
+
+
+def plan_transfer(
+    src: RankLayout,
+    dst: RankLayout,
+    src_block_ids: Sequence[int] | np.ndarray,
+    dst_block_ids: Sequence[int] | np.ndarray,
+    *,
+    mappers: LayoutMapperRegistry | None = None,
+    src_state_slot: int | None = None,
+    dst_state_slot: int | None = None,
+    sliding_window: int | None = None,
+    prompt_len: int | None = None,
+    layer_range: tuple[int, int] | None = None,
+) -> FragmentPlan:
+    """The fragments source rank ``src`` writes into destination rank ``dst`` for one request (merged).
+
+    Block lists are the resident suffixes of the request's blocks on each side
+    (see :func:`align_blocks`); state views (Mamba) use the state slots. Views
+    are matched by ``(global layer, role)``; roles or mapper kinds that differ
+    raise ``PoolMismatchError``. Only bytes ``src`` owns for ``dst`` are planned
+    (:func:`kvcore.peer.owns`); the result may be empty. ``layer_range``
+    restricts to global layers ``[start, stop)`` (layer-wise slices).
+    """
+    require_no_cp(src.topology, dst.topology, what="plan_transfer")
+    contacted = peer_ranks(dst.topology, src.topology, src.topology.dp_rank)
+    if src.topology.rank not in contacted:
+        raise TopologyError(
+            f"source rank {src.topology.rank} is not a peer of destination rank {dst.topology.rank} "
+            f"(destination contacts {contacted})"
+        )
+    if mappers is None:
+        from kvcore.plugins import get_plugin_manager
+
+        mappers = get_plugin_manager().layout_mappers
+    s_ids, d_ids = _as_ids(src_block_ids, "src_block_ids"), _as_ids(dst_block_ids, "dst_block_ids")
+    st, dt = src.page_table, dst.page_table
+    sidx, didx = _view_index(st), _view_index(dt)
+    common = st.layers() & dt.layers()
+    if layer_range is not None:
+        common = {layer for layer in common if layer_range[0] <= layer < layer_range[1]}
+    missing = sorted(
+        [("source", k) for k in sidx if k[0] in common and k not in didx]
+        + [("destination", k) for k in didx if k[0] in common and k not in sidx]
+    )
+    if missing:
+        shown = ", ".join(f"layer {k[0]} role {k[1]!r} only on {side}" for side, k in missing[:8])
+        raise PoolMismatchError(f"pool roles differ on shared layers: {shown}")
+    # (src view, dst view) -> [(src pos, dst pos)] in source physical order
+    pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for key, (svi, spos) in sidx.items():
+        if key[0] in common:
+            dvi, dpos = didx[key]
+            pairs.setdefault((svi, dvi), []).append((spos, dpos))
+    dst_dp = dst.topology.dp_rank
+    plans: list[FragmentPlan] = []
+    for (svi, dvi), positions in pairs.items():
+        sv, dv = st.views[svi], dt.views[dvi]
+        kind = select_mapper_kind(sv, dv)
+        if sv.buffers_per_layer != dv.buffers_per_layer or sv.is_state != dv.is_state:
+            raise PoolMismatchError(
+                f"view {sv.role!r}: buffers_per_layer/tokens_per_slot differ: source "
+                f"{sv.buffers_per_layer}/{sv.tokens_per_slot}, destination {dv.buffers_per_layer}/{dv.tokens_per_slot}"
+            )
+        if not owns(sv.layout, dv.layout, dst_dp):
+            continue
+        if sv.is_state:
+            if src_state_slot is None or dst_state_slot is None:
+                raise MappingError(
+                    f"view {sv.role!r} holds per-request state: src_state_slot and dst_state_slot needed"
+                )
+            sb, db = np.array([src_state_slot], np.int64), np.array([dst_state_slot], np.int64)
+        else:
+            if sv.tokens_per_slot != dv.tokens_per_slot:
+                raise PoolMismatchError(
+                    f"view {sv.role!r} tokens_per_slot: source {sv.tokens_per_slot}, destination {dv.tokens_per_slot}"
+                )
+            window = sv.window if sv.window is not None else sliding_window
+            sb, db = align_blocks(s_ids, d_ids, sv.tokens_per_slot, prompt_len=prompt_len, window=window)  # type: ignore[arg-type]
+            if not len(sb):
+                continue
+        positions.sort()
+        bf = sv.buffers_per_layer
+        pos = np.asarray(positions, dtype=np.int64)
+        sub = np.arange(bf, dtype=np.int64)
+        s_entries = (pos[:, 0:1] * bf + sub).reshape(-1)
+        d_entries = (pos[:, 1:2] * bf + sub).reshape(-1)
+        block_major = len(set(sv.pools)) == 1 and len(set(dv.pools)) == 1
+        pair = ViewPair(
+            sv,
+            dv,
+            st.entry_addresses(svi, s_entries, sb),
+            dt.entry_addresses(dvi, d_entries, db),
+            block_major=block_major,
+        )
+        plans.append(_mapper(kind, mappers, sv.role).map(pair))
+    return FragmentPlan.concat(plans).merge_contiguous()
