@@ -303,13 +303,18 @@ class NixlAgent(TransferAgent):
         self._api = api
         self._nixl_name = f"{name}{_NAME_SEP}{process_incarnation()[:12]}.{next(_agent_seq)}"
         self._nixl = self._create_nixl_agent(api)
+        plugins = list(self._nixl.get_plugin_list())
+        if self._nixl_backend not in plugins:
+            raise ConfigError(
+                f"nixl agent option nixl_backend: {self._nixl_backend!r} is not an installed NIXL plugin; "
+                f"available: {', '.join(plugins)}"
+            )
         try:
             self._nixl.create_backend(self._nixl_backend, self._backend_params)
         except Exception as exc:
-            plugins = ", ".join(self._nixl.get_plugin_list())
             raise TransferFailedError(
                 f"nixl agent {name!r} could not create NIXL backend {self._nixl_backend!r} with params "
-                f"{self._backend_params}: {type(exc).__name__}: {exc} (available NIXL plugins: {plugins})"
+                f"{self._backend_params}: {type(exc).__name__}: {exc}"
             ) from exc
         self._mem_types = set(self._nixl.get_backend_mem_types(self._nixl_backend))
         self._local: _Side | None = None
@@ -363,10 +368,9 @@ class NixlAgent(TransferAgent):
         try:
             return self._nixl.register_memory(descs, region.kind.value)
         except Exception as exc:
-            raise map_nixl_error(
-                exc,
-                f"NIXL could not register {region.length} bytes of {region.kind.value} at {region.address:#x}",
-                not_found=RegistrationError,
+            raise RegistrationError(
+                f"NIXL backend {self._nixl_backend!r} could not register {region.length} bytes of "
+                f"{region.kind.value} (device {region.device_id}) at {region.address:#x}: {type(exc).__name__}: {exc}"
             ) from exc
 
     def _deregister(self, registration: Registration) -> None:
