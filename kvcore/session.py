@@ -102,6 +102,7 @@ class RxSession(Session):
     block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     state_slot: int = -1
     prompt_len: int = -1
+    ctx_dp_rank: int = 0
     writers: dict[int, WriterState] = field(default_factory=dict)  # ctx rank -> state
     nbytes: int = 0
 

@@ -166,7 +166,7 @@ class Transceiver:
         self._quarantined: set[int] = set()
         # Memory.
         self._registrations = [
-            agent.register_memory(MemoryRegion(addr, length)) for addr, length in page_table.memory_regions()
+            agent.register_memory(MemoryRegion(addr, length)) for addr, length in page_table.regions()
         ]
         self.messenger = Messenger(
             self._on_message,
@@ -247,11 +247,13 @@ class Transceiver:
         *,
         prompt_len: int = -1,
         state_slot: int = -1,
+        ctx_dp_rank: int = 0,
     ) -> None:
         """Generation side: fetch request ``request_id`` from the context instance at ``ctx_endpoint``.
 
         ``block_ids`` are this rank's destination blocks in token order; when the
         generation side already holds a cached prefix, pass only the suffix blocks.
+        ``ctx_dp_rank`` names the context attention-DP group that ran the prefill.
         """
         self._require("generation")
         rid = self._check_rid(request_id)
@@ -270,6 +272,7 @@ class Transceiver:
                 block_ids=blocks,
                 state_slot=state_slot,
                 prompt_len=prompt_len,
+                ctx_dp_rank=ctx_dp_rank,
             )
             self._rx[rid] = s
             inst = self._ctx_instances.get(ctx_endpoint)
@@ -505,8 +508,11 @@ class Transceiver:
                 if not msg.ranks:
                     raise E.ProtocolError(f"context instance at {source.endpoint} sent no rank information")
                 ranks = sorted(msg.ranks, key=lambda r: r.rank)
+                if [r.rank for r in ranks] != list(range(ranks[0].topology.world_size)):
+                    raise E.ProtocolError(f"context instance at {source.endpoint} sent an incomplete rank list")
+                # Every rank this rank could exchange with, over all context DP groups.
                 ctx_topo = ranks[0].topology
-                inst.peers = peer_ranks(self.topology, ctx_topo)
+                inst.peers = sorted({p for d in range(ctx_topo.dp_size) for p in peer_ranks(self.topology, ctx_topo, d)})
                 for r in inst.peers:
                     validate_compatible(ranks[r].layout, self.layout)
                     if ranks[r].backend != self.agent.backend:
@@ -600,7 +606,7 @@ class Transceiver:
             deadline=time.monotonic() + min(msg.timeout_ms / 1000.0, self.config.request_timeout_s),
         )
         if s.expected_receivers is None:
-            s.expected_receivers = len(peer_ranks(self.topology, peer.info.topology))
+            s.expected_receivers = len(peer_ranks(self.topology, peer.info.topology, peer.info.topology.dp_rank))
 
     def _on_transfer_result(self, source: Source, msg: wire.TransferResult) -> None:
         with self._lock:
@@ -788,7 +794,12 @@ class Transceiver:
     def _request_data(self, s: RxSession, inst: _CtxInstance) -> None:
         """Ask every overlapping context rank for this request (caller holds the lock)."""
         remaining_ms = max(1, int((s.deadline - time.monotonic()) * 1000))
-        for r in inst.peers:
+        try:
+            writers = peer_ranks(self.topology, inst.ranks[0].topology, s.ctx_dp_rank)
+        except E.KvcoreError as exc:
+            s.transition(SessionState.FAILED, exc)
+            return
+        for r in writers:
             s.writers[r] = WriterState.ASKED
             self.messenger.send(inst.ranks[r].endpoint, wire.RequestData(
                 v=wire.PROTOCOL_VERSION,
