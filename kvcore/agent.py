@@ -345,9 +345,11 @@ class TransferAgent(ABC):
             raise RegistrationError(f"registration {registration.id} is not registered with agent {self.name!r}")
         try:
             self._deregister(reg)
-        finally:
-            reg.keepalive = None
-            self._registrations_changed()
+        except BaseException:
+            self._registrations[reg.id] = reg  # the transport refused: the memory stays registered and alive
+            raise
+        reg.keepalive = None
+        self._registrations_changed()
 
     @property
     def registrations(self) -> tuple[Registration, ...]:

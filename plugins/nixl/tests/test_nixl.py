@@ -321,6 +321,9 @@ def test_stopped_peer_times_out_and_cannot_be_aborted(monkeypatch: pytest.Monkey
                     a.wait(h, timeout=1.0)
                 with pytest.raises(TransferError, match="cannot abort"):
                     a.release(h)
+                with pytest.raises(RegistrationError, match="in flight"):
+                    a.deregister_memory(a.registrations[0])
+                assert a.resources()["registrations"] == 1  # refused: still registered, source kept alive
             finally:
                 os.kill(p.pid, signal.SIGCONT)
             a.wait(h, timeout=10.0)
