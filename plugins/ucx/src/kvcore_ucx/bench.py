@@ -76,7 +76,7 @@ def _target_main(conn: Any, design: str, nbytes: int, options: dict[str, Any]) -
     try:
         agent = _agent_class(design)(f"bench-target-{design}", options)
         dst = np.zeros(nbytes, dtype=np.uint8)
-        dst[:: 4096] = 0  # touch every page once, so no iteration pays first-touch faults
+        dst[::4096] = 0  # touch every page once, so no iteration pays first-touch faults
         agent.register_memory(MemoryRegion(dst.ctypes.data, nbytes))
         _send(conn, {"descriptor": agent.descriptor()})
         notes: list[bytes] = []
@@ -135,7 +135,9 @@ def _scattered_memcpy(src2d: np.ndarray, src_slot: np.ndarray, dst_slot: np.ndar
     return src2d.nbytes / statistics.median(times) / 1e9
 
 
-def _run_design(design: str, cases: Sequence[str], iterations: int, options: dict[str, Any], seed: int) -> dict[str, Any]:
+def _run_design(
+    design: str, cases: Sequence[str], iterations: int, options: dict[str, Any], seed: int
+) -> dict[str, Any]:
     from kvcore.agent import MemoryRegion, TransferOp
 
     biggest = max(CASES[c][0] * CASES[c][1] for c in cases)

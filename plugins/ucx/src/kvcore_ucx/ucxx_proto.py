@@ -220,7 +220,12 @@ class UcxxProtoAgent(TransferAgent):
         pass  # endpoints are cached per worker address and closed with the agent
 
     def _submit(
-        self, handle: TransferHandle, remote: RemoteAgent, local: np.ndarray, remote_addrs: np.ndarray, sizes: np.ndarray
+        self,
+        handle: TransferHandle,
+        remote: RemoteAgent,
+        local: np.ndarray,
+        remote_addrs: np.ndarray,
+        sizes: np.ndarray,
     ) -> Any:
         x = self._x
         from kvcore_ucx.agent import merge_runs

@@ -1,0 +1,302 @@
+"""UCX-specific tests: binding layouts, run merging, dead peers, thread shutdown, endpoint reuse, the benchmark."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from kvcore_ucx import _ucp
+from kvcore_ucx.agent import UcxAgent, merge_runs
+
+from kvcore.agent import MemoryRegion, TransferOp
+from kvcore.errors import PeerLostError, RemoteAgentError, RemoteRangeError
+from kvcore.testing.harness import PeerProcess, pattern
+
+MiB = 1024 * 1024
+
+
+def _progress_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvcore-ucx-progress-")]
+
+
+def _source(agent: UcxAgent, data: np.ndarray) -> tuple[np.ndarray, int]:
+    buf = data.copy()
+    agent.register_memory(MemoryRegion(buf.ctypes.data, buf.nbytes))
+    return buf, buf.ctypes.data
+
+
+# --- pure parts --------------------------------------------------------------------------------
+
+
+def test_merge_runs_merges_only_runs_contiguous_on_both_sides() -> None:
+    local = np.array([100, 110, 120, 200, 300, 310], dtype=np.uint64)
+    remote = np.array([1000, 1010, 1020, 5000, 7000, 9000], dtype=np.uint64)
+    sizes = np.full(6, 10, dtype=np.uint64)
+    key = np.array([0, 0, 1, 1, 1, 1])
+    lo, re, sz, (k,) = merge_runs(local, remote, sizes, key)
+    # 0+1 merge; 2 is contiguous but under another key; 3 is a jump; 4,5 contiguous locally only.
+    assert lo.tolist() == [100, 120, 200, 300, 310]
+    assert re.tolist() == [1000, 1020, 5000, 7000, 9000]
+    assert sz.tolist() == [20, 10, 10, 10, 10]
+    assert k.tolist() == [0, 1, 1, 1, 1]
+    lo, re, sz, _ = merge_runs(
+        np.arange(4, dtype=np.uint64) * 8 + 64, np.arange(4, dtype=np.uint64) * 8, np.full(4, 8, np.uint64)
+    )
+    assert (lo.tolist(), re.tolist(), sz.tolist()) == ([64], [0], [32])
+
+
+def test_binding_struct_layouts_match_the_c_compiler(ucp: Any, tmp_path: Path) -> None:
+    """Every sizeof/offsetof in the ABI-mode cdef equals what gcc computes from the wheel's ucp.h."""
+    import cffi
+
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    include = Path(ucp.libdir).parent / "include"
+    if gcc is None or not (include / "ucp" / "api" / "ucp.h").exists():
+        pytest.skip("needs a C compiler and the UCX headers (libucx wheel's include/)")
+    ffi = cffi.FFI()
+    ffi.cdef(_ucp.CDEF)
+    lines = ["#include <stdio.h>", "#include <stddef.h>", "#include <ucp/api/ucp.h>", "int main(void) {"]
+    expected = []
+    for s in _ucp.STRUCTS:
+        lines.append(f'printf("{s} %zu\\n", sizeof({s}));')
+        expected.append(f"{s} {ffi.sizeof(s)}")
+        for f, _ in ffi.typeof(s).fields:
+            lines.append(f'printf("{s}.{f} %zu\\n", offsetof({s}, {f}));')
+            expected.append(f"{s}.{f} {ffi.offsetof(s, f)}")
+    lines.append('printf("ucs_status_t %zu\\n", sizeof(ucs_status_t)); return 0; }')
+    expected.append(f"ucs_status_t {ffi.sizeof('ucs_status_t')}")
+    (tmp_path / "layout.c").write_text("\n".join(lines))
+    subprocess.run([gcc, "-I", str(include), "layout.c", "-o", "layout"], cwd=tmp_path, check=True, timeout=60)
+    actual = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, timeout=10, check=True)
+    assert actual.stdout.splitlines() == expected
+
+
+def test_status_pointer_decoding() -> None:
+    assert _ucp.ptr_status(0) == _ucp.UCS_OK
+    assert _ucp.ptr_status(0x7F00_1234_5678) == _ucp.UCS_INPROGRESS
+    assert _ucp.ptr_status((1 << 64) - 3) == -3  # UCS_ERR_IO_ERROR
+    assert _ucp.ptr_status((1 << 64) - 100) == -100
+
+
+# --- one agent ---------------------------------------------------------------------------------
+
+
+def test_options_are_checked(ucp: Any) -> None:
+    from kvcore.errors import TransferError
+
+    with pytest.raises(TransferError, match="error_handling"):
+        UcxAgent("x", {"error_handling": "sometimes"})
+    with pytest.raises(TransferError, match="unknown ucx agent option"):
+        UcxAgent("x", {"progress_threads": 2})
+    assert not _progress_threads()
+
+
+def test_close_joins_the_progress_thread_within_its_bound(ucp: Any) -> None:
+    before = len(_progress_threads())
+    agents = [UcxAgent(f"t{i}", {"progress_interval_s": 0.2, "close_timeout_s": 2.0}) for i in range(3)]
+    assert len(_progress_threads()) == before + 3
+    for a in agents:
+        assert a.resources()["progress_threads"] == 1
+        t0 = time.monotonic()
+        a.close()
+        # ucp_worker_signal wakes the thread at once; without it the bound would be the 0.2 s poll timeout.
+        assert time.monotonic() - t0 < 1.0
+        assert a.resources()["progress_threads"] == 0
+    assert len(_progress_threads()) == before
+    agents[0].close()  # idempotent
+
+
+def test_vram_is_refused_without_cuda(ucp: Any) -> None:
+    from kvcore.errors import UnsupportedOperationError
+
+    with UcxAgent("vram") as a:
+        if a._memory_types & (1 << _ucp.UCS_MEMORY_TYPE_CUDA):
+            pytest.skip("this UCX sees CUDA; VRAM registration is exercised by the contract suite")
+        with pytest.raises(UnsupportedOperationError, match="CUDA"):
+            a.register_memory(MemoryRegion(0x10000, 4096, kind=__import__("kvcore").agent.MemoryKind.VRAM))
+        assert a.resources()["registrations"] == 0
+
+
+# --- two processes -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["none", "peer"])
+def test_dead_peer_is_peer_lost_and_close_is_bounded(ucp: Any, mode: str) -> None:
+    options = {"error_handling": mode}
+    agent = UcxAgent(f"init-{uuid.uuid4().hex[:6]}", options)
+    victim = PeerProcess("ucx", options, name=f"victim-{uuid.uuid4().hex[:6]}")
+    try:
+        dst = victim.call("alloc", key="k", nbytes=MiB)["address"]
+        _, src = _source(agent, pattern(3, MiB))
+        peer = agent.load_remote_agent(victim.call("descriptor")["descriptor"])
+        h = agent.submit(TransferOp.WRITE, peer, [src], [dst], [MiB], notification=b"alive")
+        agent.wait(h, 10)
+        agent.release(h)
+        victim.kill()
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError, match="died or is unreachable"):
+            h = agent.submit(TransferOp.WRITE, peer, [src], [dst], [MiB], notification=b"dead")
+            agent.wait(h, 10)
+        assert time.monotonic() - t0 < 5
+        t0 = time.monotonic()
+        agent.close()
+        assert time.monotonic() - t0 < 5
+        assert not any(agent.resources().values()), agent.resources()
+    finally:
+        victim.kill()
+        agent.close()
+
+
+def test_error_handling_mismatch_is_refused_at_load(ucp: Any) -> None:
+    with PeerProcess("ucx", {"error_handling": "peer"}, name="peer-mode") as other, UcxAgent("none-mode") as agent:
+        with pytest.raises(RemoteAgentError, match="error_handling"):
+            agent.load_remote_agent(other.call("descriptor")["descriptor"])
+
+
+def test_endpoint_is_reused_when_the_peer_refreshes_its_descriptor(ucp: Any) -> None:
+    with PeerProcess("ucx", {}, name="refresh") as other, UcxAgent("refresher") as agent:
+        a1 = other.call("alloc", key="a", nbytes=MiB, seed=1)["address"]
+        peer = agent.load_remote_agent(other.call("descriptor")["descriptor"])
+        ep_before = agent.remote(peer).native.ep
+        a2 = other.call("alloc", key="b", nbytes=MiB, seed=2)["address"]
+        # a stale descriptor does not know region b yet
+        _, src = _source(agent, pattern(9, MiB))
+        with pytest.raises(RemoteRangeError):
+            agent.submit(TransferOp.WRITE, peer, [src], [a2], [MiB])
+        assert agent.load_remote_agent(other.call("descriptor")["descriptor"]) == peer
+        assert agent.remote(peer).native.ep == ep_before, "refresh of the same process must keep the endpoint"
+        h = agent.submit(TransferOp.WRITE, peer, [src, src + 4096], [a2, a1], [4096, 4096], notification=b"n")
+        agent.wait(h, 10)
+        agent.release(h)
+        got_b = np.frombuffer(other.call("read", key="b", offset=0, length=4096)["data"], np.uint8)
+        got_a = np.frombuffer(other.call("read", key="a", offset=0, length=4096)["data"], np.uint8)
+        assert np.array_equal(got_b, pattern(9, MiB)[:4096])
+        assert np.array_equal(got_a, pattern(9, MiB)[4096:8192])
+        assert agent.resources()["ucx_retired_rkey_sets"] == 0
+
+
+def test_fragment_spanning_two_adjacent_peer_registrations_is_refused(ucp: Any) -> None:
+    """Base-class range checks merge adjacent regions; rkeys do not, so the agent refuses the straddle."""
+    with UcxAgent("adjacent-target") as target, UcxAgent("straddler") as agent:
+        buf = np.zeros(8192, dtype=np.uint8)
+        base = buf.ctypes.data
+        target.register_memory(MemoryRegion(base, 4096))
+        target.register_memory(MemoryRegion(base + 4096, 4096))
+        _, src = _source(agent, pattern(5, 8192))
+        peer = agent.load_remote_agent(target.descriptor())
+        with pytest.raises(RemoteRangeError, match="one registration"):
+            agent.submit(TransferOp.WRITE, peer, [src], [base + 4096 - 8], [16])
+        # each side of the boundary alone is fine (in-process: UCX loops back through its self/shm transports)
+        h = agent.submit(
+            TransferOp.WRITE, peer, [src, src + 8], [base + 4096 - 8, base + 4096], [8, 8], notification=b"x"
+        )
+        agent.wait(h, 10)
+        agent.release(h)
+        assert np.array_equal(buf[4088:4104], pattern(5, 8192)[:16])
+        deadline = time.monotonic() + 5
+        notes: list[Any] = []
+        while not notes and time.monotonic() < deadline:
+            notes = target.get_notifications()
+        assert [(n.remote, n.message) for n in notes] == [("straddler", b"x")]
+
+
+def test_benchmark_core_runs_and_verifies(ucp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcore_ucx import bench
+
+    monkeypatch.setitem(bench.CASES, "tiny", (64, 4096))
+    result = bench.run(designs=["B"], cases=["tiny"], iterations=1)
+    tiny = result["B"]["tiny"]
+    assert tiny["verified"] and tiny["notifications_ok"], tiny
+    assert tiny["gbps_median"] > 0
+    assert result["memcpy"]["tiny"]["contiguous_gbps"] > 0
+
+
+# --- design A (ucxx prototype): target-side range checks ---------------------------------------
+
+
+def _ucxx_target(conn: Any) -> None:
+    import msgspec
+    from kvcore_ucx.ucxx_proto import UcxxProtoAgent
+
+    agent = UcxxProtoAgent("ucxx-target")
+    buf = np.zeros(2 * MiB, dtype=np.uint8)
+    regs = [agent.register_memory(MemoryRegion(buf.ctypes.data + i * MiB, MiB)) for i in range(2)]
+    conn.send_bytes(msgspec.msgpack.encode({"descriptor": agent.descriptor(), "address": buf.ctypes.data}))
+    while True:
+        if not conn.poll(60):
+            break
+        cmd = msgspec.msgpack.decode(conn.recv_bytes())
+        if cmd["op"] == "deregister":
+            agent.deregister_memory(regs[1])
+            conn.send_bytes(msgspec.msgpack.encode({"ok": True}))
+        elif cmd["op"] == "read":
+            notes = [n.message for n in agent.get_notifications()]
+            conn.send_bytes(msgspec.msgpack.encode({"data": buf.tobytes(), "notes": notes}))
+        else:
+            break
+    agent.close()
+
+
+def test_ucxx_prototype_target_rejects_ranges_it_no_longer_registered(ucp: Any) -> None:
+    import importlib.util
+    import multiprocessing as mp
+
+    import msgspec
+
+    if importlib.util.find_spec("ucxx") is None:
+        pytest.skip(
+            "ucxx (design A prototype) not installed: pip install --no-deps ucxx-cu12==0.52.* libucxx-cu12==0.52.*"
+        )
+    from kvcore_ucx.ucxx_proto import UcxxProtoAgent
+
+    saved_env = dict(os.environ)  # importing ucxx sets UCX_* variables for the whole process
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_ucxx_target, args=(child,), daemon=True)
+    proc.start()
+    agent = UcxxProtoAgent("ucxx-init")
+    try:
+        assert parent.poll(60), "ucxx target did not start"
+        hello = msgspec.msgpack.decode(parent.recv_bytes())
+        peer = agent.load_remote_agent(hello["descriptor"])
+        dst = hello["address"]
+        _, src = _source(agent, pattern(8, 2 * MiB))
+        h = agent.submit(TransferOp.WRITE, peer, [src, src + MiB], [dst + MiB, dst], [4096, 4096], notification=b"ok")
+        agent.wait(h, 20)
+        agent.release(h)
+        # The target deregisters region 2; our descriptor is stale, so only the target can refuse.
+        parent.send_bytes(msgspec.msgpack.encode({"op": "deregister"}))
+        assert parent.poll(20)
+        parent.recv_bytes()
+        h = agent.submit(TransferOp.WRITE, peer, [src + 4096], [dst + MiB + 4096], [4096], notification=b"no")
+        with pytest.raises(RemoteRangeError, match="refused"):
+            agent.wait(h, 20)
+        agent.release(h)
+        parent.send_bytes(msgspec.msgpack.encode({"op": "read"}))
+        assert parent.poll(20)
+        got = msgspec.msgpack.decode(parent.recv_bytes())
+        data = np.frombuffer(got["data"], np.uint8)
+        expected = np.zeros(2 * MiB, np.uint8)
+        expected[MiB : MiB + 4096] = pattern(8, 2 * MiB)[:4096]
+        expected[:4096] = pattern(8, 2 * MiB)[MiB : MiB + 4096]
+        assert np.array_equal(data, expected), "a refused write moved bytes, or an accepted one did not"
+        assert got["notes"] == [b"ok"]
+    finally:
+        agent.close()
+        try:
+            parent.send_bytes(msgspec.msgpack.encode({"op": "quit"}))
+        except OSError:
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        os.environ.clear()
+        os.environ.update(saved_env)
