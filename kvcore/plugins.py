@@ -275,8 +275,9 @@ class PluginManager:
         by_name = {r.name: r for r in self.records}
         for hook_name, registry, key in hooks:
             caller = getattr(self.pm.hook, hook_name)
-            # Call each plugin's impl on its own so a failure is attributed to that plugin alone.
-            for impl in reversed(caller.get_hookimpls()):
+            # Call each plugin's impl on its own so a failure is attributed to that plugin alone; in
+            # registration order (built-ins first), so a duplicate blames the later, blockable plugin.
+            for impl in caller.get_hookimpls():
                 rec = by_name.get(impl.plugin_name)
                 if rec is None or rec.status != LOADED:
                     continue

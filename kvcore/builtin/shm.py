@@ -230,8 +230,9 @@ class _Xfer:
 class ShmAgent(TransferAgent):
     """Same-host agent over POSIX shared memory: WRITE and READ into peers' ``allocate_tensor`` memory.
 
-    Options: ``notify_timeout_s`` (float, default 5.0) bounds how long a
-    notification may wait for the peer's queue before the transfer fails.
+    Transfers complete inside ``submit`` (DONE at the first poll) unless the
+    peer's notification queue is full; then the transfer stays PENDING and
+    every poll retries, so ``wait(timeout)`` bounds it. Takes no options.
     """
 
     backend: ClassVar[str] = "shm"
