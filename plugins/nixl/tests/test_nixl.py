@@ -331,3 +331,32 @@ def test_stopped_peer_times_out_and_cannot_be_aborted(monkeypatch: pytest.Monkey
             np.testing.assert_array_equal(_peer_bytes(p)[: 4 * MiB], pattern(2, 4 * MiB))
     finally:
         a.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_vram_source_to_dram_peer(agent: NixlAgent) -> None:
+    """A CUDA tensor registers as VRAM (device index kept) and writes scattered fragments into a DRAM peer."""
+    unit, n = 64 * KiB, 32
+    with Peer("gen", nbytes=unit * n) as p:
+        src = torch.from_numpy(pattern(8, unit * n).copy()).cuda()
+        reg = agent.register_memory(src)
+        assert reg.region.kind.value == "VRAM" and reg.region.device_id == src.device.index
+        peer = agent.load_remote_agent(p.descriptor)
+        perm = np.random.default_rng(8).permutation(n)
+        local = np.uint64(src.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(unit)
+        remote = np.uint64(p.base) + perm.astype(np.uint64) * np.uint64(unit)
+        _write(agent, peer, local, remote, np.full(n, unit, dtype=np.uint64), b"vram")
+        exp = np.empty((n, unit), dtype=np.uint8)
+        exp[perm] = pattern(8, unit * n).reshape(n, unit)
+        np.testing.assert_array_equal(_peer_bytes(p), exp.ravel())
+
+
+def test_bench_core_runs_small() -> None:
+    """``kvcore_nixl.bench.run_bench`` (what ``kvcore bench`` will call) returns numbers and verified bytes."""
+    from kvcore_nixl.bench import run_bench
+
+    r = run_bench(blocks=2, layers=4, iterations=1)
+    assert r["fragments"] == 2 * 4 * 2 and r["bytes"] == r["fragments"] * 64 * KiB
+    assert r["verified"] == {m: True for m in ("bare_nixl", "agent", "bare_nixl_initialize", "agent_prepped", "memcpy")}
+    assert r["agent_gbps"] > 0 and r["bare_nixl_gbps"] > 0 and r["agent_vs_bare"] > 0
