@@ -185,7 +185,7 @@ def test_prepped_lists_reused_and_bytes_match(agent: NixlAgent) -> None:
             np.testing.assert_array_equal(via_direct, exp.ravel())
     finally:
         prepped.close()
-    assert prepped.resources() == {"registrations": 0, "remote_agents": 0, "transfers": 0, "nixl_dlists": 0}
+    assert set(prepped.resources().values()) == {0}
 
 
 def test_unaligned_and_mixed_fragments_merge(agent: NixlAgent) -> None:

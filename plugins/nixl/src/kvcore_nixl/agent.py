@@ -692,7 +692,7 @@ class NixlAgent(TransferAgent):
         for side in sides:
             if side is not None:
                 dlists += len(side.units)
-        return {"nixl_dlists": dlists}
+        return {"nixl_dlists": dlists, "nixl_leaked_handles": len(self._leaked)}
 
 
 def _merge_runs(
