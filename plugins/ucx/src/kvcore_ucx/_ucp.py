@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["UcpLibrary", "load", "UcxUnavailableError", "CDEF", "STRUCTS"]
+__all__ = ["UcpLibrary", "load", "ptr_status", "UcxUnavailableError", "CDEF", "STRUCTS"]
 
 CDEF = r"""
 typedef int8_t ucs_status_t;               /* enum declared UCS_S_PACKED: one byte */

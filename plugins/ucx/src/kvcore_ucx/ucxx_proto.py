@@ -178,7 +178,8 @@ class UcxxProtoAgent(TransferAgent):
                 if inc.notification is not None:
                     self._notifications.append(Notification(inc.sender, inc.notification))
                 self._reply(inc.ep, inc.tag_base | _DONE, b"D")
-        return busy
+        # While fragments are arriving the target's CPU does the (rendezvous, CMA-read) copies: keep spinning.
+        return busy or bool(self._incoming)
 
     def _accept(self, hdr: _Header) -> None:
         x = self._x
