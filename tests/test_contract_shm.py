@@ -163,3 +163,27 @@ def test_bandwidth(agent: ShmAgent, kvcore_peer: PeerProcess, layout: str) -> No
     print(f"\nshm WRITE {layout}: {gbps:.2f} GB/s (best of 5)")
     assert gbps > 0.2
     kvcore_peer.call("free", key="bw")
+
+
+def test_no_fd_or_thread_leak(kvcore_peer: PeerProcess) -> None:
+    """Agents that allocated, exchanged, transferred and closed leave fds and threads at baseline."""
+    import gc
+    import threading
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before_fds, before_threads = fds(), threading.active_count()
+    for _ in range(3):
+        a = ShmAgent("leaky")
+        info = kvcore_peer.call("alloc", key="fd", nbytes=MiB)
+        src = _source(a, pattern(28, MiB))
+        peer = a.load_remote_agent(kvcore_peer.call("descriptor")["descriptor"])
+        h = a.submit(TransferOp.WRITE, peer, [src], [info["address"]], [MiB], notification=b"x")
+        a.wait(h, timeout=10)
+        a.close()
+        kvcore_peer.call("free", key="fd")
+    del a, h
+    gc.collect()
+    assert threading.active_count() == before_threads
+    assert fds() == before_fds

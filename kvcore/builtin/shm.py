@@ -567,19 +567,20 @@ class ShmAgent(TransferAgent):
                 self._drain_socket()
 
     def _drain_socket(self) -> None:
-        while True:
-            try:
-                data = self._rx.recv(_MAX_NOTIFICATION_BYTES + 1)
-            except (BlockingIOError, OSError):
-                return
-            try:
-                sender, message = _notif_decoder.decode(data)
-            except msgspec.DecodeError as exc:
-                log.warning(
-                    "kvcore shm agent %r dropped a malformed notification (%d bytes): %s", self.name, len(data), exc
-                )
-                continue
-            with self._lock:
+        # Under the lock, so the thread and get_notifications() never reorder datagrams between them.
+        with self._lock:
+            while True:
+                try:
+                    data = self._rx.recv(_MAX_NOTIFICATION_BYTES + 1)
+                except OSError:  # BlockingIOError: drained; anything else: closing
+                    return
+                try:
+                    sender, message = _notif_decoder.decode(data)
+                except msgspec.DecodeError as exc:
+                    log.warning(
+                        "kvcore shm agent %r dropped a malformed notification (%d bytes): %s", self.name, len(data), exc
+                    )
+                    continue
                 self._notifications.append(Notification(sender, message))
 
     def _get_notifications(self) -> list[Notification]:
