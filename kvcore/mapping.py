@@ -160,16 +160,17 @@ class ViewPair:
     """One matched view pair with the buffer addresses to copy between.
 
     ``src_addrs``/``dst_addrs`` have shape ``(entries, blocks)``: the start of
-    matched buffer ``e`` (layer-major, K then V) in aligned block/slot ``b``.
-    ``block_major`` asks the mapper to order fragments block-first (better
-    merging when all buffers of a slot are adjacent), else entry-first.
+    matched buffer ``e`` in aligned block/slot ``b``. Entries come in runs of
+    ``group`` that share a source pool (all buffers of a slot); fragments are
+    ordered run, block, entry-in-run, so neighbours in memory are neighbours in
+    the plan and :meth:`FragmentPlan.merge_contiguous` can merge them.
     """
 
     src: PoolView
     dst: PoolView
     src_addrs: np.ndarray
     dst_addrs: np.ndarray
-    block_major: bool = True
+    group: int = 1
 
 
 class LayoutMapper(ABC):
@@ -190,8 +191,11 @@ class LayoutMapper(ABC):
         """The fragments of ``pair``: ``outer(buffer addresses, in-buffer offsets)``, no Python loop per fragment."""
         so, do, sz = (np.asarray(a, dtype=_U64).reshape(-1) for a in self.buffer_fragments(pair.src, pair.dst))
         sa, da = pair.src_addrs, pair.dst_addrs
-        if pair.block_major:
-            sa, da = sa.T, da.T
+        e, b = sa.shape
+        g = pair.group if pair.group >= 1 and e % pair.group == 0 else 1
+        # (runs, group, blocks) -> (runs, blocks, group): memory order within a pool
+        sa = sa.reshape(e // g, g, b).transpose(0, 2, 1)
+        da = da.reshape(e // g, g, b).transpose(0, 2, 1)
         src = (sa[..., None] + so).reshape(-1)
         dst = (da[..., None] + do).reshape(-1)
         sizes = np.broadcast_to(sz, sa.shape + sz.shape).reshape(-1)
@@ -464,19 +468,23 @@ def plan_transfer(
             sb, db = align_blocks(s_ids, d_ids, sv.tokens_per_slot, prompt_len=prompt_len, window=window)  # type: ignore[arg-type]
             if not len(sb):
                 continue
-        positions.sort()
         bf = sv.buffers_per_layer
         pos = np.asarray(positions, dtype=np.int64)
         sub = np.arange(bf, dtype=np.int64)
         s_entries = (pos[:, 0:1] * bf + sub).reshape(-1)
         d_entries = (pos[:, 1:2] * bf + sub).reshape(-1)
-        block_major = len(set(sv.pools)) == 1 and len(set(dv.pools)) == 1
+        # order entries by (source pool, offset) so each pool's buffers form one run
+        s_pools = np.asarray(sv.pools, dtype=np.int64)[s_entries]
+        order = np.lexsort((np.asarray(sv.offsets, dtype=np.int64)[s_entries], s_pools))
+        s_entries, d_entries, s_pools = s_entries[order], d_entries[order], s_pools[order]
+        runs = np.unique(s_pools, return_counts=True)[1]
+        group = int(runs[0]) if (runs == runs[0]).all() else 1
         pair = ViewPair(
             sv,
             dv,
             st.entry_addresses(svi, s_entries, sb),
             dt.entry_addresses(dvi, d_entries, db),
-            block_major=block_major,
+            group=group,
         )
         plans.append(_mapper(kind, mappers, sv.role).map(pair))
     return FragmentPlan.concat(plans).merge_contiguous()

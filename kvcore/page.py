@@ -271,22 +271,29 @@ class PageTable(msgspec.Struct, frozen=True, kw_only=True):
         pool_idx = np.asarray(v.pools, dtype=np.int64)[entries]
         offsets = np.asarray(v.offsets, dtype=np.uint64)[entries]
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        out = np.empty((len(entries), len(ids)), dtype=np.uint64)
-        for p in np.unique(pool_idx).tolist():
-            rows = pool_idx == p
-            slots = self.pools[p].slot_addresses(ids)
-            out[rows] = offsets[rows, None] + slots[None, :]
-        return out
+        used = np.unique(pool_idx).tolist()
+        if ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
+            for p in used:
+                if lo < 0 or hi >= self.pools[p].num_slots:
+                    self.pools[p].slot_addresses(ids)  # raises, naming the bad ids
+        base = np.fromiter((p.base for p in self.pools), dtype=np.uint64, count=len(self.pools))
+        stride = np.fromiter((p.slot_stride for p in self.pools), dtype=np.uint64, count=len(self.pools))
+        start = base[pool_idx] + offsets
+        return start[:, None] + ids.astype(np.uint64)[None, :] * stride[pool_idx][:, None]
 
     def regions(self) -> list[tuple[int, int]]:
-        """Every ``(address, length)`` the table covers, sorted, overlapping/adjacent ranges merged.
+        """Every ``(address, length)`` the table covers, sorted, overlapping ranges merged.
+
+        Adjacent but separate ranges stay separate: they may be different
+        allocations (shm segments, CUDA allocations) that cannot be registered as one.
 
         Register exactly these with the transfer agent.
         """
         spans = sorted((p.base, p.base + p.nbytes) for p in self.pools)
         merged: list[list[int]] = []
         for start, stop in spans:
-            if merged and start <= merged[-1][1]:
+            if merged and start < merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], stop)
             else:
                 merged.append([start, stop])
