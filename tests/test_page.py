@@ -156,3 +156,24 @@ def test_decode_is_bounded_and_typed():
         PageTable.decode(b"x" * 11, max_bytes=10)
     with pytest.raises(LayoutError, match="could not decode"):
         PageTable.decode(b"\x93\x01")
+
+
+def test_mamba_state_builder_through_registry():
+    from kvcore.builders import allocate_mamba_state
+    from kvcore.topology import MambaGeometry
+
+    mg = MambaGeometry(
+        layers=(0, 2, 3), conv_sections=(8, 4, 4), d_conv=4, nheads=4, head_dim=2, d_state=3,
+        conv_dtype="float32", ssm_dtype="float16",
+    )  # fmt: skip
+    t = Topology.create(2, 2, 2, 4)  # tp rank 0, layers 2..3
+    conv, ssm = allocate_mamba_state(t, mg, 5)
+    pt = build_page_table(
+        "mamba_state", conv, ssm, topology=t, geometry=mg, pm=make_plugin_manager(load_entry_points=False)
+    )
+    cv, sv = pt.views
+    assert (cv.role, cv.mapper, cv.layers, cv.is_state) == ("mamba_conv", "mamba_conv", (2, 3), True)
+    assert cv.layout.section_bytes == (4 * 3 * 4, 2 * 3 * 4, 2 * 3 * 4) and cv.buffer_bytes == 8 * 3 * 4
+    assert (sv.role, sv.layout.unit_bytes, sv.buffer_bytes) == ("mamba_ssm", 2 * 3 * 2, 2 * 2 * 3 * 2)
+    assert pt.entry_addresses(1, np.array([1]), np.array([4]))[0, 0] == ssm[1, 4].data_ptr()
+    assert pt.entry_addresses(0, np.array([0]), np.array([3]))[0, 0] == conv[0, 3].data_ptr()

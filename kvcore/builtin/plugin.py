@@ -46,3 +46,8 @@ def kvcore_register_page_table_builders(registry: PageTableBuilderRegistry) -> N
         "kvcore.builders:build_token_major_layers",
         description="one tensor per layer: [kv, blocks, tokens, heads, dim] or [blocks, kv, tokens, heads, dim]",
     )
+    registry.add(
+        "mamba_state",
+        "kvcore.builders:build_mamba_state",
+        description="Mamba2/GDN state per layer: conv [layers, slots, conv_dim, d_conv-1], SSM [layers, slots, heads, head_dim, d_state]",
+    )
