@@ -121,11 +121,13 @@ def build_head_major_pool(
     topology: Topology,
     geometry: AttentionGeometry,
     role: str | None = None,
+    window: int | None = None,
 ) -> PageTable:
     """Page table of one tensor holding all local layers: ``[blocks, layers, kv, heads, tokens, dim]``.
 
     One pool (a slot is one block of every local layer); one view whose entry
     ``(layer, k)`` sits at ``(layer*kv + k) * buffer_bytes`` in the slot.
+    ``window`` marks the layers as sliding-window attention (tokens).
     """
     if geometry.layout != "head_major":
         raise LayoutError(f"layout: expected 'head_major' for build_head_major_pool, got {geometry.layout!r}")
@@ -156,6 +158,7 @@ def build_head_major_pool(
         offsets=tuple(e * buf for e in range(nl * kv)),
         layout=layout,
         tokens_per_slot=geometry.tokens_per_block,
+        window=window,
     )
     return PageTable(pools=(pool,), views=(view,))
 
@@ -167,6 +170,7 @@ def build_token_major_layers(
     geometry: AttentionGeometry,
     kv_first: bool | None = None,
     role: str | None = None,
+    window: int | None = None,
 ) -> PageTable:
     """Page table of one tensor per local layer: ``[kv, blocks, tokens, heads, dim]`` or ``[blocks, kv, tokens, heads, dim]``.
 
@@ -224,6 +228,7 @@ def build_token_major_layers(
         offsets=tuple(offsets),
         layout=layout,
         tokens_per_slot=tpb,
+        window=window,
     )
     return PageTable(pools=tuple(pools), views=(view,))
 

@@ -173,3 +173,28 @@ def test_fragment_plan_merge_and_concat():
     assert FragmentPlan.concat([]).count == 0
     with pytest.raises(MappingError, match="equal lengths"):
         FragmentPlan(np.zeros(2), np.zeros(3), np.zeros(2))
+
+
+def test_invalid_block_ids_are_named(core_mappers):
+    from kvcore.errors import LayoutError
+
+    t = Topology.create(1, 1, 0, 4)
+    _, a = _layout(t, HM)
+    with pytest.raises(LayoutError, match=r"got \[7\]"):
+        plan_transfer(a, a, [0, 7], [1, 2], mappers=core_mappers)
+    with pytest.raises(LayoutError, match=r"got \[-1\]"):
+        plan_transfer(a, a, [0, 1], [1, -1], mappers=core_mappers)
+
+
+def test_view_window_overrides_and_skips_stale_blocks(core_mappers):
+    t = Topology.create(1, 1, 0, 4)
+    kv = allocate_kv_cache(t, HM, 8)
+    from kvcore.builders import build_head_major_pool
+
+    lay = RankLayout(topology=t, geometry=HM, page_table=build_head_major_pool(kv, topology=t, geometry=HM, window=5))
+    slot = kv[0].numel() * kv.element_size()
+    # prompt 16 tokens, 4 blocks: window 5 -> stale_end = (17-5)//4 = 3, only block 3 moves
+    plan = plan_transfer(lay, lay, [0, 1, 2, 3], [4, 5, 6, 7], mappers=core_mappers, prompt_len=16)
+    assert plan.src.tolist() == [kv.data_ptr() + 3 * slot] and plan.dst.tolist() == [kv.data_ptr() + 7 * slot]
+    with pytest.raises(MappingError, match="prompt_len"):
+        plan_transfer(lay, lay, [0], [4], mappers=core_mappers)
