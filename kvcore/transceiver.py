@@ -586,7 +586,8 @@ class Transceiver:
                     return
                 pending = self._early.setdefault(msg.request_id, [])
                 if len(pending) < 1024:
-                    pending.append((time.monotonic(), msg))
+                    # Kept until the receiver's own deadline: then it is answered with a failure.
+                    pending.append((time.monotonic() + msg.timeout_ms / 1000.0, msg))
                 return
             self._attach_receiver(s, msg)
         self._work.put(("tx", msg.request_id))
@@ -642,18 +643,25 @@ class Transceiver:
     def _on_cancel(self, source: Source, msg: wire.Cancel) -> None:
         with self._lock:
             if self.role == "context":
+                peer = self._gen_peers.get((msg.instance, msg.rank))
                 s = self._tx.get(msg.request_id)
-                if s is None:
+                t = s.tasks.get((msg.instance, msg.rank)) if s is not None else None
+                if t is None:
+                    # Not started here yet: remember it, and confirm that nothing will be written.
                     self._tombstones.setdefault(msg.request_id, time.monotonic())
-                    self._early.pop(msg.request_id, None)
+                    early = self._early.get(msg.request_id, [])
+                    early[:] = [(d, r) for d, r in early if (r.gen_instance, r.gen_rank) != (msg.instance, msg.rank)]
+                    if not early:
+                        self._early.pop(msg.request_id, None)
+                    if peer is not None:
+                        self._send_result(msg.request_id, peer.info.endpoint, status="cancelled",
+                                          kind="RequestCancelledError", error=msg.reason)
                     return
-                t = s.tasks.get((msg.instance, msg.rank))
-                if t is not None and t.state == "waiting":
+                if t.state == "waiting":
                     t.state = "cancelled"
-                    self._send_result(s.request_id, t.endpoint, status="cancelled", kind="RequestCancelledError",
+                    self._send_result(msg.request_id, t.endpoint, status="cancelled", kind="RequestCancelledError",
                                       error=msg.reason)
-                elif t is None:
-                    self._tombstones.setdefault(msg.request_id, time.monotonic())
+                # A submitted write cannot be recalled: its final result follows when the transport finishes.
             else:
                 s2 = self._rx.get(msg.request_id)
                 if s2 is not None:
@@ -954,7 +962,7 @@ class Transceiver:
                             self._send_result(s.request_id, t.endpoint, status="failed", kind="TransferTimeoutError",
                                               error="context side timed out before writing")
             ttl = self.config.request_timeout_s
-            for rid in [r for r, lst in self._early.items() if lst and now - lst[0][0] > ttl]:
+            for rid in [r for r, lst in self._early.items() if lst and now > min(t for t, _ in lst)]:
                 for _, req in self._early.pop(rid):
                     peer = self._gen_peers.get((req.gen_instance, req.gen_rank))
                     if peer is not None:

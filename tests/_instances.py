@@ -1,0 +1,132 @@
+"""A context instance in its own process, driven by msgpack commands over a Pipe (for end-to-end tests)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import msgspec
+
+
+def fill_value(request: int, block_ids: Any, nbytes_per_block: int) -> Any:
+    """Per-block byte pattern of a request (independent of kvcore): uint8 ``[blocks, bytes]``."""
+    import numpy as np
+
+    j = np.arange(len(block_ids), dtype=np.int64).reshape(-1, 1)
+    b = np.arange(nbytes_per_block, dtype=np.int64).reshape(1, -1)
+    return (((request % 251) * 131 + j * 17 + b * 7) % 251).astype(np.uint8)
+
+
+def geometry_kwargs(**over: Any) -> dict[str, Any]:
+    d = dict(num_layers=4, num_kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bfloat16")
+    d.update(over)
+    return d
+
+
+def _context_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: int, timeout: float) -> None:
+    import torch
+
+    from kvcore.builders import allocate_kv_cache, build_page_table
+    from kvcore.config import TransceiverConfig, create_agent
+    from kvcore.topology import AttentionGeometry, Topology
+    from kvcore.transceiver import Transceiver
+
+    geometry = AttentionGeometry(**geo)
+    topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geometry.num_layers)
+    cfg = TransceiverConfig(backend=backend, request_timeout_s=timeout)
+    agent = create_agent(cfg, f"ctx-{os.getpid()}")
+    cache = allocate_kv_cache(topo, geometry, num_blocks, allocator=agent.allocate_tensor)
+    flat = cache.view(num_blocks, -1).view(torch.uint8)
+    tx = Transceiver(cfg, role="context", agent=agent, topology=topo, geometry=geometry,
+                     page_table=build_page_table("head_major_pool", cache, topology=topo, geometry=geometry))
+    conn.send_bytes(msgspec.msgpack.encode({"endpoint": tx.info_endpoint, "pid": os.getpid()}))
+    try:
+        while True:
+            if conn.poll(0.002):
+                cmd = msgspec.msgpack.decode(conn.recv_bytes())
+                if cmd["op"] == "exit":
+                    break
+                if cmd["op"] == "send":
+                    blocks = cmd["blocks"]
+                    flat[blocks] = torch.from_numpy(fill_value(cmd["rid"], blocks, flat.shape[1]))
+                    tx.start_send(cmd["rid"], blocks)
+                elif cmd["op"] == "cancel":
+                    tx.cancel(cmd["rid"])
+                elif cmd["op"] == "stats":
+                    conn.send_bytes(msgspec.msgpack.encode({"stats": tx.stats()}))
+            r = tx.poll()
+            for o in r.outcomes:
+                conn.send_bytes(msgspec.msgpack.encode(
+                    {"outcome": o.request_id, "state": o.state.value,
+                     "error": f"{type(o.error).__name__}: {o.error}" if o.error else None}))
+            for rid in r.released:
+                conn.send_bytes(msgspec.msgpack.encode({"released": rid}))
+    finally:
+        tx.close()
+        agent.close()
+
+
+class ContextProcess:
+    """Start a one-rank context instance; ``send``/``cancel``/``stats`` drive it; ``kill`` SIGKILLs it."""
+
+    def __init__(self, backend: str = "shm", num_blocks: int = 64, timeout: float = 30.0, **geo: Any) -> None:
+        self.geo = geometry_kwargs(**geo)
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_context_main, args=(child, backend, self.geo, num_blocks, timeout), daemon=True)
+        self.proc.start()
+        hello = self._recv(60)
+        self.endpoint: str = hello["endpoint"]
+        self.pid: int = hello["pid"]
+        self.events: list[dict[str, Any]] = []
+
+    def _recv(self, timeout: float) -> dict[str, Any]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError("context process did not answer")
+        return msgspec.msgpack.decode(self.conn.recv_bytes())
+
+    def send(self, rid: int, blocks: list[int]) -> None:
+        self.conn.send_bytes(msgspec.msgpack.encode({"op": "send", "rid": rid, "blocks": blocks}))
+
+    def cancel(self, rid: int) -> None:
+        self.conn.send_bytes(msgspec.msgpack.encode({"op": "cancel", "rid": rid}))
+
+    def stats(self, timeout: float = 10) -> dict[str, int]:
+        self.conn.send_bytes(msgspec.msgpack.encode({"op": "stats"}))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self._recv(timeout)
+            if "stats" in m:
+                return m["stats"]
+            self.events.append(m)
+        raise TimeoutError("no stats")
+
+    def wait_released(self, rid: int, timeout: float = 20) -> dict[str, Any]:
+        """The context side's outcome of ``rid`` once it is released."""
+        deadline = time.monotonic() + timeout
+        outcome = None
+        while time.monotonic() < deadline:
+            for m in self.events:
+                if m.get("outcome") == rid:
+                    outcome = m
+                if m.get("released") == rid and outcome is not None:
+                    return outcome
+            if self.conn.poll(0.05):
+                self.events.append(msgspec.msgpack.decode(self.conn.recv_bytes()))
+        raise TimeoutError(f"context never released request {rid}")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send_bytes(msgspec.msgpack.encode({"op": "exit"}))
+            except OSError:
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.kill()

@@ -1,0 +1,217 @@
+"""Transceiver end to end across real processes: bytes, first-contact refusal, hostile frames, cancel, death, leaks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from _instances import ContextProcess, fill_value, geometry_kwargs
+from kvcore import errors as E
+from kvcore import wire
+from kvcore.builders import allocate_kv_cache, build_page_table
+from kvcore.config import TransceiverConfig, create_agent
+from kvcore.session import SessionState
+from kvcore.topology import AttentionGeometry, Topology
+from kvcore.transceiver import Transceiver
+
+
+class Gen:
+    """An in-process one-rank generation instance."""
+
+    def __init__(self, backend: str = "shm", num_blocks: int = 64, timeout: float = 30.0, **geo: Any) -> None:
+        self.geometry = AttentionGeometry(**geometry_kwargs(**geo))
+        topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=self.geometry.num_layers)
+        self.cfg = TransceiverConfig(backend=backend, request_timeout_s=timeout)
+        self.agent = create_agent(self.cfg, "gen-test")
+        self.cache = allocate_kv_cache(topo, self.geometry, num_blocks, allocator=self.agent.allocate_tensor)
+        self.flat = self.cache.view(num_blocks, -1).view(torch.uint8)
+        self.tx = Transceiver(self.cfg, role="generation", agent=self.agent, topology=topo, geometry=self.geometry,
+                              page_table=build_page_table("head_major_pool", self.cache, topology=topo,
+                                                          geometry=self.geometry))
+
+    def outcomes(self, rids: list[int], timeout: float = 20.0) -> dict[int, Any]:
+        return self.tx.wait_all(rids, timeout)
+
+    def close(self) -> None:
+        self.tx.close()
+        self.agent.close()
+
+
+@pytest.fixture
+def ctx() -> Iterator[ContextProcess]:
+    c = ContextProcess()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def gen() -> Iterator[Gen]:
+    g = Gen()
+    try:
+        yield g
+    finally:
+        g.close()
+
+
+def _check_bytes(gen: Gen, rid: int, src_blocks: list[int], dst_blocks: list[int]) -> None:
+    want = fill_value(rid, src_blocks, gen.flat.shape[1])
+    got = gen.flat[dst_blocks].numpy()
+    assert np.array_equal(got, want), f"request {rid}: received bytes differ from the context's pattern"
+
+
+def test_concurrent_requests_bytes_and_no_leaks(ctx: ContextProcess, gen: Gen) -> None:
+    rng = np.random.default_rng(0)
+    src, dst = rng.permutation(64), rng.permutation(64)
+    rids = list(range(16))
+    for r in rids:  # receivers first for half, senders first for the other half: both orders must work
+        s, d = src[r * 4:(r + 1) * 4].tolist(), dst[r * 4:(r + 1) * 4].tolist()
+        if r % 2:
+            ctx.send(r, s)
+            gen.tx.start_receive(r, ctx.endpoint, d)
+        else:
+            gen.tx.start_receive(r, ctx.endpoint, d)
+            ctx.send(r, s)
+    out = gen.outcomes(rids)
+    assert {o.state for o in out.values()} == {SessionState.DONE}
+    for r in rids:
+        _check_bytes(gen, r, src[r * 4:(r + 1) * 4].tolist(), dst[r * 4:(r + 1) * 4].tolist())
+        assert ctx.wait_released(r)["state"] == "DONE"
+    assert all(v == 0 for k, v in gen.tx.stats().items() if k not in ("ctx_instances", "gen_peers"))
+    assert all(v == 0 for k, v in ctx.stats().items() if k not in ("ctx_instances", "gen_peers"))
+
+
+def test_prefix_cached_suffix_only(ctx: ContextProcess, gen: Gen) -> None:
+    src, dst = [10, 11, 12, 13, 14], [40, 41, 42]  # the generation side holds the first two blocks
+    gen.flat[[40, 41, 42]] = 0
+    ctx.send(1, src)
+    gen.tx.start_receive(1, ctx.endpoint, dst)
+    assert gen.outcomes([1])[1].state is SessionState.DONE
+    want = fill_value(1, src, gen.flat.shape[1])[2:]  # only the suffix moves, aligned at the end
+    assert np.array_equal(gen.flat[dst].numpy(), want)
+
+
+@pytest.mark.parametrize(
+    ("override", "fields"),
+    [({"head_dim": 64}, ["head_dim"]), ({"dtype": "float16", "tokens_per_block": 16}, ["dtype", "tokens_per_block"])],
+)
+def test_incompatible_peer_refused_at_first_contact(ctx: ContextProcess, override: dict[str, Any],
+                                                     fields: list[str]) -> None:
+    g = Gen(**override)
+    try:
+        g.tx.start_receive(1, ctx.endpoint, [0, 1])
+        out = g.outcomes([1])[1]
+        assert out.state is SessionState.FAILED
+        assert isinstance(out.error, E.IncompatiblePeerError)
+        for f in fields:
+            assert f in str(out.error)
+        assert not g.flat.any(), "an incompatible peer must not receive a single byte"
+        # Cached: the next request fails at once, without a new round trip.
+        g.tx.start_receive(2, ctx.endpoint, [0])
+        assert isinstance(g.outcomes([2], 2.0)[2].error, E.IncompatiblePeerError)
+    finally:
+        g.close()
+
+
+def test_malformed_frame_answered_with_typed_error_while_requests_work(ctx: ContextProcess, gen: Gen) -> None:
+    zctx = zmq.Context.instance()
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ctx.endpoint)
+    try:
+        ctx.send(5, [1, 2])
+        gen.tx.start_receive(5, ctx.endpoint, [7, 9])
+        for frame in (b"\x93garbage", msgspec.msgpack.encode({"t": "request_data", "v": 1, "request_id": "x"})):
+            sock.send(frame)
+            assert sock.poll(5000), "the context rank did not answer a malformed frame"
+            reply = wire.decode(sock.recv())
+            assert isinstance(reply, wire.ErrorReply) and reply.kind == "MessageDecodeError"
+        sock.send(msgspec.msgpack.encode({"t": "cancel", "v": 77, "request_id": 1, "instance": "x", "rank": 0}))
+        assert sock.poll(5000)
+        assert wire.decode(sock.recv()).kind == "ProtocolVersionError"  # type: ignore[union-attr]
+        assert gen.outcomes([5])[5].state is SessionState.DONE
+        _check_bytes(gen, 5, [1, 2], [7, 9])
+    finally:
+        sock.close(0)
+
+
+def test_forged_result_from_unknown_incarnation_is_ignored(ctx: ContextProcess, gen: Gen) -> None:
+    gen.tx.start_receive(3, ctx.endpoint, [0])
+    deadline = time.monotonic() + 5
+    while not gen.tx._rx[3].writers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    zctx = zmq.Context.instance()
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(gen.tx.endpoint)
+    try:
+        forged = wire.TransferResult(v=1, request_id=3, ctx_rank=0, ctx_incarnation="not-the-peer", status="ok")
+        sock.send(wire.encode(forged))
+        time.sleep(0.3)
+        assert gen.tx.poll().outcomes == []  # nothing settled by a stranger
+        ctx.send(3, [5])
+        assert gen.outcomes([3])[3].state is SessionState.DONE
+        _check_bytes(gen, 3, [5], [0])
+    finally:
+        sock.close(0)
+
+
+def test_cancel_before_context_sends(ctx: ContextProcess, gen: Gen) -> None:
+    gen.tx.start_receive(8, ctx.endpoint, [3])
+    time.sleep(0.2)
+    assert gen.tx.cancel(8)
+    out = gen.outcomes([8])[8]  # released: the context rank confirmed it will not write
+    assert out.state is SessionState.CANCELLED
+    ctx.send(8, [4])  # the engine starts it late: the tombstone cancels it at once
+    assert ctx.wait_released(8)["state"] == "CANCELLED"
+    assert not gen.flat[3].any()
+
+
+def test_context_never_sends_times_out_and_releases(ctx: ContextProcess) -> None:
+    g = Gen(timeout=1.0)
+    try:
+        g.tx.start_receive(4, ctx.endpoint, [2])
+        out = g.outcomes([4], 10.0)[4]
+        assert out.state is SessionState.TIMED_OUT
+        assert isinstance(out.error, E.TransferTimeoutError)
+        assert g.tx.stats()["rx_sessions"] == 0
+    finally:
+        g.close()
+
+
+def test_dead_context_gives_peer_lost_and_fenced_release(gen: Gen) -> None:
+    c = ContextProcess()
+    try:
+        gen.tx.start_receive(6, c.endpoint, [1])
+        deadline = time.monotonic() + 5
+        while not gen.tx._rx[6].writers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        c.kill()
+        out = gen.outcomes([6], 15.0)[6]
+        assert out.state is SessionState.FAILED
+        assert isinstance(out.error, E.PeerLostError)
+    finally:
+        c.close()
+
+
+def test_request_ids_are_64_bit_and_validated(ctx: ContextProcess, gen: Gen) -> None:
+    rid = 2**64 - 1
+    ctx.send(rid, [9])
+    gen.tx.start_receive(rid, ctx.endpoint, [9])
+    assert gen.outcomes([rid])[rid].state is SessionState.DONE
+    with pytest.raises(E.SessionError, match="2\\*\\*64"):
+        gen.tx.start_receive(-1, ctx.endpoint, [0])
+    with pytest.raises(E.LayoutError, match="block ids"):
+        gen.tx.start_receive(1, ctx.endpoint, [64])
+    with pytest.raises(E.ProtocolError, match="tcp://host:port"):
+        gen.tx.start_receive(1, "tcp://1.2.3.4;evil:1", [0])
+    with pytest.raises(E.SessionError, match="generation transceiver"):
+        gen.tx.start_send(1, [0])
