@@ -77,6 +77,7 @@ class PollResult:
 
 
 class _Agreement(msgspec.Struct, array_like=True):
+    group: int  # ranks with equal group agree on a request (the attention-DP group; 0 without attention DP)
     terminal: dict[int, int]
     quiescent: list[int]
 
@@ -332,14 +333,17 @@ class Transceiver:
             sessions: dict[int, Any] = self._rx if self.role == "generation" else self._tx
             terminal = {rid: _STATUS_CODE[s.state] for rid, s in sessions.items() if s.terminal and not s.reported}
             quiescent = [rid for rid, s in sessions.items() if s.terminal and s.quiescent and not s.released]
-        payload = msgspec.msgpack.encode(_Agreement(terminal, quiescent))
-        gathered = [msgspec.msgpack.decode(b, type=_Agreement) for b in self.collective.allgather(payload)]
+        group = self.topology.dp_rank if self.topology.attention_dp else 0
+        payload = msgspec.msgpack.encode(_Agreement(group, terminal, quiescent))
+        everyone = [msgspec.msgpack.decode(b, type=_Agreement) for b in self.collective.allgather(payload)]
+        # Under attention DP a request lives on one DP group only: those ranks must agree, not the whole instance.
+        gathered = [g for g in everyone if g.group == group]
         result = PollResult()
-        agreed_terminal = set(gathered[0].terminal)
-        for g in gathered[1:]:
+        agreed_terminal = set(terminal)
+        for g in gathered:
             agreed_terminal &= set(g.terminal)
-        agreed_quiet = set(gathered[0].quiescent)
-        for g in gathered[1:]:
+        agreed_quiet = set(quiescent)
+        for g in gathered:
             agreed_quiet &= set(g.quiescent)
         with self._lock:
             for rid in sorted(agreed_terminal):
