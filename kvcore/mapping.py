@@ -401,8 +401,12 @@ def plan_transfer(
     sliding_window: int | None = None,
     prompt_len: int | None = None,
     layer_range: tuple[int, int] | None = None,
+    merge: bool = True,
 ) -> FragmentPlan:
     """The fragments source rank ``src`` writes into destination rank ``dst`` for one request (merged).
+
+    ``merge=False`` keeps the mapper's fragment order unmerged: the order the
+    bounce path packs and unpacks in, which both sides can compute alike.
 
     Block lists are the resident suffixes of the request's blocks on each side
     (see :func:`align_blocks`); state views (Mamba) use the state slots. Views
@@ -487,4 +491,5 @@ def plan_transfer(
             group=group,
         )
         plans.append(_mapper(kind, mappers, sv.role).map(pair))
-    return FragmentPlan.concat(plans).merge_contiguous()
+    plan = FragmentPlan.concat(plans)
+    return plan.merge_contiguous() if merge else plan
