@@ -45,6 +45,7 @@ class TransceiverConfig:
     bounce_min_fragments: int = 256  # plans with at least this many fragments ...
     bounce_max_fragment_bytes: int = 4096  # ... all this small or smaller go through a bounce buffer
     bounce_enabled: bool = True
+    bounce_buffer_bytes: int = 64 * 1024 * 1024  # receiver arena and sender staging buffer, per rank
     required_plugins: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -61,7 +62,8 @@ class TransceiverConfig:
         for name in ("request_timeout_s", "first_contact_timeout_s", "transfer_timeout_s"):
             if not float(getattr(self, name)) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("max_message_bytes", "max_inflight_requests", "bounce_min_fragments", "bounce_max_fragment_bytes"):
+        for name in ("max_message_bytes", "max_inflight_requests", "bounce_min_fragments", "bounce_max_fragment_bytes",
+                     "bounce_buffer_bytes"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
 

@@ -105,6 +105,9 @@ class RxSession(Session):
     ctx_dp_rank: int = 0
     writers: dict[int, WriterState] = field(default_factory=dict)  # ctx rank -> state
     nbytes: int = 0
+    leases: dict[int, int] = field(default_factory=dict)  # ctx rank -> bounce arena offset
+    unpack: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # ctx rank -> (dst, sizes)
+    bounced: set[int] = field(default_factory=set)  # writers whose bytes sit packed in their lease
 
     @property
     def quiescent(self) -> bool:
@@ -128,6 +131,12 @@ class ReceiverTask:
     nbytes: int = 0
     fragments: int = 0
     deadline: float = 0.0
+    bounce_addr: int = 0
+    bounce_bytes: int = 0
+    bounce_digest: bytes = b""
+    staging: int | None = None  # offset of this task's lease in the sender's staging arena
+    bounced: bool = False
+    doubt_sent: bool = False
 
 
 @dataclass(eq=False)

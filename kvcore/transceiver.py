@@ -32,9 +32,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvcore import bounce, wire
 from kvcore import errors as E
-from kvcore import wire
-from kvcore.agent import MemoryRegion, TransferAgent, TransferOp, TransferStatus, process_incarnation
+from kvcore.agent import MemoryKind, MemoryRegion, TransferAgent, TransferOp, TransferStatus, process_incarnation
 from kvcore.collective import Collective, LocalCollective
 from kvcore.config import TransceiverConfig
 from kvcore.mapping import RankLayout, plan_transfer, validate_compatible
@@ -135,6 +135,7 @@ class Transceiver:
         collective: Collective | None = None,
         instance_name: str | None = None,
         pm: Any = None,
+        device: str = "cpu",
     ) -> None:
         if role not in ("context", "generation"):
             raise E.ConfigError(f"role must be 'context' or 'generation', got {role!r}")
@@ -165,10 +166,23 @@ class Transceiver:
         self._gen_peers: dict[tuple[str, int], _GenPeer] = {}
         self._refused: dict[tuple[str, int], E.KvcoreError] = {}
         self._quarantined: set[int] = set()
-        # Memory.
+        # Memory: the pools where the engine put them (``device``: "cpu", "cuda" or "cuda:N").
+        kind, dev_id = MemoryKind.DRAM, 0
+        if device.startswith("cuda"):
+            kind, dev_id = MemoryKind.VRAM, int(device.partition(":")[2] or 0)
+        elif device != "cpu":
+            raise E.ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
         self._registrations = [
-            agent.register_memory(MemoryRegion(addr, length)) for addr, length in page_table.regions()
+            agent.register_memory(MemoryRegion(addr, length, kind, dev_id)) for addr, length in page_table.regions()
         ]
+        # Bounce path (DRAM only): the receiver's arena is registered now so that its descriptor carries it;
+        # the sender's staging buffer is allocated on first use.
+        self._bounce_on = config.bounce_enabled and kind is MemoryKind.DRAM
+        self._arena: bounce.Arena | None = None
+        self._staging: bounce.Arena | None = None
+        self._bounce_tensors: list[Any] = []
+        if self._bounce_on and role == "generation":
+            self._arena = self._new_arena()
         self.messenger = Messenger(
             self._on_message,
             host=config.host,
@@ -369,6 +383,10 @@ class Transceiver:
                 s.released = True
                 result.released.append(rid)
                 del sessions[rid]
+                if isinstance(s, RxSession) and self._arena is not None:
+                    for off in s.leases.values():
+                        self._arena.release(off)  # every writer is terminal: nothing can land here any more
+                    s.leases.clear()
                 self._quarantined.discard(rid)
         return result
 
@@ -392,6 +410,8 @@ class Transceiver:
         """Live counts for leak checks: all return to zero (but peers) once every request is released."""
         with self._lock:
             return {
+                "bounce_leases": self._arena.leased if self._arena else 0,
+                "staging_leases": self._staging.leased if self._staging else 0,
                 "rx_sessions": len(self._rx),
                 "tx_sessions": len(self._tx),
                 "early_requests": sum(len(v) for v in self._early.values()),
@@ -458,7 +478,19 @@ class Transceiver:
             )
 
     def _max_slot(self) -> int:
-        return min((p.num_slots for p in self.page_table.pools), default=0)
+        # Minimal fix (e2e/demo owner): block ids index the pools of token views only. State pools (Mamba) hold
+        # one slot per request; counting them refused valid block ids whenever a rank had fewer state slots than
+        # KV blocks (kvcore demo --mamba).
+        pools = {p for v in self.page_table.views if not v.is_state for p in v.pools}
+        return min((self.page_table.pools[p].num_slots for p in pools), default=0)
+
+    def _new_arena(self) -> bounce.Arena:
+        import torch
+
+        t = self.agent.allocate_tensor((self.config.bounce_buffer_bytes,), torch.uint8)
+        self._bounce_tensors.append(t)
+        self._registrations.append(self.agent.register_memory(t))
+        return bounce.Arena(t.data_ptr(), t.numel())
 
     @staticmethod
     def _agent_name(info: wire.RankInfo) -> str:
@@ -609,6 +641,9 @@ class Transceiver:
             state_slot=msg.state_slot,
             prompt_len=msg.prompt_len,
             deadline=time.monotonic() + min(msg.timeout_ms / 1000.0, self.config.request_timeout_s),
+            bounce_addr=msg.bounce_addr,
+            bounce_bytes=msg.bounce_bytes,
+            bounce_digest=msg.bounce_digest,
         )
         if s.expected_receivers is None:
             s.expected_receivers = len(peer_ranks(self.topology, peer.info.topology, peer.info.topology.dp_rank))
@@ -627,8 +662,13 @@ class Transceiver:
             if msg.status == "ok":
                 s.writers[msg.ctx_rank] = WriterState.OK
                 s.nbytes += msg.nbytes
+                if msg.bounced and msg.ctx_rank in s.unpack:
+                    s.bounced.add(msg.ctx_rank)
                 if s.all_ok():
-                    s.transition(SessionState.DONE)
+                    if s.bounced:
+                        self._work.put(("unpack", s.request_id))  # DONE once the bytes are in place
+                    else:
+                        s.transition(SessionState.DONE)
             else:
                 if not in_doubt:
                     s.writers[msg.ctx_rank] = (
@@ -639,7 +679,8 @@ class Transceiver:
                         f"request {msg.request_id} cancelled by context rank {msg.ctx_rank}: {msg.error}"))
                 else:
                     kind = "TransferTimeoutError" if in_doubt else msg.error_kind
-                    s.transition(SessionState.FAILED, _error_from(
+                    state = SessionState.TIMED_OUT if kind == "TransferTimeoutError" else SessionState.FAILED
+                    s.transition(state, _error_from(
                         kind, f"context rank {msg.ctx_rank} failed request {msg.request_id}: {msg.error}"))
             if s.terminal and not s.quiescent:
                 self._quarantined.add(s.request_id)
@@ -758,6 +799,10 @@ class Transceiver:
             self._load_gen(arg)
         elif kind == "load_ctx":
             self._load_ctx(arg)
+        elif kind == "ask":
+            self._ask(arg)
+        elif kind == "unpack":
+            self._unpack(arg)
 
     def _load_gen(self, key: tuple[str, int]) -> None:
         with self._lock:
@@ -805,7 +850,6 @@ class Transceiver:
 
     def _request_data(self, s: RxSession, inst: _CtxInstance) -> None:
         """Ask every overlapping context rank for this request (caller holds the lock)."""
-        remaining_ms = max(1, int((s.deadline - time.monotonic()) * 1000))
         try:
             writers = peer_ranks(self.topology, inst.ranks[0].topology, s.ctx_dp_rank)
         except E.KvcoreError as exc:
@@ -813,6 +857,75 @@ class Transceiver:
             return
         for r in writers:
             s.writers[r] = WriterState.ASKED
+        s.transition(SessionState.TRANSFERRING)
+        if self._arena is not None:
+            self._work.put(("ask", s.request_id))  # plans are computed off the caller's thread
+        else:
+            self._send_requests(s, inst, {})
+
+    def _ask(self, rid: int) -> None:
+        """Worker: decide per writer whether its fragments go through a bounce lease, then ask."""
+        with self._lock:
+            s = self._rx.get(rid)
+            if s is None or s.terminal:
+                return
+            inst = self._ctx_instances[s.ctx_endpoint]
+            writers = list(s.writers)
+        bounce_args: dict[int, tuple[int, int, bytes]] = {}
+        tpb = self.geometry.tokens_per_block
+        n_src = -(-s.prompt_len // tpb) if s.prompt_len >= 0 else len(s.block_ids)
+        for r in writers:
+            try:
+                # The destination side of the unmerged plan does not depend on the source's block ids,
+                # only on how many there are: the context rank computes the same order with its real ids.
+                plan = plan_transfer(
+                    inst.ranks[r].layout, self.layout, np.zeros(n_src, np.int64), s.block_ids,
+                    mappers=self._mappers,
+                    src_state_slot=0 if s.state_slot >= 0 else None,
+                    dst_state_slot=s.state_slot if s.state_slot >= 0 else None,
+                    prompt_len=s.prompt_len if s.prompt_len >= 0 else None,
+                    merge=False,
+                )
+            except E.KvcoreError as exc:
+                log.debug("request %d: no bounce for context rank %d: %s", rid, r, exc)
+                continue
+            if not bounce.wants_bounce(plan.count, plan.nbytes, min_fragments=self.config.bounce_min_fragments,
+                                       max_fragment_bytes=self.config.bounce_max_fragment_bytes):
+                continue
+            assert self._arena is not None
+            off = self._arena.lease(plan.nbytes)
+            if off is None:
+                log.debug("request %d: bounce arena full, context rank %d writes fragments directly", rid, r)
+                continue
+            with self._lock:
+                s.leases[r] = off
+                s.unpack[r] = (plan.dst, plan.sizes)
+            bounce_args[r] = (self._arena.address + off, plan.nbytes, bounce.plan_digest(plan.dst, plan.sizes))
+        with self._lock:
+            if not s.terminal:
+                self._send_requests(s, inst, bounce_args)
+
+    def _unpack(self, rid: int) -> None:
+        """Worker: scatter every bounced writer's lease into the pools, then the request is DONE."""
+        with self._lock:
+            s = self._rx.get(rid)
+            if s is None or s.terminal:
+                return
+            work = [(self._arena.address + s.leases[r], *s.unpack[r]) for r in sorted(s.bounced)]  # type: ignore[union-attr]
+        try:
+            for addr, dst, sizes in work:
+                bounce.scatter(addr, dst, sizes)
+        except Exception as exc:  # pragma: no cover - addresses were validated when planned
+            with self._lock:
+                s.transition(SessionState.FAILED, E.TransferFailedError(f"request {rid}: bounce scatter failed: {exc}"))
+            return
+        with self._lock:
+            s.transition(SessionState.DONE)
+
+    def _send_requests(self, s: RxSession, inst: _CtxInstance, bounce_args: dict[int, tuple[int, int, bytes]]) -> None:
+        remaining_ms = max(1, int((s.deadline - time.monotonic()) * 1000))
+        for r in s.writers:
+            addr, nbytes, digest = bounce_args.get(r, (0, 0, b""))
             self.messenger.send(inst.ranks[r].endpoint, wire.RequestData(
                 v=wire.PROTOCOL_VERSION,
                 request_id=s.request_id,
@@ -823,8 +936,10 @@ class Transceiver:
                 state_slot=s.state_slot,
                 prompt_len=s.prompt_len,
                 timeout_ms=remaining_ms,
+                bounce_addr=addr,
+                bounce_bytes=nbytes,
+                bounce_digest=digest,
             ))
-        s.transition(SessionState.TRANSFERRING)
 
     def _drive_tx(self, rid: int) -> None:
         """Submit every ready receiver task of a send session; settle the session when all are terminal."""
@@ -853,6 +968,8 @@ class Transceiver:
         self._settle_tx(s)
 
     def _submit(self, s: TxSession, t: ReceiverTask, peer: _GenPeer) -> None:
+        if t.bounce_addr and self._bounce_on and self._submit_bounced(s, t, peer):
+            return
         try:
             plan = plan_transfer(
                 self.layout, peer.info.layout, s.block_ids, t.block_ids,
@@ -878,6 +995,46 @@ class Transceiver:
             t.handle, t.state, t.nbytes, t.fragments = handle, "submitted", plan.nbytes, plan.count
             t.deadline = min(t.deadline, time.monotonic() + self.config.transfer_timeout_s)
 
+    def _submit_bounced(self, s: TxSession, t: ReceiverTask, peer: _GenPeer) -> bool:
+        """Gather the unmerged plan into staging and write it with one fragment; False: use the direct path."""
+        try:
+            plan = plan_transfer(
+                self.layout, peer.info.layout, s.block_ids, t.block_ids,
+                mappers=self._mappers,
+                src_state_slot=s.state_slot if s.state_slot >= 0 else None,
+                dst_state_slot=t.state_slot if t.state_slot >= 0 else None,
+                prompt_len=s.prompt_len if s.prompt_len >= 0 else None,
+                merge=False,
+            )
+        except E.KvcoreError:
+            return False  # the direct path reports the error
+        if plan.nbytes != t.bounce_bytes or bounce.plan_digest(plan.dst, plan.sizes) != t.bounce_digest:
+            log.warning("request %d: receiver's bounce plan differs from ours; writing fragments directly",
+                        s.request_id)
+            return False
+        if self._staging is None:
+            self._staging = self._new_arena()
+        off = self._staging.lease(plan.nbytes)
+        if off is None:
+            return False
+        staging = self._staging.address + off
+        try:
+            bounce.gather(plan.src, plan.sizes, staging)
+            handle = self.agent.submit(TransferOp.WRITE, peer.agent_name, np.array([staging], np.uint64),
+                                       np.array([t.bounce_addr], np.uint64), np.array([plan.nbytes], np.uint64))
+        except E.KvcoreError as exc:
+            self._staging.release(off)
+            with self._lock:
+                t.state = "failed"
+                s.transition(SessionState.FAILED, exc)
+            self._send_result(s.request_id, t.endpoint, status="failed", kind=type(exc).__name__, error=str(exc))
+            return True
+        with self._lock:
+            t.handle, t.state, t.nbytes, t.fragments = handle, "submitted", plan.nbytes, plan.count
+            t.staging, t.bounced = off, True
+            t.deadline = min(t.deadline, time.monotonic() + self.config.transfer_timeout_s)
+        return True
+
     def _poll_transfers(self) -> None:
         with self._lock:
             inflight = [(s, t) for s in self._tx.values() for t in s.tasks.values() if t.state == "submitted"]
@@ -885,9 +1042,9 @@ class Transceiver:
         for s, t in inflight:
             status = self.agent.poll(t.handle)
             if status is TransferStatus.PENDING:
-                if now > t.deadline and not getattr(t, "doubt_sent", False):
+                if now > t.deadline and not t.doubt_sent:
                     # Logical timeout; the write may still land, so the receiver keeps its pages quarantined.
-                    t.doubt_sent = True  # type: ignore[attr-defined]
+                    t.doubt_sent = True
                     with self._lock:
                         s.transition(SessionState.TIMED_OUT, E.TransferTimeoutError(
                             f"request {s.request_id}: transfer to {t.gen_key} still pending at its deadline"))
@@ -896,6 +1053,9 @@ class Transceiver:
                 continue
             err = t.handle.error
             self.agent.release(t.handle)
+            if t.staging is not None and self._staging is not None:
+                self._staging.release(t.staging)  # the transport no longer reads it
+                t.staging = None
             with self._lock:
                 t.handle = None
                 if status is TransferStatus.DONE:
@@ -905,7 +1065,8 @@ class Transceiver:
                     t.state = "failed"
                     s.transition(SessionState.FAILED, err)
             if status is TransferStatus.DONE:
-                self._send_result(s.request_id, t.endpoint, status="ok", nbytes=t.nbytes, fragments=t.fragments)
+                self._send_result(s.request_id, t.endpoint, status="ok", nbytes=t.nbytes, fragments=t.fragments,
+                                  bounced=t.bounced)
             else:
                 self._send_result(s.request_id, t.endpoint, status="failed", kind=type(err).__name__, error=str(err))
             self._settle_tx(s)
@@ -927,10 +1088,10 @@ class Transceiver:
                         f"request {s.request_id} was cancelled by its receivers"))
 
     def _send_result(self, rid: int, endpoint: str | None, *, status: str, kind: str = "", error: str = "",
-                     nbytes: int = 0, fragments: int = 0, source: Source | None = None) -> None:
+                     nbytes: int = 0, fragments: int = 0, source: Source | None = None, bounced: bool = False) -> None:
         msg = wire.TransferResult(v=wire.PROTOCOL_VERSION, request_id=rid, ctx_rank=self.topology.rank,
                                   ctx_incarnation=self.incarnation, status=status,  # type: ignore[arg-type]
-                                  nbytes=nbytes, fragments=fragments, error_kind=kind, error=error)
+                                  nbytes=nbytes, fragments=fragments, error_kind=kind, error=error, bounced=bounced)
         try:
             if endpoint is not None:
                 self.messenger.send(endpoint, msg)

@@ -113,6 +113,9 @@ class RequestData(_Msg, tag="request_data"):
     state_slot: int = -1  # one slot per request for state pools (Mamba); -1: none
     prompt_len: int = -1
     timeout_ms: int = 60_000
+    bounce_addr: int = 0  # nonzero: write the packed fragments here (a lease in the receiver's arena)
+    bounce_bytes: int = 0
+    bounce_digest: bytes = b""  # kvcore.bounce.plan_digest of the receiver's view of the unmerged plan
 
 
 class TransferResult(_Msg, tag="transfer_result"):
@@ -126,6 +129,7 @@ class TransferResult(_Msg, tag="transfer_result"):
     fragments: int = 0
     error_kind: str = ""
     error: str = ""
+    bounced: bool = False  # the bytes sit packed in the bounce lease; the receiver must scatter them
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -198,6 +202,8 @@ def _validate(msg: Message) -> None:
             )
         if msg.timeout_ms <= 0:
             raise MessageDecodeError(f"timeout_ms must be > 0, got {msg.timeout_ms}")
+        if msg.bounce_addr < 0 or msg.bounce_bytes < 0 or len(msg.bounce_digest) > 64:
+            raise MessageDecodeError("bounce_addr/bounce_bytes must be >= 0 and bounce_digest at most 64 bytes")
     elif isinstance(msg, RegisterRankInfo):
         parse_endpoint(msg.info.endpoint)
     elif isinstance(msg, InstanceInfo):
