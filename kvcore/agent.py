@@ -524,7 +524,9 @@ class TransferAgent(ABC):
                 handle.status, handle.error = TransferStatus.FAILED, exc
             except Exception as exc:
                 handle.status = TransferStatus.FAILED
-                handle.error = TransferFailedError(f"{self.backend} transfer {handle.id} to {handle.remote!r} failed: {exc}")
+                handle.error = TransferFailedError(
+                    f"{self.backend} transfer {handle.id} to {handle.remote!r} failed: {exc}"
+                )
                 handle.error.__cause__ = exc
         return handle.status
 
@@ -638,7 +640,12 @@ class TransferAgent(ABC):
 
     @abstractmethod
     def _submit(
-        self, handle: TransferHandle, remote: RemoteAgent, local: np.ndarray, remote_addrs: np.ndarray, sizes: np.ndarray
+        self,
+        handle: TransferHandle,
+        remote: RemoteAgent,
+        local: np.ndarray,
+        remote_addrs: np.ndarray,
+        sizes: np.ndarray,
     ) -> Any:
         """Start the transfer (arrays are validated uint64); return its native handle."""
 

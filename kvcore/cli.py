@@ -33,7 +33,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from kvcore.plugins import make_plugin_manager
 
     pm = make_plugin_manager()
-    pm.registries  # run the registration hooks so "provides" and register-phase failures are filled
+    _ = pm.registries  # run the registration hooks so "provides" and register-phase failures are filled
     records = pm.records
     if not args.all:
         records = [r for r in records if not r.builtin] + [r for r in records if r.builtin]
@@ -49,9 +49,15 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             table.add_column(col, overflow="fold")
         for r in records:
             provides = "; ".join(f"{k.replace('_', ' ')}: {', '.join(v)}" for k, v in r.provides.items())
-            status = {"loaded": "[green]loaded[/]", "blocked": "[yellow]blocked[/]"}.get(r.status, f"[red]{r.status}[/]")
+            status = {"loaded": "[green]loaded[/]", "blocked": "[yellow]blocked[/]"}.get(
+                r.status, f"[red]{r.status}[/]"
+            )
             table.add_row(
-                r.name, "kvcore (built-in)" if r.builtin else (r.dist or "-"), r.version or "-", status, provides or "-",
+                r.name,
+                "kvcore (built-in)" if r.builtin else (r.dist or "-"),
+                r.version or "-",
+                status,
+                provides or "-",
                 r.error or "",
             )
         Console(width=max(100, Console().width)).print(table)

@@ -62,8 +62,13 @@ class TransceiverConfig:
         for name in ("request_timeout_s", "first_contact_timeout_s", "transfer_timeout_s"):
             if not float(getattr(self, name)) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("max_message_bytes", "max_inflight_requests", "bounce_min_fragments", "bounce_max_fragment_bytes",
-                     "bounce_buffer_bytes"):
+        for name in (
+            "max_message_bytes",
+            "max_inflight_requests",
+            "bounce_min_fragments",
+            "bounce_max_fragment_bytes",
+            "bounce_buffer_bytes",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -164,7 +169,9 @@ def check_required_plugins(config: TransceiverConfig, pm: PluginManager) -> None
             raise ConfigError(f"required plugin {spec!r} but {rec.dist} {rec.version} is installed")
 
 
-def resolve_backend(config: TransceiverConfig | str, pm: PluginManager | None = None) -> tuple[str, type[TransferAgent]]:
+def resolve_backend(
+    config: TransceiverConfig | str, pm: PluginManager | None = None
+) -> tuple[str, type[TransferAgent]]:
     """The backend name and agent class the configuration selects; ``auto`` tries ``AUTO_PREFERENCE`` in order."""
     from kvcore.agent import TransferAgent
     from kvcore.plugins import get_plugin_manager
@@ -191,9 +198,7 @@ def resolve_backend(config: TransceiverConfig | str, pm: PluginManager | None = 
     return name, cls
 
 
-def create_agent(
-    config: TransceiverConfig | str, agent_name: str, pm: PluginManager | None = None
-) -> TransferAgent:
+def create_agent(config: TransceiverConfig | str, agent_name: str, pm: PluginManager | None = None) -> TransferAgent:
     """Instantiate the selected transfer agent with the configuration's ``agent_options``."""
     _, cls = resolve_backend(config, pm)
     options = {} if isinstance(config, str) else config.agent_options

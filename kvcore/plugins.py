@@ -233,7 +233,8 @@ class PluginManager:
             self._fail(rec, "validate", exc)
             return
         rec.hooks = sorted(
-            hc.name for hc in self.pm.get_hookcallers(self.pm.get_plugin(rec.name)) or ()  # type: ignore[union-attr]
+            hc.name
+            for hc in self.pm.get_hookcallers(self.pm.get_plugin(rec.name)) or ()  # type: ignore[union-attr]
         )
         self.records.append(rec)
         self._registries = None
@@ -308,7 +309,9 @@ class PluginManager:
         if self.strict:
             if isinstance(exc, DuplicateBackendError):
                 raise exc
-            raise PluginLoadError(f"plugin {rec.name!r} ({rec.dist_label}) failed during register: {rec.error}") from exc
+            raise PluginLoadError(
+                f"plugin {rec.name!r} ({rec.dist_label}) failed during register: {rec.error}"
+            ) from exc
         log.warning("kvcore: plugin %r (%s) failed to register: %s", rec.name, rec.dist_label, rec.error)
 
     # --- convenience ---------------------------------------------------------------------------

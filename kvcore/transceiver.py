@@ -41,7 +41,7 @@ from kvcore.mapping import RankLayout, plan_transfer, validate_compatible
 from kvcore.messenger import Messenger, Source
 from kvcore.page import PageTable
 from kvcore.peer import peer_ranks
-from kvcore.session import RxSession, SessionState, TxSession, ReceiverTask, WriterState
+from kvcore.session import ReceiverTask, RxSession, SessionState, TxSession, WriterState
 from kvcore.topology import AttentionGeometry, Topology
 
 __all__ = ["Transceiver", "PollResult", "Outcome"]
@@ -249,7 +249,9 @@ class Transceiver:
             )
             self._tx[rid] = s
             if rid in self._tombstones:
-                s.transition(SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled by the receiver"))
+                s.transition(
+                    SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled by the receiver")
+                )
             for _, req in self._early.pop(rid, []):
                 self._attach_receiver(s, req)
         self._work.put(("tx", rid))
@@ -518,14 +520,20 @@ class Transceiver:
 
     def _on_info_request(self, source: Source, msg: wire.InstanceInfoRequest) -> None:
         if self.role != "context":
-            self.messenger.reply(source, wire.ErrorReply(v=wire.PROTOCOL_VERSION, kind="ProtocolError",
-                                                         error="this endpoint is a generation rank"))
+            self.messenger.reply(
+                source,
+                wire.ErrorReply(
+                    v=wire.PROTOCOL_VERSION, kind="ProtocolError", error="this endpoint is a generation rank"
+                ),
+            )
             return
         try:
             version = wire.negotiate(msg.min_version, msg.max_version)
         except E.ProtocolVersionError as exc:
-            self.messenger.reply(source, wire.InstanceInfo(v=wire.PROTOCOL_VERSION, instance_name=self.instance_name,
-                                                           ranks=[], error=str(exc)))
+            self.messenger.reply(
+                source,
+                wire.InstanceInfo(v=wire.PROTOCOL_VERSION, instance_name=self.instance_name, ranks=[], error=str(exc)),
+            )
             return
         self.messenger.reply(
             source, wire.InstanceInfo(v=version, instance_name=self.instance_name, ranks=self.instance_ranks)
@@ -548,7 +556,9 @@ class Transceiver:
                     raise E.ProtocolError(f"context instance at {source.endpoint} sent an incomplete rank list")
                 # Every rank this rank could exchange with, over all context DP groups.
                 ctx_topo = ranks[0].topology
-                inst.peers = sorted({p for d in range(ctx_topo.dp_size) for p in peer_ranks(self.topology, ctx_topo, d)})
+                inst.peers = sorted(
+                    {p for d in range(ctx_topo.dp_size) for p in peer_ranks(self.topology, ctx_topo, d)}
+                )
                 for r in inst.peers:
                     validate_compatible(ranks[r].layout, self.layout)
                     if ranks[r].backend != self.agent.backend:
@@ -579,8 +589,16 @@ class Transceiver:
         except E.KvcoreError as exc:
             with self._lock:
                 self._refused[key] = exc
-            self.messenger.reply(source, wire.RegisterResult(v=wire.PROTOCOL_VERSION, ctx_rank=self.topology.rank,
-                                                             ok=False, error_kind=type(exc).__name__, error=str(exc)))
+            self.messenger.reply(
+                source,
+                wire.RegisterResult(
+                    v=wire.PROTOCOL_VERSION,
+                    ctx_rank=self.topology.rank,
+                    ok=False,
+                    error_kind=type(exc).__name__,
+                    error=str(exc),
+                ),
+            )
             return
         with self._lock:
             old = self._gen_peers.get(key)
@@ -611,14 +629,25 @@ class Transceiver:
             refused = self._refused.get(key)
             if peer is None or peer.info.incarnation != msg.gen_incarnation:
                 why = str(refused) if refused else f"generation rank {key} is not registered with this context rank"
-                self._send_result(msg.request_id, None, status="failed",
-                                  kind=type(refused).__name__ if refused else "ProtocolError", error=why, source=source)
+                self._send_result(
+                    msg.request_id,
+                    None,
+                    status="failed",
+                    kind=type(refused).__name__ if refused else "ProtocolError",
+                    error=why,
+                    source=source,
+                )
                 return
             s = self._tx.get(msg.request_id)
             if s is None:
                 if msg.request_id in self._tombstones:
-                    self._send_result(msg.request_id, peer.info.endpoint, status="cancelled",
-                                      kind="RequestCancelledError", error="request was cancelled by the context side")
+                    self._send_result(
+                        msg.request_id,
+                        peer.info.endpoint,
+                        status="cancelled",
+                        kind="RequestCancelledError",
+                        error="request was cancelled by the context side",
+                    )
                     return
                 pending = self._early.setdefault(msg.request_id, [])
                 if len(pending) < 1024:
@@ -671,17 +700,21 @@ class Transceiver:
                         s.transition(SessionState.DONE)
             else:
                 if not in_doubt:
-                    s.writers[msg.ctx_rank] = (
-                        WriterState.CANCELLED if msg.status == "cancelled" else WriterState.FAILED
-                    )
+                    s.writers[msg.ctx_rank] = WriterState.CANCELLED if msg.status == "cancelled" else WriterState.FAILED
                 if msg.status == "cancelled":
-                    s.transition(SessionState.CANCELLED, E.RequestCancelledError(
-                        f"request {msg.request_id} cancelled by context rank {msg.ctx_rank}: {msg.error}"))
+                    s.transition(
+                        SessionState.CANCELLED,
+                        E.RequestCancelledError(
+                            f"request {msg.request_id} cancelled by context rank {msg.ctx_rank}: {msg.error}"
+                        ),
+                    )
                 else:
                     kind = "TransferTimeoutError" if in_doubt else msg.error_kind
                     state = SessionState.TIMED_OUT if kind == "TransferTimeoutError" else SessionState.FAILED
-                    s.transition(state, _error_from(
-                        kind, f"context rank {msg.ctx_rank} failed request {msg.request_id}: {msg.error}"))
+                    s.transition(
+                        state,
+                        _error_from(kind, f"context rank {msg.ctx_rank} failed request {msg.request_id}: {msg.error}"),
+                    )
             if s.terminal and not s.quiescent:
                 self._quarantined.add(s.request_id)
 
@@ -699,19 +732,29 @@ class Transceiver:
                     if not early:
                         self._early.pop(msg.request_id, None)
                     if peer is not None:
-                        self._send_result(msg.request_id, peer.info.endpoint, status="cancelled",
-                                          kind="RequestCancelledError", error=msg.reason)
+                        self._send_result(
+                            msg.request_id,
+                            peer.info.endpoint,
+                            status="cancelled",
+                            kind="RequestCancelledError",
+                            error=msg.reason,
+                        )
                     return
                 if t.state == "waiting":
                     t.state = "cancelled"
-                    self._send_result(msg.request_id, t.endpoint, status="cancelled", kind="RequestCancelledError",
-                                      error=msg.reason)
+                    self._send_result(
+                        msg.request_id, t.endpoint, status="cancelled", kind="RequestCancelledError", error=msg.reason
+                    )
                 # A submitted write cannot be recalled: its final result follows when the transport finishes.
             else:
                 s2 = self._rx.get(msg.request_id)
                 if s2 is not None:
-                    s2.transition(SessionState.CANCELLED, E.RequestCancelledError(
-                        f"request {msg.request_id} cancelled by the context side: {msg.reason}"))
+                    s2.transition(
+                        SessionState.CANCELLED,
+                        E.RequestCancelledError(
+                            f"request {msg.request_id} cancelled by the context side: {msg.reason}"
+                        ),
+                    )
         if self.role == "context":
             self._work.put(("tx", msg.request_id))
 
@@ -739,9 +782,13 @@ class Transceiver:
                             if s.writers[info.rank] is WriterState.ASKED:
                                 if dead:
                                     s.writers[info.rank] = WriterState.FENCED
-                                s.transition(SessionState.FAILED, E.PeerLostError(
-                                    f"context rank {info.rank} at {endpoint} was lost during request {s.request_id}"
-                                    + ("" if dead else "; its pages stay quarantined until it is confirmed dead")))
+                                s.transition(
+                                    SessionState.FAILED,
+                                    E.PeerLostError(
+                                        f"context rank {info.rank} at {endpoint} was lost during request {s.request_id}"
+                                        + ("" if dead else "; its pages stay quarantined until it is confirmed dead")
+                                    ),
+                                )
                                 if not s.quiescent:
                                     self._quarantined.add(s.request_id)
             else:
@@ -752,8 +799,10 @@ class Transceiver:
                             t = s.tasks.get(key)
                             if t is not None and t.state == "waiting":
                                 t.state = "failed"
-                                s.transition(SessionState.FAILED, E.PeerLostError(
-                                    f"generation rank {key} at {endpoint} was lost"))
+                                s.transition(
+                                    SessionState.FAILED,
+                                    E.PeerLostError(f"generation rank {key} at {endpoint} was lost"),
+                                )
                 self._work.put(("tx_all", None))
 
     # --- worker thread ---------------------------------------------------------------------------
@@ -815,9 +864,16 @@ class Transceiver:
             with self._lock:
                 self._refused[key] = exc
                 self._gen_peers.pop(key, None)
-            self.messenger.send(peer.info.endpoint, wire.RegisterResult(
-                v=wire.PROTOCOL_VERSION, ctx_rank=self.topology.rank, ok=False,
-                error_kind=type(exc).__name__, error=str(exc)))
+            self.messenger.send(
+                peer.info.endpoint,
+                wire.RegisterResult(
+                    v=wire.PROTOCOL_VERSION,
+                    ctx_rank=self.topology.rank,
+                    ok=False,
+                    error_kind=type(exc).__name__,
+                    error=str(exc),
+                ),
+            )
             return
         with self._lock:
             peer.agent_name = name
@@ -879,7 +935,10 @@ class Transceiver:
                 # The destination side of the unmerged plan does not depend on the source's block ids,
                 # only on how many there are: the context rank computes the same order with its real ids.
                 plan = plan_transfer(
-                    inst.ranks[r].layout, self.layout, np.zeros(n_src, np.int64), s.block_ids,
+                    inst.ranks[r].layout,
+                    self.layout,
+                    np.zeros(n_src, np.int64),
+                    s.block_ids,
                     mappers=self._mappers,
                     src_state_slot=0 if s.state_slot >= 0 else None,
                     dst_state_slot=s.state_slot if s.state_slot >= 0 else None,
@@ -889,8 +948,12 @@ class Transceiver:
             except E.KvcoreError as exc:
                 log.debug("request %d: no bounce for context rank %d: %s", rid, r, exc)
                 continue
-            if not bounce.wants_bounce(plan.count, plan.nbytes, min_fragments=self.config.bounce_min_fragments,
-                                       max_fragment_bytes=self.config.bounce_max_fragment_bytes):
+            if not bounce.wants_bounce(
+                plan.count,
+                plan.nbytes,
+                min_fragments=self.config.bounce_min_fragments,
+                max_fragment_bytes=self.config.bounce_max_fragment_bytes,
+            ):
                 continue
             assert self._arena is not None
             off = self._arena.lease(plan.nbytes)
@@ -926,20 +989,23 @@ class Transceiver:
         remaining_ms = max(1, int((s.deadline - time.monotonic()) * 1000))
         for r in s.writers:
             addr, nbytes, digest = bounce_args.get(r, (0, 0, b""))
-            self.messenger.send(inst.ranks[r].endpoint, wire.RequestData(
-                v=wire.PROTOCOL_VERSION,
-                request_id=s.request_id,
-                gen_instance=self.instance_name,
-                gen_rank=self.topology.rank,
-                gen_incarnation=self.incarnation,
-                block_ids=s.block_ids.astype("<i8").tobytes(),
-                state_slot=s.state_slot,
-                prompt_len=s.prompt_len,
-                timeout_ms=remaining_ms,
-                bounce_addr=addr,
-                bounce_bytes=nbytes,
-                bounce_digest=digest,
-            ))
+            self.messenger.send(
+                inst.ranks[r].endpoint,
+                wire.RequestData(
+                    v=wire.PROTOCOL_VERSION,
+                    request_id=s.request_id,
+                    gen_instance=self.instance_name,
+                    gen_rank=self.topology.rank,
+                    gen_incarnation=self.incarnation,
+                    block_ids=s.block_ids.astype("<i8").tobytes(),
+                    state_slot=s.state_slot,
+                    prompt_len=s.prompt_len,
+                    timeout_ms=remaining_ms,
+                    bounce_addr=addr,
+                    bounce_bytes=nbytes,
+                    bounce_digest=digest,
+                ),
+            )
 
     def _drive_tx(self, rid: int) -> None:
         """Submit every ready receiver task of a send session; settle the session when all are terminal."""
@@ -953,9 +1019,13 @@ class Transceiver:
                     continue
                 if s.terminal:
                     t.state = "cancelled" if s.state is SessionState.CANCELLED else "failed"
-                    self._send_result(rid, t.endpoint, status="cancelled" if t.state == "cancelled" else "failed",
-                                      kind=type(s.error).__name__ if s.error else "SessionError",
-                                      error=str(s.error or "request ended"))
+                    self._send_result(
+                        rid,
+                        t.endpoint,
+                        status="cancelled" if t.state == "cancelled" else "failed",
+                        kind=type(s.error).__name__ if s.error else "SessionError",
+                        error=str(s.error or "request ended"),
+                    )
                     continue
                 peer = self._gen_peers.get(t.gen_key)
                 if peer is None or peer.agent_name is None:
@@ -972,7 +1042,10 @@ class Transceiver:
             return
         try:
             plan = plan_transfer(
-                self.layout, peer.info.layout, s.block_ids, t.block_ids,
+                self.layout,
+                peer.info.layout,
+                s.block_ids,
+                t.block_ids,
                 mappers=self._mappers,
                 src_state_slot=s.state_slot if s.state_slot >= 0 else None,
                 dst_state_slot=t.state_slot if t.state_slot >= 0 else None,
@@ -999,7 +1072,10 @@ class Transceiver:
         """Gather the unmerged plan into staging and write it with one fragment; False: use the direct path."""
         try:
             plan = plan_transfer(
-                self.layout, peer.info.layout, s.block_ids, t.block_ids,
+                self.layout,
+                peer.info.layout,
+                s.block_ids,
+                t.block_ids,
                 mappers=self._mappers,
                 src_state_slot=s.state_slot if s.state_slot >= 0 else None,
                 dst_state_slot=t.state_slot if t.state_slot >= 0 else None,
@@ -1009,8 +1085,9 @@ class Transceiver:
         except E.KvcoreError:
             return False  # the direct path reports the error
         if plan.nbytes != t.bounce_bytes or bounce.plan_digest(plan.dst, plan.sizes) != t.bounce_digest:
-            log.warning("request %d: receiver's bounce plan differs from ours; writing fragments directly",
-                        s.request_id)
+            log.warning(
+                "request %d: receiver's bounce plan differs from ours; writing fragments directly", s.request_id
+            )
             return False
         if self._staging is None:
             self._staging = self._new_arena()
@@ -1020,8 +1097,13 @@ class Transceiver:
         staging = self._staging.address + off
         try:
             bounce.gather(plan.src, plan.sizes, staging)
-            handle = self.agent.submit(TransferOp.WRITE, peer.agent_name, np.array([staging], np.uint64),
-                                       np.array([t.bounce_addr], np.uint64), np.array([plan.nbytes], np.uint64))
+            handle = self.agent.submit(
+                TransferOp.WRITE,
+                peer.agent_name,
+                np.array([staging], np.uint64),
+                np.array([t.bounce_addr], np.uint64),
+                np.array([plan.nbytes], np.uint64),
+            )
         except E.KvcoreError as exc:
             self._staging.release(off)
             with self._lock:
@@ -1046,10 +1128,19 @@ class Transceiver:
                     # Logical timeout; the write may still land, so the receiver keeps its pages quarantined.
                     t.doubt_sent = True
                     with self._lock:
-                        s.transition(SessionState.TIMED_OUT, E.TransferTimeoutError(
-                            f"request {s.request_id}: transfer to {t.gen_key} still pending at its deadline"))
-                    self._send_result(s.request_id, t.endpoint, status="failed", kind="in_doubt",
-                                      error="transfer still in flight at its deadline")
+                        s.transition(
+                            SessionState.TIMED_OUT,
+                            E.TransferTimeoutError(
+                                f"request {s.request_id}: transfer to {t.gen_key} still pending at its deadline"
+                            ),
+                        )
+                    self._send_result(
+                        s.request_id,
+                        t.endpoint,
+                        status="failed",
+                        kind="in_doubt",
+                        error="transfer still in flight at its deadline",
+                    )
                 continue
             err = t.handle.error
             self.agent.release(t.handle)
@@ -1065,8 +1156,9 @@ class Transceiver:
                     t.state = "failed"
                     s.transition(SessionState.FAILED, err)
             if status is TransferStatus.DONE:
-                self._send_result(s.request_id, t.endpoint, status="ok", nbytes=t.nbytes, fragments=t.fragments,
-                                  bounced=t.bounced)
+                self._send_result(
+                    s.request_id, t.endpoint, status="ok", nbytes=t.nbytes, fragments=t.fragments, bounced=t.bounced
+                )
             else:
                 self._send_result(s.request_id, t.endpoint, status="failed", kind=type(err).__name__, error=str(err))
             self._settle_tx(s)
@@ -1084,14 +1176,36 @@ class Transceiver:
                 if "failed" in states:
                     s.transition(SessionState.FAILED, E.TransferFailedError(f"request {s.request_id}: a write failed"))
                 else:
-                    s.transition(SessionState.CANCELLED, E.RequestCancelledError(
-                        f"request {s.request_id} was cancelled by its receivers"))
+                    s.transition(
+                        SessionState.CANCELLED,
+                        E.RequestCancelledError(f"request {s.request_id} was cancelled by its receivers"),
+                    )
 
-    def _send_result(self, rid: int, endpoint: str | None, *, status: str, kind: str = "", error: str = "",
-                     nbytes: int = 0, fragments: int = 0, source: Source | None = None, bounced: bool = False) -> None:
-        msg = wire.TransferResult(v=wire.PROTOCOL_VERSION, request_id=rid, ctx_rank=self.topology.rank,
-                                  ctx_incarnation=self.incarnation, status=status,  # type: ignore[arg-type]
-                                  nbytes=nbytes, fragments=fragments, error_kind=kind, error=error, bounced=bounced)
+    def _send_result(
+        self,
+        rid: int,
+        endpoint: str | None,
+        *,
+        status: str,
+        kind: str = "",
+        error: str = "",
+        nbytes: int = 0,
+        fragments: int = 0,
+        source: Source | None = None,
+        bounced: bool = False,
+    ) -> None:
+        msg = wire.TransferResult(
+            v=wire.PROTOCOL_VERSION,
+            request_id=rid,
+            ctx_rank=self.topology.rank,
+            ctx_incarnation=self.incarnation,
+            status=status,  # type: ignore[arg-type]
+            nbytes=nbytes,
+            fragments=fragments,
+            error_kind=kind,
+            error=error,
+            bounced=bounced,
+        )
         try:
             if endpoint is not None:
                 self.messenger.send(endpoint, msg)
@@ -1105,9 +1219,13 @@ class Transceiver:
         with self._lock:
             for s in self._rx.values():
                 if not s.terminal and now > s.deadline:
-                    s.transition(SessionState.TIMED_OUT, E.TransferTimeoutError(
-                        f"request {s.request_id} not complete after {self.config.request_timeout_s}s "
-                        f"(writers: {', '.join(f'{r}={w.value}' for r, w in s.writers.items()) or 'none contacted'})"))
+                    s.transition(
+                        SessionState.TIMED_OUT,
+                        E.TransferTimeoutError(
+                            f"request {s.request_id} not complete after {self.config.request_timeout_s}s "
+                            f"(writers: {', '.join(f'{r}={w.value}' for r, w in s.writers.items()) or 'none contacted'})"
+                        ),
+                    )
                 if s.terminal and not s.quiescent:
                     for r, w in s.writers.items():
                         if w is WriterState.ASKED:
@@ -1119,19 +1237,33 @@ class Transceiver:
                         self._quarantined.add(s.request_id)
             for s in self._tx.values():
                 if not s.terminal and now > s.deadline:
-                    s.transition(SessionState.TIMED_OUT, E.TransferTimeoutError(
-                        f"request {s.request_id}: receivers did not all ask within {self.config.request_timeout_s}s"))
+                    s.transition(
+                        SessionState.TIMED_OUT,
+                        E.TransferTimeoutError(
+                            f"request {s.request_id}: receivers did not all ask within {self.config.request_timeout_s}s"
+                        ),
+                    )
                     for t in s.tasks.values():
                         if t.state == "waiting":
                             t.state = "failed"
-                            self._send_result(s.request_id, t.endpoint, status="failed", kind="TransferTimeoutError",
-                                              error="context side timed out before writing")
+                            self._send_result(
+                                s.request_id,
+                                t.endpoint,
+                                status="failed",
+                                kind="TransferTimeoutError",
+                                error="context side timed out before writing",
+                            )
             ttl = self.config.request_timeout_s
             for rid in [r for r, lst in self._early.items() if lst and now > min(t for t, _ in lst)]:
                 for _, req in self._early.pop(rid):
                     peer = self._gen_peers.get((req.gen_instance, req.gen_rank))
                     if peer is not None:
-                        self._send_result(rid, peer.info.endpoint, status="failed", kind="TransferTimeoutError",
-                                          error=f"context side never started sending request {rid}")
+                        self._send_result(
+                            rid,
+                            peer.info.endpoint,
+                            status="failed",
+                            kind="TransferTimeoutError",
+                            error=f"context side never started sending request {rid}",
+                        )
             for rid in [r for r, t0 in self._tombstones.items() if now - t0 > ttl]:
                 del self._tombstones[rid]

@@ -149,7 +149,16 @@ class ErrorReply(_Msg, tag="error"):
     request_id: int = -1
 
 
-Message = InstanceInfoRequest | InstanceInfo | RegisterRankInfo | RegisterResult | RequestData | TransferResult | Cancel | ErrorReply
+Message = (
+    InstanceInfoRequest
+    | InstanceInfo
+    | RegisterRankInfo
+    | RegisterResult
+    | RequestData
+    | TransferResult
+    | Cancel
+    | ErrorReply
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
@@ -171,8 +180,7 @@ def decode(frame: bytes, max_bytes: int = 16 * 1024 * 1024) -> Message:
         version = _peek_version(frame)
         if version is not None and not (MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION):
             raise ProtocolVersionError(
-                f"peer speaks protocol version {version}; this kvcore speaks "
-                f"{MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}"
+                f"peer speaks protocol version {version}; this kvcore speaks {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}"
             ) from exc
         raise MessageDecodeError(f"malformed control frame ({len(frame)} bytes): {exc}") from exc
     if not (MIN_PROTOCOL_VERSION <= msg.v <= PROTOCOL_VERSION):

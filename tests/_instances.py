@@ -39,8 +39,14 @@ def _context_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: int,
     agent = create_agent(cfg, f"ctx-{os.getpid()}")
     cache = allocate_kv_cache(topo, geometry, num_blocks, allocator=agent.allocate_tensor)
     flat = cache.view(num_blocks, -1).view(torch.uint8)
-    tx = Transceiver(cfg, role="context", agent=agent, topology=topo, geometry=geometry,
-                     page_table=build_page_table("head_major_pool", cache, topology=topo, geometry=geometry))
+    tx = Transceiver(
+        cfg,
+        role="context",
+        agent=agent,
+        topology=topo,
+        geometry=geometry,
+        page_table=build_page_table("head_major_pool", cache, topology=topo, geometry=geometry),
+    )
     conn.send_bytes(msgspec.msgpack.encode({"endpoint": tx.info_endpoint, "pid": os.getpid()}))
     try:
         while True:
@@ -58,9 +64,15 @@ def _context_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: int,
                     conn.send_bytes(msgspec.msgpack.encode({"stats": tx.stats()}))
             r = tx.poll()
             for o in r.outcomes:
-                conn.send_bytes(msgspec.msgpack.encode(
-                    {"outcome": o.request_id, "state": o.state.value,
-                     "error": f"{type(o.error).__name__}: {o.error}" if o.error else None}))
+                conn.send_bytes(
+                    msgspec.msgpack.encode(
+                        {
+                            "outcome": o.request_id,
+                            "state": o.state.value,
+                            "error": f"{type(o.error).__name__}: {o.error}" if o.error else None,
+                        }
+                    )
+                )
             for rid in r.released:
                 conn.send_bytes(msgspec.msgpack.encode({"released": rid}))
     finally:

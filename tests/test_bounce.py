@@ -31,8 +31,8 @@ def test_gather_then_scatter_moves_exactly_the_fragments(unit: int) -> None:
     pos = 0
     for sa, da, z in zip(s_addr - src.data_ptr(), d_addr - dst.data_ptr(), sizes):
         sa, da, z = int(sa), int(da), int(z)
-        assert np.array_equal(packed.numpy()[pos:pos + z], s_np[sa:sa + z])
-        want[da:da + z] = s_np[sa:sa + z]
+        assert np.array_equal(packed.numpy()[pos : pos + z], s_np[sa : sa + z])
+        want[da : da + z] = s_np[sa : sa + z]
         pos += z
     assert np.array_equal(dst.numpy(), want)
 
@@ -65,8 +65,9 @@ def _pair(layout: str, gen_tp: int, **cfg: object) -> tuple[list, list, list, li
     from kvcore.topology import AttentionGeometry, Topology
     from kvcore.transceiver import Transceiver
 
-    geo = AttentionGeometry(num_layers=2, num_kv_heads=4, head_dim=16, tokens_per_block=4, dtype="bfloat16",
-                            layout=layout)
+    geo = AttentionGeometry(
+        num_layers=2, num_kv_heads=4, head_dim=16, tokens_per_block=4, dtype="bfloat16", layout=layout
+    )
     builder = "head_major_pool" if layout == "head_major" else "token_major_layers"
     config = TransceiverConfig(backend="shm", request_timeout_s=20, bounce_buffer_bytes=1 << 20, **cfg)  # type: ignore[arg-type]
     agents, caches, txs, topos = [], [], [], []
@@ -79,8 +80,11 @@ def _pair(layout: str, gen_tp: int, **cfg: object) -> tuple[list, list, list, li
         caches.append(cache)
         topos.append(topo)
         # Generation ranks of a TP>1 instance would agree through a collective; each is polled alone here.
-        txs.append(Transceiver(config, role=role, agent=agent, topology=topo, geometry=geo, page_table=table,
-                               instance_name=role))
+        txs.append(
+            Transceiver(
+                config, role=role, agent=agent, topology=topo, geometry=geo, page_table=table, instance_name=role
+            )
+        )
     return agents, caches, txs, topos
 
 
@@ -101,7 +105,7 @@ def test_token_major_head_mismatch_through_bounce_matches_direct(force: bool) ->
         assert ctx.wait_all([1], 20)[1].state.value == "DONE"
         for r, g in enumerate(gens):  # [blocks, kv, tokens, heads, dim]: generation rank r holds heads 2r, 2r+1
             for layer_src, layer_dst in zip(caches[0], caches[1 + r]):
-                want = layer_src[[3, 5, 7]][..., 2 * r:2 * r + 2, :]
+                want = layer_src[[3, 5, 7]][..., 2 * r : 2 * r + 2, :]
                 assert torch.equal(layer_dst[[0, 9, 2]], want)
             st = g.stats()
             assert st["bounce_leases"] == 0 and st["rx_sessions"] == 0

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from kvcore.errors import RequestCancelledError, SessionError
-from kvcore.session import RxSession, SessionState, TxSession, WriterState, ReceiverTask
-
-import numpy as np
+from kvcore.session import ReceiverTask, RxSession, SessionState, TxSession, WriterState
 
 
 def _rx() -> RxSession:
@@ -51,8 +50,9 @@ def test_rx_quiescent_only_when_no_writer_may_still_write() -> None:
 
 def test_tx_quiescent_tracks_submitted_tasks() -> None:
     s = TxSession(request_id=2, deadline=time.monotonic() + 10)
-    t = ReceiverTask(gen_key=("g", 0), endpoint="tcp://127.0.0.1:1", block_ids=np.zeros(1, np.int64),
-                     state_slot=-1, prompt_len=-1)
+    t = ReceiverTask(
+        gen_key=("g", 0), endpoint="tcp://127.0.0.1:1", block_ids=np.zeros(1, np.int64), state_slot=-1, prompt_len=-1
+    )
     s.tasks[t.gen_key] = t
     assert s.quiescent
     t.state = "submitted"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 import zmq
-
 from _instances import ContextProcess, fill_value, geometry_kwargs
+
 from kvcore import errors as E
 from kvcore import wire
 from kvcore.builders import allocate_kv_cache, build_page_table
@@ -32,9 +32,14 @@ class Gen:
         self.agent = create_agent(self.cfg, "gen-test")
         self.cache = allocate_kv_cache(topo, self.geometry, num_blocks, allocator=self.agent.allocate_tensor)
         self.flat = self.cache.view(num_blocks, -1).view(torch.uint8)
-        self.tx = Transceiver(self.cfg, role="generation", agent=self.agent, topology=topo, geometry=self.geometry,
-                              page_table=build_page_table("head_major_pool", self.cache, topology=topo,
-                                                          geometry=self.geometry))
+        self.tx = Transceiver(
+            self.cfg,
+            role="generation",
+            agent=self.agent,
+            topology=topo,
+            geometry=self.geometry,
+            page_table=build_page_table("head_major_pool", self.cache, topology=topo, geometry=self.geometry),
+        )
 
     def outcomes(self, rids: list[int], timeout: float = 20.0) -> dict[int, Any]:
         return self.tx.wait_all(rids, timeout)
@@ -73,7 +78,7 @@ def test_concurrent_requests_bytes_and_no_leaks(ctx: ContextProcess, gen: Gen) -
     src, dst = rng.permutation(64), rng.permutation(64)
     rids = list(range(16))
     for r in rids:  # receivers first for half, senders first for the other half: both orders must work
-        s, d = src[r * 4:(r + 1) * 4].tolist(), dst[r * 4:(r + 1) * 4].tolist()
+        s, d = src[r * 4 : (r + 1) * 4].tolist(), dst[r * 4 : (r + 1) * 4].tolist()
         if r % 2:
             ctx.send(r, s)
             gen.tx.start_receive(r, ctx.endpoint, d)
@@ -83,7 +88,7 @@ def test_concurrent_requests_bytes_and_no_leaks(ctx: ContextProcess, gen: Gen) -
     out = gen.outcomes(rids)
     assert {o.state for o in out.values()} == {SessionState.DONE}
     for r in rids:
-        _check_bytes(gen, r, src[r * 4:(r + 1) * 4].tolist(), dst[r * 4:(r + 1) * 4].tolist())
+        _check_bytes(gen, r, src[r * 4 : (r + 1) * 4].tolist(), dst[r * 4 : (r + 1) * 4].tolist())
         assert ctx.wait_released(r)["state"] == "DONE"
     assert all(v == 0 for k, v in gen.tx.stats().items() if k not in ("ctx_instances", "gen_peers"))
     assert all(v == 0 for k, v in ctx.stats().items() if k not in ("ctx_instances", "gen_peers"))
@@ -103,8 +108,9 @@ def test_prefix_cached_suffix_only(ctx: ContextProcess, gen: Gen) -> None:
     ("override", "fields"),
     [({"head_dim": 64}, ["head_dim"]), ({"dtype": "float16", "tokens_per_block": 16}, ["dtype", "tokens_per_block"])],
 )
-def test_incompatible_peer_refused_at_first_contact(ctx: ContextProcess, override: dict[str, Any],
-                                                     fields: list[str]) -> None:
+def test_incompatible_peer_refused_at_first_contact(
+    ctx: ContextProcess, override: dict[str, Any], fields: list[str]
+) -> None:
     g = Gen(**override)
     try:
         g.tx.start_receive(1, ctx.endpoint, [0, 1])

@@ -16,8 +16,15 @@ V = wire.PROTOCOL_VERSION
 
 
 def _req(**kw: object) -> wire.RequestData:
-    base = dict(v=V, request_id=2**64 - 1, gen_instance="g", gen_rank=1, gen_incarnation="abc",
-                block_ids=(b"\x01" + b"\x00" * 7) * 3, timeout_ms=1000)
+    base = dict(
+        v=V,
+        request_id=2**64 - 1,
+        gen_instance="g",
+        gen_rank=1,
+        gen_incarnation="abc",
+        block_ids=(b"\x01" + b"\x00" * 7) * 3,
+        timeout_ms=1000,
+    )
     base.update(kw)
     return wire.RequestData(**base)  # type: ignore[arg-type]
 
@@ -46,8 +53,14 @@ def test_pickle_frame_is_a_typed_error_and_never_unpickled() -> None:
 
 @pytest.mark.parametrize(
     "frame",
-    [b"", b"\x00", b"\xff" * 10, msgspec.msgpack.encode({"t": "nope", "v": 1}), msgspec.msgpack.encode([1, 2, 3]),
-     msgspec.msgpack.encode({"t": "request_data", "v": 1})],
+    [
+        b"",
+        b"\x00",
+        b"\xff" * 10,
+        msgspec.msgpack.encode({"t": "nope", "v": 1}),
+        msgspec.msgpack.encode([1, 2, 3]),
+        msgspec.msgpack.encode({"t": "request_data", "v": 1}),
+    ],
 )
 def test_malformed_frames_raise_decode_error(frame: bytes) -> None:
     with pytest.raises(MessageDecodeError):
