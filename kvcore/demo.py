@@ -2,10 +2,25 @@
 
 The orchestrator (this process) spawns ``ctx_tp*ctx_pp`` context ranks and
 ``gen_tp*gen_pp`` generation ranks. Ranks of one instance agree through a gloo
-process group. Context ranks fill their KV pools with values derived from
-(request, layer, kv, head, token, dim); generation ranks receive N requests
-concurrently, then compare every received byte with the same formula computed
-independently on their own shard. Orchestration messages are msgpack bytes.
+process group. Context ranks fill their KV pools (and Mamba state slots) with
+values derived from (request, layer, kv, head, token, dim); generation ranks
+receive N requests concurrently, then compare every received byte with the
+same formula computed independently on their own shard, and check that every
+byte nothing may write (a cached prefix, another DP group's request) is still
+zero. Orchestration messages are msgpack bytes.
+
+What a run can cover: any TP/PP on each side (uneven PP splits too), GQA with
+fewer KV heads than TP (replicated heads), MLA (one latent "head", replicated
+on every TP rank), attention DP on either side (request ``r`` belongs to DP
+group ``r % dp_size`` of each instance), a Mamba-hybrid model (conv state
+sectioned ``x|B|C`` and SSM state head-sharded, one slot per request),
+head-major or token-major layout, a cached prefix, and the bounce-buffer
+setting of the transceiver.
+
+The oracles here (:func:`heads_of_rank`, :func:`layers_of_rank`,
+:func:`conv_channels_of_rank`, :func:`ssm_heads_of_rank`, :func:`expected_values`,
+:func:`expected_conv`, :func:`expected_ssm`) are written from the model
+definition and never call kvcore's sharding or mapping code.
 """
 
 from __future__ import annotations
@@ -13,17 +28,36 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import socket
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgspec
 
-__all__ = ["DemoSpec", "run_demo", "add_parser", "expected_values", "heads_of_rank"]
+__all__ = [
+    "BOUNCE_MODES",
+    "MAX_PROCESSES",
+    "DemoSpec",
+    "add_parser",
+    "conv_channels_of_rank",
+    "expected_conv",
+    "expected_ssm",
+    "expected_values",
+    "heads_of_rank",
+    "layers_of_rank",
+    "run_demo",
+    "ssm_heads_of_rank",
+]
+
+#: ``--bounce`` choices: ``auto`` keeps the transceiver's own thresholds, ``on`` forces it, ``off`` disables it.
+BOUNCE_MODES = ("auto", "on", "off")
+#: Ranks a demo may start in all (both instances); each is a process importing torch.
+MAX_PROCESSES = 16
 
 
 @dataclass
@@ -43,12 +77,26 @@ class DemoSpec:
     ctx_pp: int = 1
     gen_tp: int = 2
     gen_pp: int = 1
+    ctx_layers_per_pp: list[int] | None = None  # uneven PP split of the context instance, e.g. [3, 1]
+    gen_layers_per_pp: list[int] | None = None
     ctx_attention_dp: bool = False
     gen_attention_dp: bool = False
+    mla: bool = False  # kv_factor 1: one latent "head" of head_dim, replicated on every TP rank (kv_heads ignored)
+    mamba: bool = False  # hybrid: Mamba2 state on the odd layers besides attention KV on every layer
+    mamba_heads: int = 8
+    mamba_head_dim: int = 16
+    mamba_groups: int = 4
+    mamba_d_state: int = 16
+    mamba_d_conv: int = 4
+    mamba_ssm_dtype: str = "float32"
+    bounce: str = "auto"
     cached_prefix_blocks: int = 0
-    spare_blocks: int = 8  # at least one: the first-contact request uses it
+    spare_blocks: int = 8  # at least one per DP group: the first-contact requests use them
     timeout_s: float = 120.0
     seed: int = 1234
+    extra: dict[str, Any] = field(default_factory=dict)  # more TransceiverConfig fields, passed through
+
+    # --- derived -------------------------------------------------------------------------------
 
     @property
     def blocks_per_request(self) -> int:
@@ -58,34 +106,192 @@ class DemoSpec:
     def num_blocks(self) -> int:
         return self.requests * self.blocks_per_request + self.spare_blocks
 
+    @property
+    def model_kv_heads(self) -> int:
+        """KV heads of the model: 1 latent buffer under MLA."""
+        return 1 if self.mla else self.kv_heads
 
-def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int, attention_dp: bool) -> list[int]:
-    """Global KV-head ids a rank holds (independent of kvcore's own arithmetic)."""
+    @property
+    def kv_factor(self) -> int:
+        return 1 if self.mla else 2
+
+    def side(self, role: str) -> tuple[int, int, list[int] | None, bool]:
+        """``(tp, pp, layers_per_pp, attention_dp)`` of the instance playing ``role``."""
+        if role == "context":
+            return self.ctx_tp, self.ctx_pp, self.ctx_layers_per_pp, self.ctx_attention_dp
+        return self.gen_tp, self.gen_pp, self.gen_layers_per_pp, self.gen_attention_dp
+
+    def dp_size(self, role: str) -> int:
+        tp, _, _, adp = self.side(role)
+        return tp if adp else 1
+
+    def dp_group(self, role: str, request: int) -> int:
+        """The attention-DP group of instance ``role`` that owns ``request`` (round robin)."""
+        return request % self.dp_size(role)
+
+    @property
+    def warm_ids(self) -> list[int]:
+        """First-contact requests, one per DP group of either side (paid once per peer, measured apart)."""
+        n = max(self.dp_size("context"), self.dp_size("generation"))
+        return list(range(self.requests, self.requests + n))
+
+    @property
+    def num_slots(self) -> int:
+        """Mamba state slots: one per request, warm-up ones included."""
+        return self.requests + len(self.warm_ids)
+
+    @property
+    def mamba_layers(self) -> list[int]:
+        return [layer for layer in range(self.layers) if layer % 2 == 1]
+
+    @property
+    def mamba_sections(self) -> tuple[int, int, int]:
+        """Conv channels ``x|B|C``: ``heads*head_dim``, ``groups*d_state`` twice."""
+        bc = self.mamba_groups * self.mamba_d_state
+        return (self.mamba_heads * self.mamba_head_dim, bc, bc)
+
+    def config_overrides(self) -> dict[str, Any]:
+        """``TransceiverConfig`` fields this spec sets (bounce mode, passthrough extras)."""
+        out: dict[str, Any] = {"request_timeout_s": self.timeout_s}
+        if self.bounce == "on":
+            out.update(bounce_enabled=True, bounce_min_fragments=1)
+        elif self.bounce == "off":
+            out.update(bounce_enabled=False)
+        out.update(self.extra)
+        return out
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first field that cannot work."""
+        if self.bounce not in BOUNCE_MODES:
+            raise ValueError(f"bounce: expected one of {list(BOUNCE_MODES)}, got {self.bounce!r}")
+        if self.layout not in ("head_major", "token_major"):
+            raise ValueError(f"layout: expected 'head_major' or 'token_major', got {self.layout!r}")
+        for name in (
+            "requests",
+            "tokens",
+            "layers",
+            "kv_heads",
+            "head_dim",
+            "tokens_per_block",
+            "ctx_tp",
+            "ctx_pp",
+            "gen_tp",
+            "gen_pp",
+        ):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        procs = self.ctx_tp * self.ctx_pp + self.gen_tp * self.gen_pp
+        if procs > MAX_PROCESSES:
+            raise ValueError(f"ranks: expected at most {MAX_PROCESSES} processes in all, got {procs}")
+        for role in ("context", "generation"):
+            _, pp, lpp, _ = self.side(role)
+            if lpp is not None and (len(lpp) != pp or sum(lpp) != self.layers or min(lpp) < 1):
+                raise ValueError(
+                    f"{role} layers_per_pp: expected {pp} positive entries summing to {self.layers}, got {lpp}"
+                )
+            if lpp is None and pp > self.layers:
+                raise ValueError(f"{role} pp: expected <= layers ({self.layers}), got {pp}")
+        if not 0 <= self.cached_prefix_blocks < self.blocks_per_request:
+            raise ValueError(
+                f"cached_prefix_blocks: expected 0 <= n < {self.blocks_per_request}, got {self.cached_prefix_blocks}"
+            )
+        if self.spare_blocks < len(self.warm_ids):
+            raise ValueError(
+                f"spare_blocks: expected >= {len(self.warm_ids)} (one per DP group), got {self.spare_blocks}"
+            )
+        if self.mamba and not self.mamba_layers:
+            raise ValueError("mamba: expected at least 2 layers (Mamba state lives on the odd layers)")
+
+
+# --- oracles: written from the model definition, independent of kvcore's arithmetic --------------
+
+
+def _tp_pp_rank(rank: int, tp_size: int) -> tuple[int, int]:
+    """``(tp_rank, pp_rank)`` of an instance-global rank (TP-minor: ``rank = pp*tp_size + tp``)."""
+    return rank % tp_size, rank // tp_size
+
+
+def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int, attention_dp: bool, mla: bool = False) -> list[int]:
+    """Global KV-head ids a rank holds (independent of kvcore's own arithmetic).
+
+    Attention DP or TP1: all heads. MLA: the single latent "head" 0 on every rank.
+    Heads >= TP: a contiguous share. Fewer heads than ranks: each head is
+    replicated on ``tp_size // total_heads`` consecutive ranks.
+    """
+    if mla:
+        return [0]
     if attention_dp or tp_size == 1:
         return list(range(total_heads))
     if total_heads >= tp_size:
         per = total_heads // tp_size
         return list(range(tp_rank * per, (tp_rank + 1) * per))
-    return [tp_rank * total_heads // tp_size]  # fewer heads than ranks: each head replicated
+    return [tp_rank * total_heads // tp_size]
 
 
-def layers_of_rank(num_layers: int, pp_size: int, pp_rank: int) -> list[int]:
-    per, extra = divmod(num_layers, pp_size)
-    start = pp_rank * per + min(pp_rank, extra)
-    return list(range(start, start + per + (1 if pp_rank < extra else 0)))
+def layers_of_rank(num_layers: int, pp_size: int, pp_rank: int, layers_per_pp: list[int] | None = None) -> list[int]:
+    """Global layers of a PP stage: ``layers_per_pp`` when given, else an even split (earlier stages get the remainder)."""
+    if layers_per_pp is None:
+        per, extra = divmod(num_layers, pp_size)
+        layers_per_pp = [per + (1 if p < extra else 0) for p in range(pp_size)]
+    start = sum(layers_per_pp[:pp_rank])
+    return list(range(start, start + layers_per_pp[pp_rank]))
 
 
-def expected_values(request: int, layers: list[int], kv: int, heads: list[int], tokens: range, dim: int, dtype: Any) -> Any:
-    """The logical KV ``[layers, kv, heads, tokens, dim]`` of a request: small integers, exact in bf16/fp16."""
+def conv_channels_of_rank(sections: tuple[int, ...], tp_size: int, tp_rank: int, attention_dp: bool) -> list[int]:
+    """Global conv channels a rank holds: its contiguous share of every section, sections concatenated."""
+    n = 1 if attention_dp else tp_size
+    i = 0 if attention_dp else tp_rank
+    out: list[int] = []
+    start = 0
+    for size in sections:
+        per = size // n
+        out.extend(range(start + i * per, start + (i + 1) * per))
+        start += size
+    return out
+
+
+def ssm_heads_of_rank(nheads: int, tp_size: int, tp_rank: int, attention_dp: bool) -> list[int]:
+    """Global SSM heads a rank holds: all under attention DP, else a contiguous share."""
+    if attention_dp:
+        return list(range(nheads))
+    per = nheads // tp_size
+    return list(range(tp_rank * per, (tp_rank + 1) * per))
+
+
+def _index(values: list[int] | range, dims: int, axis: int) -> Any:
     import torch
 
-    lt = torch.tensor(layers, dtype=torch.int64).view(-1, 1, 1, 1, 1)
-    kt = torch.arange(kv, dtype=torch.int64).view(1, -1, 1, 1, 1)
-    ht = torch.tensor(heads, dtype=torch.int64).view(1, 1, -1, 1, 1)
-    tt = torch.tensor(list(tokens), dtype=torch.int64).view(1, 1, 1, -1, 1)
-    dt = torch.arange(dim, dtype=torch.int64).view(1, 1, 1, 1, -1)
+    shape = [1] * dims
+    shape[axis] = -1
+    return torch.tensor(list(values), dtype=torch.int64).view(shape)
+
+
+def expected_values(
+    request: int, layers: list[int], kv: int, heads: list[int], tokens: range, dim: int, dtype: Any
+) -> Any:
+    """The logical KV ``[layers, kv, heads, tokens, dim]`` of a request: small integers, exact in bf16/fp16."""
+    lt, kt, ht = _index(layers, 5, 0), _index(range(kv), 5, 1), _index(heads, 5, 2)
+    tt, dt = _index(tokens, 5, 3), _index(range(dim), 5, 4)
     v = (request * 7919 + lt * 131 + kt * 31 + ht * 17 + tt * 3 + dt) % 251 - 125
     return v.to(dtype)
+
+
+def expected_conv(request: int, layers: list[int], channels: list[int], taps: int, dtype: Any) -> Any:
+    """The logical Mamba conv state ``[layers, channels, taps]`` of a request."""
+    lt, ct, tt = _index(layers, 3, 0), _index(channels, 3, 1), _index(range(taps), 3, 2)
+    v = (request * 6007 + lt * 101 + ct * 13 + tt * 7 + 3) % 241 - 120
+    return v.to(dtype)
+
+
+def expected_ssm(request: int, layers: list[int], heads: list[int], head_dim: int, d_state: int, dtype: Any) -> Any:
+    """The logical Mamba SSM state ``[layers, heads, head_dim, d_state]`` of a request."""
+    lt, ht = _index(layers, 4, 0), _index(heads, 4, 1)
+    it, st = _index(range(head_dim), 4, 2), _index(range(d_state), 4, 3)
+    v = (request * 4999 + lt * 89 + ht * 37 + it * 5 + st * 11 + 1) % 239 - 119
+    return v.to(dtype)
+
+
+# --- rank-local tensor access ------------------------------------------------------------------
 
 
 def _logical(caches: Any, layout: str, blocks: Any) -> Any:
@@ -122,122 +328,298 @@ def _scatter(caches: Any, layout: str, blocks: Any, values: Any) -> None:
         c.index_copy_(0, idx, y)
 
 
+def _differ(got: Any, want: Any) -> int:
+    """Elements whose bits differ (exact: compares the raw integers of equal-size dtypes)."""
+    import torch
+
+    if got.shape != want.shape:
+        raise AssertionError(f"shape {list(got.shape)} expected {list(want.shape)}")
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    return int((got.contiguous().view(bits) != want.contiguous().view(bits)).sum())
+
+
+# --- orchestration messages ------------------------------------------------------------------------
+
+
 def _send(conn: Any, obj: Any) -> None:
     conn.send_bytes(msgspec.msgpack.encode(obj))
 
 
 def _recv(conn: Any, timeout: float) -> Any:
     if not conn.poll(timeout):
-        raise TimeoutError(f"no message from a demo rank within {timeout:.0f}s")
+        raise TimeoutError(f"no message from the demo orchestrator within {timeout:.0f}s")
     return msgspec.msgpack.decode(conn.recv_bytes())
 
 
-def _rank_main(role: str, rank: int, spec_d: dict[str, Any], dist_port: int, conn: Any) -> None:
+def _rank_main(role: str, rank: int, spec_b: bytes, dist_port: int, conn: Any) -> None:
     """Entry point of one rank process."""
     try:
-        _rank_body(role, rank, DemoSpec(**spec_d), dist_port, conn)
+        _rank_body(role, rank, DemoSpec(**msgspec.msgpack.decode(spec_b)), dist_port, conn)
     except BaseException as exc:  # report, never hang the orchestrator
         try:
-            _send(conn, {"kind": "error", "role": role, "rank": rank,
-                         "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+            _send(
+                conn,
+                {
+                    "kind": "error",
+                    "role": role,
+                    "rank": rank,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "trace": traceback.format_exc(),
+                },
+            )
         except Exception:
             pass
         raise SystemExit(1) from None
 
 
+class _Rank:
+    """One rank's storage, its oracle view of what it holds, and its request assignment."""
+
+    def __init__(self, role: str, rank: int, spec: DemoSpec, agent: Any) -> None:
+        import numpy as np
+        import torch
+
+        from kvcore.builders import allocate_kv_cache, allocate_mamba_state, build_page_table
+        from kvcore.page import PageTable
+        from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
+
+        self.role, self.rank, self.spec = role, rank, spec
+        tp, pp, lpp, adp = spec.side(role)
+        self.topology = Topology.create(
+            tp_size=tp, pp_size=pp, rank=rank, num_layers=spec.layers, layers_per_pp=lpp, attention_dp=adp
+        )
+        self.geometry = AttentionGeometry(
+            num_layers=spec.layers,
+            num_kv_heads=spec.model_kv_heads,
+            head_dim=spec.head_dim,
+            tokens_per_block=spec.tokens_per_block,
+            dtype=spec.dtype,
+            kv_factor=spec.kv_factor,
+            layout=spec.layout,
+        )
+        self.caches = allocate_kv_cache(self.topology, self.geometry, spec.num_blocks, allocator=agent.allocate_tensor)
+        for c in self.caches if isinstance(self.caches, list) else [self.caches]:
+            c.fill_(0)  # touch every page now, as an engine's warm pools would be: page faults are not transfer cost
+        builder = "head_major_pool" if spec.layout == "head_major" else "token_major_layers"
+        tables = [build_page_table(builder, self.caches, topology=self.topology, geometry=self.geometry)]
+        # The oracle's own view of this rank (never asks kvcore which heads/layers/channels it holds).
+        tp_rank, pp_rank = _tp_pp_rank(rank, tp)
+        self.dp_rank = tp_rank if adp else 0
+        self.layers = layers_of_rank(spec.layers, pp, pp_rank, lpp)
+        self.heads = heads_of_rank(spec.model_kv_heads, tp, tp_rank, adp, spec.mla)
+        self.dtype = getattr(torch, spec.dtype)
+        self.conv: Any = None
+        self.ssm: Any = None
+        self.mamba_layers = [layer for layer in spec.mamba_layers if layer in self.layers] if spec.mamba else []
+        if self.mamba_layers:
+            mg = MambaGeometry(
+                layers=tuple(spec.mamba_layers),
+                conv_sections=spec.mamba_sections,
+                d_conv=spec.mamba_d_conv,
+                nheads=spec.mamba_heads,
+                head_dim=spec.mamba_head_dim,
+                d_state=spec.mamba_d_state,
+                conv_dtype=spec.dtype,
+                ssm_dtype=spec.mamba_ssm_dtype,
+            )
+            self.conv, self.ssm = allocate_mamba_state(
+                self.topology, mg, spec.num_slots, allocator=agent.allocate_tensor
+            )
+            self.conv.fill_(0)
+            self.ssm.fill_(0)
+            tables.append(build_page_table("mamba_state", self.conv, self.ssm, topology=self.topology, geometry=mg))
+            self.channels = conv_channels_of_rank(spec.mamba_sections, tp, tp_rank, adp)
+            self.ssm_heads = ssm_heads_of_rank(spec.mamba_heads, tp, tp_rank, adp)
+            self.ssm_dtype = getattr(torch, spec.mamba_ssm_dtype)
+        self.page_table = tables[0] if len(tables) == 1 else PageTable.combine(tables)
+        # Same block and slot assignment on every rank of an instance (as a real block manager would do),
+        # different between the instances so addresses never line up by accident.
+        rng = np.random.default_rng(spec.seed + (0 if role == "context" else 1))
+        perm = rng.permutation(spec.num_blocks)
+        nbpr = spec.blocks_per_request
+        self.blocks = {r: perm[r * nbpr : (r + 1) * nbpr] for r in range(spec.requests)}
+        spare = perm[spec.requests * nbpr :]
+        self.blocks.update({w: spare[i : i + 1] for i, w in enumerate(spec.warm_ids)})
+        slots = rng.permutation(spec.num_slots)
+        self.slots = {r: int(slots[r]) for r in range(spec.num_slots)}
+
+    def mine(self, ids: list[int] | range) -> list[int]:
+        """The requests among ``ids`` that this rank's DP group handles."""
+        return [r for r in ids if self.spec.dp_group(self.role, r) == self.dp_rank]
+
+    def state_slot(self, request: int) -> int:
+        return self.slots[request] if self.spec.mamba else -1
+
+    def fill(self, request: int) -> None:
+        """Context side: write the request's KV (all its tokens) and its Mamba state."""
+        spec = self.spec
+        tokens = range(spec.blocks_per_request * spec.tokens_per_block)
+        want = expected_values(request, self.layers, spec.kv_factor, self.heads, tokens, spec.head_dim, self.dtype)
+        _scatter(self.caches, spec.layout, self.blocks[request], want)
+        if self.mamba_layers:
+            slot = self.slots[request]
+            self.conv[:, slot] = expected_conv(
+                request, self.mamba_layers, self.channels, spec.mamba_d_conv - 1, self.dtype
+            )
+            self.ssm[:, slot] = expected_ssm(
+                request, self.mamba_layers, self.ssm_heads, spec.mamba_head_dim, spec.mamba_d_state, self.ssm_dtype
+            )
+
+    def verify(self, request: int, received: bool) -> tuple[int, int, str]:
+        """Generation side: ``(mismatching elements, verified bytes, first problem)`` for one request.
+
+        A received request must hold the expected suffix and an untouched (zero)
+        cached prefix; a request of another DP group must be untouched entirely.
+        """
+        import torch
+
+        spec = self.spec
+        skip = spec.cached_prefix_blocks if received else spec.blocks_per_request
+        tpb = spec.tokens_per_block
+        total = spec.blocks_per_request * tpb
+        got = _logical(self.caches, spec.layout, self.blocks[request])
+        want = expected_values(
+            request, self.layers, spec.kv_factor, self.heads, range(total), spec.head_dim, self.dtype
+        )
+        want[:, :, :, : skip * tpb] = 0
+        bad = _differ(got, want)
+        what = "KV" if bad else ""
+        nbytes = got[:, :, :, skip * tpb :].numel() * got.element_size()
+        if self.mamba_layers:
+            slot = self.slots[request]
+            conv_want = expected_conv(request, self.mamba_layers, self.channels, spec.mamba_d_conv - 1, self.dtype)
+            ssm_want = expected_ssm(
+                request, self.mamba_layers, self.ssm_heads, spec.mamba_head_dim, spec.mamba_d_state, self.ssm_dtype
+            )
+            if not received:
+                conv_want, ssm_want = torch.zeros_like(conv_want), torch.zeros_like(ssm_want)
+            for name, t, w in (
+                ("conv state", self.conv[:, slot], conv_want),
+                ("SSM state", self.ssm[:, slot], ssm_want),
+            ):
+                n = _differ(t, w)
+                bad += n
+                what = what or (name if n else "")
+                if received:
+                    nbytes += t.numel() * t.element_size()
+        first = f"request {request} ({'received' if received else 'not received here'}): {bad} {what} elements differ"
+        return bad, (nbytes if received else 0), (first if bad else "")
+
+
 def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) -> None:
-    import numpy as np
+    import datetime
+
     import torch
 
-    from kvcore.builders import allocate_kv_cache, build_page_table
     from kvcore.collective import LocalCollective, TorchCollective
     from kvcore.config import TransceiverConfig, create_agent
-    from kvcore.topology import AttentionGeometry, Topology
     from kvcore.transceiver import Transceiver
 
     torch.set_num_threads(1)
     ctx = role == "context"
-    tp, pp = (spec.ctx_tp, spec.ctx_pp) if ctx else (spec.gen_tp, spec.gen_pp)
-    adp = spec.ctx_attention_dp if ctx else spec.gen_attention_dp
+    tp, pp, _, _ = spec.side(role)
     world = tp * pp
     if world > 1:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
+        # A bounded wait: a rank that died must not leave its peers in a collective for gloo's default 30 min.
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{dist_port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=spec.timeout_s + 30),
+        )
         collective: Any = TorchCollective()
     else:
         collective = LocalCollective()
-    topology = Topology.create(tp_size=tp, pp_size=pp, rank=rank, num_layers=spec.layers, attention_dp=adp)
-    geometry = AttentionGeometry(num_layers=spec.layers, num_kv_heads=spec.kv_heads, head_dim=spec.head_dim,
-                                 tokens_per_block=spec.tokens_per_block, dtype=spec.dtype, layout=spec.layout)
-    config = TransceiverConfig.load(backend=spec.backend, request_timeout_s=spec.timeout_s)
+    config = TransceiverConfig.load(backend=spec.backend, **spec.config_overrides())
     agent = create_agent(config, f"{role}-{rank}-{os.getpid()}")
-    caches = allocate_kv_cache(topology, geometry, spec.num_blocks, allocator=agent.allocate_tensor)
-    for c in caches if isinstance(caches, list) else [caches]:
-        c.fill_(0)  # touch every page now, as an engine's warm pools would be: page faults are not transfer cost
-    builder = "head_major_pool" if spec.layout == "head_major" else "token_major_layers"
-    page_table = build_page_table(builder, caches, topology=topology, geometry=geometry)
-    tx = Transceiver(config, role=role, agent=agent, topology=topology, geometry=geometry, page_table=page_table,
-                     collective=collective, instance_name=f"{role}-demo")
-    dtype = getattr(torch, spec.dtype)
-    layers = layers_of_rank(spec.layers, pp, topology.pp_rank)
-    heads = heads_of_rank(spec.kv_heads, tp, topology.tp_rank, adp)
-    nbpr = spec.blocks_per_request
-    # Same block assignment on every rank of an instance (as a real block manager would do),
-    # different between the instances so addresses never line up by accident.
-    perm = np.random.default_rng(spec.seed + (0 if ctx else 1)).permutation(spec.num_blocks)
-    blocks = {r: perm[r * nbpr:(r + 1) * nbpr] for r in range(spec.requests)}
-    padded = range(nbpr * spec.tokens_per_block)
-    warm_id, warm_blocks = spec.requests, perm[spec.requests * nbpr:][:1]  # first contact, paid once per peer
+    tx = None
     try:
+        me = _Rank(role, rank, spec, agent)
+        tx = Transceiver(
+            config,
+            role=role,
+            agent=agent,
+            topology=me.topology,
+            geometry=me.geometry,
+            page_table=me.page_table,
+            collective=collective,
+            instance_name=f"{role}-demo",
+        )
+        warm, work = me.mine(spec.warm_ids), me.mine(range(spec.requests))
         if ctx:
-            for r in range(spec.requests):
-                _scatter(caches, spec.layout, blocks[r], expected_values(r, layers, 2, heads, padded, spec.head_dim, dtype))
+            for r in work:
+                me.fill(r)
             if rank == 0:
                 _send(conn, {"kind": "endpoint", "endpoint": tx.info_endpoint, "backend": agent.backend})
             _recv(conn, spec.timeout_s)  # go
-            tx.start_send(warm_id, warm_blocks, prompt_len=spec.tokens_per_block)
-            _drive(tx, spec, ids=[warm_id])
+            for w in warm:
+                tx.start_send(w, me.blocks[w], prompt_len=spec.tokens_per_block, state_slot=me.state_slot(w))
+            _drive(tx, collective, spec, warm)
             t0 = time.perf_counter()
-            for r in range(spec.requests):
-                tx.start_send(r, blocks[r], prompt_len=spec.tokens)
-            outcomes = _drive(tx, spec)
-            report = {"kind": "report", "role": role, "rank": rank, "seconds": time.perf_counter() - t0,
-                      "outcomes": outcomes, "stats": tx.stats()}
+            for r in work:
+                tx.start_send(r, me.blocks[r], prompt_len=spec.tokens, state_slot=me.state_slot(r))
+            outcomes = _drive(tx, collective, spec, work)
+            report = {
+                "kind": "report",
+                "role": role,
+                "rank": rank,
+                "seconds": time.perf_counter() - t0,
+                "expected": len(work),
+                "outcomes": outcomes,
+                "stats": tx.stats(),
+            }
         else:
             go = _recv(conn, spec.timeout_s)
             skip = spec.cached_prefix_blocks
-            starts: dict[int, float] = {warm_id: time.perf_counter()}
-            tx.start_receive(warm_id, go["endpoint"], warm_blocks, prompt_len=spec.tokens_per_block)
-            first_contact = _drive(tx, spec, starts, ids=[warm_id])["latency"][0]
-            t0 = time.perf_counter()
-            for r in range(spec.requests):
+
+            def receive(r: int, prompt_len: int, first_block: int) -> None:
                 starts[r] = time.perf_counter()
-                tx.start_receive(r, go["endpoint"], blocks[r][skip:], prompt_len=spec.tokens)
-            outcomes = _drive(tx, spec, starts, conn if rank == 0 else None)
+                tx.start_receive(
+                    r,
+                    go["endpoint"],
+                    me.blocks[r][first_block:],
+                    prompt_len=prompt_len,
+                    state_slot=me.state_slot(r),
+                    ctx_dp_rank=spec.dp_group("context", r),
+                )
+
+            starts: dict[int, float] = {}
+            for w in warm:
+                receive(w, spec.tokens_per_block, 0)
+            first_contact = max(_drive(tx, collective, spec, warm, starts)["latency"], default=0.0)
+            t0 = time.perf_counter()
+            for r in work:
+                receive(r, spec.tokens, skip)
+            outcomes = _drive(tx, collective, spec, work, starts, conn if rank == 0 else None)
             elapsed = time.perf_counter() - t0
-            mismatches, checked = 0, 0
-            first_bad = ""
+            mismatches, checked, first_bad = 0, 0, ""
+            mine = set(work)
             for r in range(spec.requests):
-                tok = range(skip * spec.tokens_per_block, nbpr * spec.tokens_per_block)
-                got = _logical(caches, spec.layout, blocks[r][skip:])
-                want = expected_values(r, layers, 2, heads, tok, spec.head_dim, dtype)
-                bad = int((got.view(torch.int16) != want.view(torch.int16)).sum())
-                checked += got.numel() * got.element_size()
-                if bad and not first_bad:
-                    first_bad = f"request {r}: {bad} elements differ"
+                bad, nbytes, why = me.verify(r, r in mine)
                 mismatches += bad
-                if skip:  # the cached prefix must be untouched
-                    pre = _logical(caches, spec.layout, blocks[r][:skip])
-                    mismatches += int((pre != 0).sum())
-            report = {"kind": "report", "role": role, "rank": rank, "seconds": elapsed, "outcomes": outcomes,
-                      "first_contact_s": first_contact,
-                      "verified_bytes": checked, "mismatches": mismatches, "first_bad": first_bad,
-                      "stats": tx.stats()}
+                checked += nbytes
+                first_bad = first_bad or why
+            report = {
+                "kind": "report",
+                "role": role,
+                "rank": rank,
+                "seconds": elapsed,
+                "expected": len(work),
+                "outcomes": outcomes,
+                "first_contact_s": first_contact,
+                "verified_bytes": checked,
+                "mismatches": mismatches,
+                "first_bad": first_bad,
+                "stats": tx.stats(),
+            }
         _send(conn, report)
         _recv(conn, spec.timeout_s)  # hold memory until everyone reported
     finally:
-        tx.close()
+        if tx is not None:
+            tx.close()
         agent.close()
         if world > 1:
             import torch.distributed as dist
@@ -246,32 +628,50 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
 
 
 def _drive(
-    tx: Any, spec: DemoSpec, starts: dict[int, float] | None = None, progress: Any = None, ids: list[int] | None = None
+    tx: Any,
+    collective: Any,
+    spec: DemoSpec,
+    ids: list[int],
+    starts: dict[int, float] | None = None,
+    progress: Any = None,
 ) -> dict[str, Any]:
-    """Poll until every request is reported and released; returns states, errors and latencies."""
-    want = set(range(spec.requests) if ids is None else ids)
+    """Poll until every rank of the instance has its requests ``ids`` reported and released.
+
+    ``poll`` is collective, and under attention DP ranks wait for different
+    requests: every rank keeps polling until all of them are done.
+    """
+    want = set(ids)
     states: dict[int, str] = {}
     errors: dict[int, str] = {}
     latency: dict[int, float] = {}
     released: set[int] = set()
     deadline = time.monotonic() + spec.timeout_s + 10
-    while not (want <= released):
+    while True:
         r = tx.poll()
         now = time.perf_counter()
         for o in r.outcomes:
             states[o.request_id] = o.state.value
             if o.error is not None:
                 errors[o.request_id] = f"{type(o.error).__name__}: {o.error}"
-            if starts is not None:
+            if starts is not None and o.request_id in starts:
                 latency[o.request_id] = now - starts[o.request_id]
         released.update(r.released)
         if progress is not None and r.outcomes:
             _send(progress, {"kind": "progress", "n": len(states)})
+        flags = collective.allgather(b"\x01" if want <= released else b"\x00")
+        if all(f == b"\x01" for f in flags):
+            break
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(want - released)} request(s) never released")
+            raise TimeoutError(f"{len(want - released)} request(s) never released: {sorted(want - released)[:8]}")
         time.sleep(0.0005)
-    return {"states": {str(k): v for k, v in states.items()}, "errors": {str(k): v for k, v in errors.items()},
-            "latency": [latency[k] for k in sorted(latency)]}
+    return {
+        "states": {str(k): v for k, v in states.items()},
+        "errors": {str(k): v for k, v in errors.items()},
+        "latency": [latency[k] for k in sorted(latency)],
+    }
+
+
+# --- orchestrator --------------------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -280,107 +680,195 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _mp_context() -> Any:
+    """``forkserver`` with torch preloaded where available (one torch import for all ranks), else ``spawn``."""
+    if "forkserver" in mp.get_all_start_methods() and os.environ.get("KVCORE_DEMO_START", "forkserver") == "forkserver":
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "msgspec", "kvcore.demo"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+#: Stats that count peers, not per-request resources: never a leak. Cumulative counters end in ``_total``.
+_NOT_LEAKS = ("ctx_instances", "gen_peers")
+
+
+def _leaks(stats: dict[str, int]) -> dict[str, int]:
+    """Live per-request resources left over (sessions, leases, transfers...): all must be back at zero."""
+    return {k: v for k, v in stats.items() if v and k not in _NOT_LEAKS and not k.endswith("_total")}
+
+
+class _Ranks:
+    """The rank processes of one run and their pipes; collects messages, notices deaths."""
+
+    def __init__(self) -> None:
+        self.procs: dict[tuple[str, int], Any] = {}
+        self.conns: dict[tuple[str, int], Any] = {}
+
+    def wait(self, keys: list[tuple[str, int]], deadline: float, on_progress: Any = None) -> dict[tuple[str, int], Any]:
+        """The next non-progress message of each rank in ``keys``; a rank's error or death raises at once."""
+        out: dict[tuple[str, int], Any] = {}
+        pending = {self.conns[k]: k for k in keys}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no message from {sorted(pending.values())} in time")
+            ready = multiprocessing.connection.wait(list(pending), timeout=min(left, 0.5))
+            for c in ready:
+                key = pending[c]
+                try:
+                    m = msgspec.msgpack.decode(c.recv_bytes())
+                except (EOFError, OSError):
+                    raise RuntimeError(
+                        f"{key[0]} rank {key[1]} exited without a report (exit code {self.procs[key].exitcode})"
+                    ) from None
+                if m["kind"] == "progress":
+                    if on_progress is not None:
+                        on_progress(m["n"])
+                    continue
+                if m["kind"] == "error":
+                    raise RuntimeError(f"{key[0]} rank {key[1]} failed: {m['error']}\n{m.get('trace', '')}")
+                out[key] = m
+                del pending[c]
+            for c, key in list(pending.items()):
+                if not self.procs[key].is_alive() and not c.poll():
+                    raise RuntimeError(f"{key[0]} rank {key[1]} died (exit code {self.procs[key].exitcode})")
+        return out
+
+    def stop(self, grace: float) -> None:
+        """Join every rank within ``grace`` seconds in all, then kill what is left."""
+        end = time.monotonic() + grace
+        for p in self.procs.values():
+            p.join(timeout=max(0.0, end - time.monotonic()))
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+        for p in self.procs.values():
+            p.join(5)
+        for c in self.conns.values():
+            c.close()
+
+
 def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
     """Run the whole demo and return the summary (raises nothing for transfer failures: see ``ok``)."""
     import numpy as np
 
-    mpctx = mp.get_context("spawn")
-    procs: list[Any] = []
-    conns: dict[tuple[str, int], Any] = {}
-    ctx_port, gen_port = _free_port(), _free_port()
+    spec.validate()
+    mpctx = _mp_context()
+    ranks = _Ranks()
+    spec_b = msgspec.msgpack.encode(asdict(spec))
     summary: dict[str, Any] = {"spec": asdict(spec), "ok": False}
+    bar = None
+    clean = False
     try:
-        for role, world, port in (("context", spec.ctx_tp * spec.ctx_pp, ctx_port),
-                                  ("generation", spec.gen_tp * spec.gen_pp, gen_port)):
-            for rank in range(world):
+        for role in ("context", "generation"):
+            tp, pp, _, _ = spec.side(role)
+            port = _free_port()
+            for rank in range(tp * pp):
                 parent, child = mpctx.Pipe()
-                p = mpctx.Process(target=_rank_main, args=(role, rank, asdict(spec), port, child),
-                                  name=f"kvcore-demo-{role}-{rank}", daemon=True)
+                p = mpctx.Process(
+                    target=_rank_main,
+                    args=(role, rank, spec_b, port, child),
+                    name=f"kvcore-demo-{role}-{rank}",
+                    daemon=True,
+                )
                 p.start()
-                procs.append(p)
-                conns[(role, rank)] = parent
-        first = _recv(conns[("context", 0)], spec.timeout_s)
-        if first["kind"] == "error":
-            raise RuntimeError(f"context rank 0 failed: {first['error']}\n{first.get('trace', '')}")
+                child.close()
+                ranks.procs[(role, rank)] = p
+                ranks.conns[(role, rank)] = parent
+        start_deadline = time.monotonic() + spec.timeout_s
+        first = ranks.wait([("context", 0)], start_deadline)[("context", 0)]
         summary["backend"] = first["backend"]
-        for key, c in conns.items():
+        for c in ranks.conns.values():
             _send(c, {"kind": "go", "endpoint": first["endpoint"]})
-        reports: dict[tuple[str, int], dict[str, Any]] = {}
-        bar = None
+        gen_keys = [k for k in ranks.conns if k[0] == "generation"]
+        shown = len([r for r in range(spec.requests) if spec.dp_group("generation", r) == 0])
+        on_progress = None
         if progress:
             from rich.progress import Progress
 
             bar = Progress(transient=True)
             bar.start()
-            task = bar.add_task(f"moving {spec.requests} requests ({summary['backend']})", total=spec.requests)
-        deadline = time.monotonic() + spec.timeout_s + 30
-        pending = dict(conns)
-        while pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no report from {sorted(pending)}")
-            for key, c in list(pending.items()):
-                while c.poll(0.01):
-                    m = msgspec.msgpack.decode(c.recv_bytes())
-                    if m["kind"] == "progress":
-                        if bar is not None:
-                            bar.update(task, completed=m["n"])
-                    elif m["kind"] == "error":
-                        raise RuntimeError(f"{key[0]} rank {key[1]} failed: {m['error']}\n{m.get('trace', '')}")
-                    else:
-                        reports[key] = m
-                        pending.pop(key)
-                        break
-        if bar is not None:
-            bar.stop()
-        for c in conns.values():
+            task = bar.add_task(f"moving {spec.requests} requests ({summary['backend']})", total=shown)
+
+            def on_progress(n: int) -> None:
+                bar.update(task, completed=n)  # type: ignore[union-attr]
+
+        reports = ranks.wait(list(ranks.conns), time.monotonic() + 2 * spec.timeout_s + 60, on_progress)
+        for c in ranks.conns.values():
             _send(c, {"kind": "exit"})
-        gen = [r for (role, _), r in reports.items() if role == "generation"]
-        ctx = [r for (role, _), r in reports.items() if role == "context"]
+        clean = True
+        gen = [reports[k] for k in gen_keys]
+        ctx = [r for k, r in reports.items() if k[0] == "context"]
         lat = np.array([x for r in gen for x in r["outcomes"]["latency"]]) * 1000
         elapsed = max(r["seconds"] for r in gen)
         nbytes = sum(r["verified_bytes"] for r in gen)
         states = [s for r in gen + ctx for s in r["outcomes"]["states"].values()]
-        all_errors = [(f"{r['role']} rank {r['rank']} request {k}", v) for r in gen + ctx for k, v in r["outcomes"]["errors"].items()]
+        expected = sum(r["expected"] for r in gen + ctx)
+        all_errors = [
+            (f"{r['role']} rank {r['rank']} request {k}", v)
+            for r in gen + ctx
+            for k, v in r["outcomes"]["errors"].items()
+        ]
         errors = {"count": len(all_errors), "first": [f"{w}: {e}" for w, e in all_errors[:3]]} if all_errors else {}
         mismatches = sum(r["mismatches"] for r in gen)
-        leaks = {f"{r['role']}{r['rank']}": {k: v for k, v in r["stats"].items()
-                                              if v and k not in ("ctx_instances", "gen_peers")} for r in gen + ctx}
+        leaks = {f"{r['role']}{r['rank']}": _leaks(r["stats"]) for r in gen + ctx}
         leaks = {k: v for k, v in leaks.items() if v}
+        counters: dict[str, int] = {}
+        for r in gen + ctx:
+            for k, v in r["stats"].items():
+                if k.endswith("_total"):
+                    counters[k] = counters.get(k, 0) + int(v)
+        done = sum(s == "DONE" for s in states)
         summary.update(
             requests=spec.requests,
+            processes=len(ranks.procs),
             bytes=nbytes,
             seconds=elapsed,
             gbps=nbytes / elapsed / 1e9 if elapsed else 0.0,
             latency_ms_p50=float(np.percentile(lat, 50)) if lat.size else None,
             latency_ms_p99=float(np.percentile(lat, 99)) if lat.size else None,
             first_contact_ms=max(r["first_contact_s"] for r in gen) * 1000,
-            done=sum(s == "DONE" for s in states),
-            not_done=sum(s != "DONE" for s in states),
+            done=done,
+            not_done=expected - done,
             mismatches=mismatches,
             first_mismatch=next((r["first_bad"] for r in gen if r["first_bad"]), ""),
             errors=errors,
             leaks=leaks,
+            counters=counters,
         )
         summary["ok"] = mismatches == 0 and summary["not_done"] == 0 and not leaks and nbytes > 0
         return summary
     finally:
-        for p in procs:
-            p.join(timeout=10)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        if bar is not None:
+            bar.stop()
+        ranks.stop(grace=15.0 if clean else 1.0)
+
+
+# --- command line ----------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 3,1, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 3,1, got {text!r}")
+    return values
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("demo", help="move KV between a context and a generation instance (separate processes) and verify every byte")
+    p = sub.add_parser(
+        "demo", help="move KV between a context and a generation instance (separate processes) and verify every byte"
+    )
     d = DemoSpec()
     p.add_argument("--backend", default=d.backend, help="transfer agent by name (auto, shm, nixl, ucx, ...)")
     p.add_argument("--requests", type=int, default=d.requests, help="requests moved concurrently")
     p.add_argument("--tokens", type=int, default=d.tokens, help="prompt tokens per request")
     p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="total KV heads of the model")
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
+    p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="total KV heads of the model (ignored with --mla)")
+    p.add_argument("--head-dim", type=int, default=d.head_dim, help="head dim (the latent dim with --mla)")
     p.add_argument("--tokens-per-block", type=int, default=d.tokens_per_block)
     p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float16"])
     p.add_argument("--layout", default=d.layout, choices=["head_major", "token_major"])
@@ -388,18 +876,73 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ctx-pp", type=int, default=d.ctx_pp)
     p.add_argument("--gen-tp", type=int, default=d.gen_tp)
     p.add_argument("--gen-pp", type=int, default=d.gen_pp)
+    p.add_argument(
+        "--ctx-layers-per-pp",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="uneven PP split of the context instance (e.g. 3,1)",
+    )
+    p.add_argument(
+        "--gen-layers-per-pp",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="uneven PP split of the generation instance",
+    )
+    p.add_argument(
+        "--ctx-attention-dp",
+        action="store_true",
+        help="context attention DP: every TP rank is its own DP group; request r runs on group r %% tp",
+    )
+    p.add_argument(
+        "--gen-attention-dp", action="store_true", help="generation attention DP: request r is decoded by group r %% tp"
+    )
+    p.add_argument("--mla", action="store_true", help="MLA: one latent buffer (kv_factor 1) replicated over TP")
+    p.add_argument(
+        "--mamba",
+        action="store_true",
+        help="Mamba-hybrid: conv (x|B|C) and SSM state on the odd layers, one slot per request",
+    )
+    p.add_argument(
+        "--bounce",
+        default=d.bounce,
+        choices=list(BOUNCE_MODES),
+        help="bounce buffer for small scattered fragments: transceiver default, forced, or disabled",
+    )
     p.add_argument("--cached-prefix-blocks", type=int, default=0, help="blocks the generation side already holds")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request bound in seconds")
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    spec = DemoSpec(backend=args.backend, requests=args.requests, tokens=args.tokens, layers=args.layers,
-                    kv_heads=args.kv_heads, head_dim=args.head_dim, tokens_per_block=args.tokens_per_block,
-                    dtype=args.dtype, layout=args.layout, ctx_tp=args.ctx_tp, ctx_pp=args.ctx_pp,
-                    gen_tp=args.gen_tp, gen_pp=args.gen_pp, cached_prefix_blocks=args.cached_prefix_blocks,
-                    timeout_s=args.timeout)
+    spec = DemoSpec(
+        backend=args.backend,
+        requests=args.requests,
+        tokens=args.tokens,
+        layers=args.layers,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        tokens_per_block=args.tokens_per_block,
+        dtype=args.dtype,
+        layout=args.layout,
+        ctx_tp=args.ctx_tp,
+        ctx_pp=args.ctx_pp,
+        gen_tp=args.gen_tp,
+        gen_pp=args.gen_pp,
+        ctx_layers_per_pp=args.ctx_layers_per_pp,
+        gen_layers_per_pp=args.gen_layers_per_pp,
+        ctx_attention_dp=args.ctx_attention_dp,
+        gen_attention_dp=args.gen_attention_dp,
+        mla=args.mla,
+        mamba=args.mamba,
+        bounce=args.bounce,
+        cached_prefix_blocks=args.cached_prefix_blocks,
+        timeout_s=args.timeout,
+        seed=args.seed,
+    )
     try:
         summary = run_demo(spec, progress=not args.json and sys.stderr.isatty())
     except Exception as exc:
@@ -415,6 +958,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summary["ok"] else 1
 
 
+def _side_text(sp: dict[str, Any], pre: str) -> str:
+    text = f"TP{sp[pre + '_tp']}/PP{sp[pre + '_pp']}"
+    if sp.get(pre + "_layers_per_pp"):
+        text += f" ({','.join(map(str, sp[pre + '_layers_per_pp']))} layers)"
+    if sp.get(pre + "_attention_dp"):
+        text += " attention-DP"
+    return text
+
+
 def _print_summary(s: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -424,17 +976,26 @@ def _print_summary(s: dict[str, Any]) -> None:
     t.add_column("what")
     t.add_column("value")
     t.add_row("backend", str(s.get("backend")))
-    t.add_row("topology", f"context TP{sp['ctx_tp']}/PP{sp['ctx_pp']} -> generation TP{sp['gen_tp']}/PP{sp['gen_pp']}")
-    t.add_row("layout", sp["layout"])
+    t.add_row("topology", f"context {_side_text(sp, 'ctx')} -> generation {_side_text(sp, 'gen')}")
+    model = "MLA (1 latent head)" if sp.get("mla") else f"{sp['kv_heads']} KV heads"
+    if sp.get("mamba"):
+        model += ", Mamba-hybrid (conv + SSM state on odd layers)"
+    t.add_row("model", f"{sp['layers']} layers, {model}, head dim {sp['head_dim']}, {sp['dtype']}")
+    t.add_row("layout", f"{sp['layout']}, bounce {sp.get('bounce', 'auto')}")
     t.add_row("requests", f"{s['requests']} ({s['done']} rank-outcomes DONE, {s['not_done']} not)")
     t.add_row("bytes verified", f"{s['bytes'] / 2**20:.1f} MiB, {s['mismatches']} mismatching elements")
     t.add_row("throughput", f"{s['gbps']:.2f} GB/s over {s['seconds']:.3f} s (all requests, receive side)")
     if s.get("latency_ms_p50") is not None:
-        t.add_row("latency", f"p50 {s['latency_ms_p50']:.1f} ms, p99 {s['latency_ms_p99']:.1f} ms "
-                  f"(all {s['requests']} started at once; first contact {s['first_contact_ms']:.1f} ms, paid once)")
+        t.add_row(
+            "latency",
+            f"p50 {s['latency_ms_p50']:.1f} ms, p99 {s['latency_ms_p99']:.1f} ms "
+            f"(all {s['requests']} started at once; first contact {s['first_contact_ms']:.1f} ms, paid once)",
+        )
     if s["errors"]:
         t.add_row("errors", json.dumps(s["errors"])[:500])
     if s["leaks"]:
         t.add_row("leaks", json.dumps(s["leaks"]))
+    if s.get("counters"):
+        t.add_row("counters", json.dumps(s["counters"]))
     t.add_row("result", "[green]OK: every byte verified[/]" if s["ok"] else f"[red]FAILED[/] {s['first_mismatch']}")
     Console().print(t)
