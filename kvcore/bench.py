@@ -1,0 +1,1196 @@
+"""``kvcore bench``: kvcore end to end vs the bare transport vs memcpy, on identical fragments, in one run.
+
+For every selected backend the orchestrator (this process) spawns one context
+and one generation rank process (``multiprocessing`` spawn; orchestration
+commands travel on pipes as msgpack bytes, never pickle). Each *case* is a
+function ``case(run: BackendRun) -> dict``; :data:`CASES` maps names to them.
+
+* ``llama8b``: one Llama-3-8B-shaped request (32 layers, 8 KV heads, head dim
+  128, bf16, 32-token blocks, 4096 tokens = 128 blocks = 512 MiB, K and V, TP1,
+  one head-major pool per rank, so one 4 MiB fragment per block), blocks
+  scattered on both sides (independent random permutations), moved
+
+  - ``kvcore``: through the whole stack: ``Transceiver.start_send`` on the
+    context rank, ``start_receive`` on the generation rank, control plane
+    (ZeroMQ), ``plan_transfer``, the agent, completion report, ``poll()``;
+    timed on the generation rank from ``start_receive`` to the DONE outcome;
+  - ``agent``: the same backend's ``TransferAgent.submit`` of the identical
+    fragment plan (built once with :func:`kvcore.mapping.plan_transfer` from the
+    same page tables), polled without back-off: the transport without kvcore's
+    control plane;
+  - ``nixl_initialize`` / ``nixl_prepped`` (nixl only): NIXL's own API on the
+    identical descriptor list, no kvcore code in the loop: ``initialize_xfer``
+    per transfer, or prepared lists made once and re-posted;
+  - ``memcpy``: numpy ``copyto`` of the same number of bytes between two
+    pre-faulted buffers, and ``memcpy_scattered``: one ``memmove`` per fragment
+    of the same plan into a local buffer (the physical references).
+
+* ``frag16k``: the same modes on 4096 x 16 KiB fragments (64 MiB).
+* ``small``: one-block requests of the ``frag16k`` pool (16 KiB): latency of
+  requests sent one at a time (p50/p99) against the agent's own one-fragment
+  time (the difference is kvcore's per-request overhead), and requests per
+  second with many requests in flight.
+
+Every timed transfer lands in zeroed destination memory and is verified
+afterwards, byte for byte, against an expectation the generation rank computes
+from the seed and the block ids alone (no kvcore arithmetic). Destination
+memory is touched before anything is timed; the first transfer of each mode
+(and the first contact between the instances) is reported separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvcore.errors import KvcoreError
+
+__all__ = [
+    "BenchError",
+    "BenchTimeoutError",
+    "BenchSpec",
+    "Shape",
+    "BackendRun",
+    "CASES",
+    "register_case",
+    "installed_backends",
+    "run_bench",
+    "add_parser",
+]
+
+_GB = 1e9
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # per-block word offset: a misplaced or torn block never matches
+_BACKEND_ORDER = ("nixl", "ucx", "shm")
+SMALL_SLOTS = 8  # distinct one-block slots the small requests cycle through
+
+
+class BenchError(KvcoreError):
+    """A benchmark rank failed or refused a command; the message carries the rank's traceback."""
+
+
+class BenchTimeoutError(BenchError, TimeoutError):
+    """A benchmark rank did not answer a command within its bound."""
+
+
+# --- what is measured --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One request's KV geometry (TP1, head-major pool: a block of every layer is one contiguous slot)."""
+
+    name: str
+    tokens: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tokens_per_block: int
+    dtype: str = "bfloat16"
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.tokens // self.tokens_per_block)
+
+    @property
+    def block_bytes(self) -> int:
+        from kvcore.topology import dtype_bytes
+
+        return self.layers * 2 * self.kv_heads * self.tokens_per_block * self.head_dim * dtype_bytes(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.block_bytes
+
+
+@dataclass
+class BenchSpec:
+    """Everything one benchmark run needs (sizes, iterations, bounds); sent to every rank as msgpack."""
+
+    backends: list[str] | None = None  # None: every installed transfer agent
+    cases: list[str] = field(default_factory=lambda: ["llama8b", "frag16k", "small"])
+    tokens: int = 4096
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    tokens_per_block: int = 32
+    dtype: str = "bfloat16"
+    fragments: int = 4096  # the frag16k case: this many 16 KiB fragments
+    iterations: int = 5
+    small_requests: int = 1000  # one-block requests in flight together
+    latency_requests: int = 200  # one-block requests sent one at a time
+    poll_interval_s: float = 0.0001  # the generation rank's engine loop: poll(), then sleep this long
+    timeout_s: float = 120.0  # bound on every command a rank runs
+    agent_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # backend -> agent options
+    seed: int = 1234
+
+    def validate(self) -> None:
+        """Raise ``BenchError`` naming the first field out of range."""
+        for name in (
+            "tokens",
+            "layers",
+            "kv_heads",
+            "head_dim",
+            "tokens_per_block",
+            "fragments",
+            "iterations",
+            "small_requests",
+            "latency_requests",
+        ):
+            if int(getattr(self, name)) < 1:
+                raise BenchError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.small_requests > 4000:
+            raise BenchError(f"small_requests must be <= 4000 (max_inflight_requests), got {self.small_requests}")
+        unknown = [c for c in self.cases if c not in CASES]
+        if unknown:
+            raise BenchError(f"unknown case(s) {unknown}; known: {sorted(CASES)}")
+        if not self.timeout_s > 0:
+            raise BenchError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 <= self.poll_interval_s < 1:
+            raise BenchError(f"poll_interval_s must be in [0, 1), got {self.poll_interval_s}")
+
+    def llama_shape(self) -> Shape:
+        return Shape(
+            "llama8b", self.tokens, self.layers, self.kv_heads, self.head_dim, self.tokens_per_block, self.dtype
+        )
+
+    def frag16k_shape(self) -> Shape:
+        # 1 layer x {K,V} x 1 head x 32 tokens x 128 x bf16 = 16 KiB per block, one fragment per block.
+        return Shape("frag16k", self.fragments * 32, 1, 1, 128, 32, "bfloat16")
+
+
+# --- orchestration wire ------------------------------------------------------------------------
+
+
+def _send(conn: Any, obj: Any) -> None:
+    conn.send_bytes(msgspec.msgpack.encode(obj))
+
+
+def _recv(conn: Any, timeout: float, who: str) -> dict[str, Any]:
+    if not conn.poll(timeout):
+        raise BenchTimeoutError(f"{who} did not answer within {timeout:.0f}s")
+    msg = msgspec.msgpack.decode(conn.recv_bytes())
+    if not isinstance(msg, dict):
+        raise BenchError(f"{who} sent a {type(msg).__name__}, expected a map")
+    return msg
+
+
+# --- rank processes ----------------------------------------------------------------------------
+
+
+def _block_ids(shape: Shape, seed: int, role: str) -> dict[str, np.ndarray]:
+    """Physical block ids per region; both ranks compute them from the seed (different permutations per side).
+
+    Pool index space: ``big`` request ``[0, blocks)``, ``small`` slots after it, one ``first``-contact block last.
+    """
+    rng = np.random.default_rng([seed, 0 if role == "context" else 1])
+    nb = shape.blocks
+    return {
+        "big": rng.permutation(nb).astype(np.int64),
+        "small": (nb + rng.permutation(SMALL_SLOTS)).astype(np.int64),
+        "first": np.array([nb + SMALL_SLOTS], dtype=np.int64),
+    }
+
+
+def _region_span(shape: Shape, region: str) -> tuple[int, int]:
+    nb = shape.blocks
+    return {"big": (0, nb), "small": (nb, nb + SMALL_SLOTS), "first": (nb + SMALL_SLOTS, nb + SMALL_SLOTS + 1)}[region]
+
+
+def _fill_logical(words: np.ndarray, phys: np.ndarray, logical: np.ndarray, seed: int) -> None:
+    """Write logical block ``logical[i]`` into row ``phys[i]`` of ``words`` ([blocks, words] uint64), in chunks."""
+    base = np.random.default_rng([seed, 7]).integers(0, 2**63, words.shape[1], dtype=np.uint64)
+    chunk = max(1, (64 << 20) // max(1, words.shape[1] * 8))
+    for a in range(0, len(phys), chunk):
+        words[phys[a : a + chunk]] = base[None, :] + logical[a : a + chunk, None].astype(np.uint64) * _MIX
+
+
+def _logical_ids(shape: Shape) -> dict[str, np.ndarray]:
+    nb = shape.blocks
+    return {
+        "big": np.arange(nb, dtype=np.int64),
+        "small": nb + np.arange(SMALL_SLOTS, dtype=np.int64),
+        "first": np.array([nb + SMALL_SLOTS], dtype=np.int64),
+    }
+
+
+class _Rank:
+    """One rank process: owns an agent, and per case a pool, a page table and a ``Transceiver``; serves commands."""
+
+    def __init__(self, role: str, backend: str, spec: BenchSpec, conn: Any) -> None:
+        import torch
+
+        from kvcore.config import TransceiverConfig, create_agent
+
+        torch.set_num_threads(1)
+        self.role, self.backend, self.spec, self.conn = role, backend, spec, conn
+        self.config = TransceiverConfig.load(
+            backend=backend,
+            agent_options=dict(spec.agent_options.get(backend, {})),
+            request_timeout_s=spec.timeout_s,
+            transfer_timeout_s=spec.timeout_s,
+        )
+        self._create_agent = create_agent
+        self.agent = create_agent(self.config, f"bench-{role}-{os.getpid()}")
+        self.tx: Any = None
+        self.shape: Shape | None = None
+        self.pending: dict[int, float] = {}  # context: requests started, not yet released
+        self.outcomes: dict[str, int] = {}
+        self.errors: list[str] = []
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        while True:
+            wait = 0.001 if self.pending else 0.05
+            if self.conn.poll(wait):
+                cmd = msgspec.msgpack.decode(self.conn.recv_bytes())
+                if cmd["op"] == "exit":
+                    _send(self.conn, {"kind": "ok"})
+                    return
+                try:
+                    reply = getattr(self, "op_" + cmd["op"])(**cmd.get("args", {}))
+                except Exception as exc:
+                    _send(
+                        self.conn,
+                        {"kind": "error", "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()},
+                    )
+                    continue
+                _send(self.conn, {"kind": "ok", **(reply or {})})
+            self._tick()
+
+    def _tick(self) -> None:
+        """The context rank's engine loop: poll the transceiver while requests are in flight."""
+        if self.tx is None or not self.pending:
+            return
+        r = self.tx.poll()
+        self._record(r.outcomes)
+        for rid in r.released:
+            self.pending.pop(rid, None)
+
+    def _record(self, outcomes: Iterable[Any]) -> None:
+        for o in outcomes:
+            self.outcomes[o.state.value] = self.outcomes.get(o.state.value, 0) + 1
+            if o.error is not None and len(self.errors) < 5:
+                self.errors.append(f"request {o.request_id}: {type(o.error).__name__}: {o.error}")
+
+    # --- per-case setup ------------------------------------------------------------------------
+
+    def op_init(self, shape: dict[str, Any]) -> dict[str, Any]:
+        """Allocate and fill (context) or zero (generation) the pool, build the page table, start a Transceiver."""
+        import torch
+
+        from kvcore.builders import allocate_kv_cache, build_page_table
+        from kvcore.topology import AttentionGeometry, Topology
+        from kvcore.transceiver import Transceiver
+
+        self.op_teardown()
+        sh = self.shape = Shape(**shape)
+        topology = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=sh.layers)
+        geometry = AttentionGeometry(
+            num_layers=sh.layers,
+            num_kv_heads=sh.kv_heads,
+            head_dim=sh.head_dim,
+            tokens_per_block=sh.tokens_per_block,
+            dtype=sh.dtype,
+            layout="head_major",
+        )
+        num_blocks = sh.blocks + SMALL_SLOTS + 1
+        self.caches = allocate_kv_cache(topology, geometry, num_blocks, allocator=self.agent.allocate_tensor)
+        self.pool = self.caches.view(torch.uint8).reshape(num_blocks, sh.block_bytes)
+        self.pool.zero_()  # touch every page: page faults are not transfer cost
+        self.ids = _block_ids(sh, self.spec.seed, self.role)
+        logical = _logical_ids(sh)
+        if self.role == "context":
+            words = self.pool.numpy().view(np.uint64)
+            for region in ("big", "small", "first"):
+                _fill_logical(words, self.ids[region], logical[region], self.spec.seed)
+        else:
+            self.expected = torch.zeros_like(self.pool)
+            words = self.expected.numpy().view(np.uint64)
+            for region in ("big", "small", "first"):
+                _fill_logical(words, self.ids[region], logical[region], self.spec.seed)
+            self.written: set[str] = set()
+        self.page_table = build_page_table("head_major_pool", self.caches, topology=topology, geometry=geometry)
+        self.tx = Transceiver(
+            self.config,
+            role=self.role,
+            agent=self.agent,
+            topology=topology,
+            geometry=geometry,
+            page_table=self.page_table,
+            instance_name=f"bench-{self.role}",
+        )
+        self.outcomes, self.errors = {}, []
+        self.bare: dict[str, Any] = {}
+        return {"endpoint": self.tx.info_endpoint, "rank_info": msgspec.msgpack.encode(self.tx.rank_info)}
+
+    def op_teardown(self) -> dict[str, Any]:
+        """Close this case's bare modes and Transceiver and drop its memory; returns the Transceiver's last stats."""
+        stats: dict[str, int] = {}
+        for name in list(getattr(self, "bare", {})):
+            self._unprepare(name)
+        if self.tx is not None:
+            stats = self.tx.stats()
+            self.tx.close()
+            self.tx = None
+        self.pending.clear()
+        for attr in ("pool", "caches", "expected", "mc_dst", "plan"):
+            if hasattr(self, attr):
+                delattr(self, attr)
+        return {"stats": stats}
+
+    def _blocks(self, region: str, i: int) -> np.ndarray:
+        ids = self.ids[region]
+        if region == "small":
+            return ids[i % SMALL_SLOTS : i % SMALL_SLOTS + 1]
+        return ids
+
+    # --- context: kvcore -----------------------------------------------------------------------
+
+    def op_send(self, rid0: int, n: int, region: str) -> dict[str, Any]:
+        """Start sending ``n`` requests (ids ``rid0..``); the serve loop polls them until released."""
+        assert self.shape is not None
+        now = time.monotonic()
+        for i in range(n):
+            blocks = self._blocks(region, i)
+            self.tx.start_send(rid0 + i, blocks, prompt_len=len(blocks) * self.shape.tokens_per_block)
+            self.pending[rid0 + i] = now
+        return {}
+
+    def op_drain(self) -> dict[str, Any]:
+        """Wait until every started request is released; returns outcome counts, errors and live stats."""
+        deadline = time.monotonic() + self.spec.timeout_s
+        while self.pending:
+            if time.monotonic() > deadline:
+                raise BenchTimeoutError(f"context rank: {len(self.pending)} request(s) never released")
+            self._tick()
+            time.sleep(0.001)
+        return {"outcomes": self.outcomes, "errors": self.errors, "stats": self.tx.stats()}
+
+    # --- context: bare transport and memcpy ----------------------------------------------------
+
+    def op_peer(self, rank_info: bytes) -> dict[str, Any]:
+        """Learn the generation rank's layout and agent descriptor (for the bare modes' identical plan)."""
+        from kvcore import wire
+
+        self.gen_info = msgspec.msgpack.decode(rank_info, type=wire.RankInfo)
+        return {}
+
+    def _plan(self, region: str, count: int | None = None) -> Any:
+        from kvcore.mapping import plan_transfer
+        from kvcore.plugins import get_plugin_manager
+
+        assert self.shape is not None
+        gen_ids = _block_ids(self.shape, self.spec.seed, "generation")[region]
+        src, dst = self.ids[region][:count], gen_ids[:count]
+        return plan_transfer(
+            self.tx.layout,
+            self.gen_info.layout,
+            src,
+            dst,
+            mappers=get_plugin_manager().registries.layout_mappers,
+            prompt_len=len(src) * self.shape.tokens_per_block,
+        )
+
+    def op_prepare(self, mode: str, region: str, count: int | None = None) -> dict[str, Any]:
+        """Set up one bare mode on the plan of ``region`` (first ``count`` blocks); returns setup time and plan size."""
+        from kvcore.agent import MemoryRegion
+
+        t0 = time.perf_counter()
+        plan = self._plan(region, count)
+        src, dst, sizes = plan.src, plan.dst, plan.sizes
+        pool_base, pool_bytes = int(self.pool.data_ptr()), int(self.pool.numel())
+        state: dict[str, Any] = {"plan": plan}
+        if mode == "agent":
+            ag = self._create_agent(self.config, f"bench-bare-{os.getpid()}-{region}")
+            ag.register_memory(MemoryRegion(pool_base, pool_bytes))
+            state["agent"] = ag
+            state["peer"] = ag.load_remote_agent(self.gen_info.agent_descriptor)
+        elif mode in ("nixl_initialize", "nixl_prepped"):
+            state.update(self._nixl_native(src, dst, sizes, pool_base, pool_bytes, prepped=mode == "nixl_prepped"))
+        elif mode == "memcpy":
+            state["src"] = self.pool.numpy().reshape(-1)[: int(sizes.sum())]
+            state["dst"] = np.empty_like(state["src"])
+            state["dst"].fill(0)  # pre-fault
+        elif mode == "memcpy_scattered":
+            gen_base = int(self.gen_info.page_table.pools[0].base)
+            span = int((dst - np.uint64(gen_base) + sizes).max())
+            buf = np.empty(span, dtype=np.uint8)
+            buf.fill(0)
+            state["buf"] = buf
+            local_dst = dst - np.uint64(gen_base) + np.uint64(buf.ctypes.data)
+            state["frags"] = list(zip(local_dst.tolist(), src.tolist(), sizes.tolist()))
+        else:
+            raise BenchError(f"unknown mode {mode!r}")
+        self.bare[mode] = state
+        return {
+            "setup_ms": (time.perf_counter() - t0) * 1e3,
+            "fragments": int(plan.count),
+            "bytes": int(plan.nbytes),
+            "fragment_bytes": int(sizes.max()) if plan.count else 0,
+        }
+
+    def _nixl_native(
+        self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, pool_base: int, pool_bytes: int, prepped: bool
+    ) -> dict[str, Any]:
+        """NIXL's own API on the identical descriptors: a second, bare ``nixl_agent`` in this process."""
+        from kvcore_nixl.agent import DEFAULT_BACKEND_PARAMS, decode_payload, load_nixl
+
+        api = load_nixl()
+        opts = self.config.agent_options
+        backend = str(opts.get("nixl_backend", "UCX"))
+        params = {
+            **DEFAULT_BACKEND_PARAMS.get(backend, {}),
+            **{str(k): str(v) for k, v in dict(opts.get("backend_params", {})).items()},
+        }
+        name = f"bench-bare-nixl-{os.getpid()}-{'prepped' if prepped else 'init'}-{time.monotonic_ns()}"
+        bare = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        bare.create_backend(backend, params)
+        reg = bare.register_memory(np.array([[pool_base, pool_bytes, 0]], dtype=np.uint64), "DRAM")
+        rname = bare.add_remote_agent(decode_payload(self.gen_info.agent_descriptor).metadata)
+        rname = rname.decode() if isinstance(rname, bytes) else rname
+        zeros = np.zeros_like(sizes)
+        ld = np.ascontiguousarray(np.stack([src, sizes, zeros], axis=1))
+        rd = np.ascontiguousarray(np.stack([dst, sizes, zeros], axis=1))
+        st: dict[str, Any] = {"nixl": bare, "reg": reg, "rname": rname, "ld": ld, "rd": rd}
+        if prepped:
+            st["lh"] = bare.prep_xfer_dlist("NIXL_INIT_AGENT", ld, "DRAM")
+            st["rh"] = bare.prep_xfer_dlist(rname, rd, "DRAM")
+            idx = np.arange(sizes.size, dtype=np.int32)
+            st["xh"] = bare.make_prepped_xfer("WRITE", st["lh"], idx, st["rh"], idx, b"")
+        return st
+
+    def op_xfer(self, mode: str, repeat: int = 1) -> dict[str, Any]:
+        """Run one bare mode ``repeat`` times; returns the wall time (and submit time) of each."""
+        st = self.bare[mode]
+        times, submits = [], []
+        for _ in range(repeat):
+            t, s = getattr(self, "_once_" + mode)(st)
+            times.append(t)
+            submits.append(s)
+        return {"seconds": times, "submit_seconds": submits}
+
+    def _once_agent(self, st: dict[str, Any]) -> tuple[float, float]:
+        from kvcore.agent import TransferOp, TransferStatus
+
+        ag, plan = st["agent"], st["plan"]
+        t0 = time.perf_counter()
+        h = ag.submit(TransferOp.WRITE, st["peer"], plan.src, plan.dst, plan.sizes)
+        t1 = time.perf_counter()
+        deadline = t0 + self.spec.timeout_s
+        while ag.poll(h) is TransferStatus.PENDING:  # no back-off: the transport's own speed
+            if time.perf_counter() > deadline:
+                raise BenchTimeoutError(f"{self.backend} agent transfer still pending after {self.spec.timeout_s}s")
+        t2 = time.perf_counter()
+        err = h.error
+        ag.release(h)
+        if err is not None:
+            raise err
+        return t2 - t0, t1 - t0
+
+    def _nixl_wait(self, st: dict[str, Any], h: Any, state: str, t0: float) -> None:
+        deadline = t0 + self.spec.timeout_s
+        while state == "PROC":
+            if time.perf_counter() > deadline:
+                raise BenchTimeoutError(f"bare NIXL transfer still pending after {self.spec.timeout_s}s")
+            state = st["nixl"].check_xfer_state(h)
+        if state != "DONE":
+            raise BenchError(f"bare NIXL transfer ended in state {state!r}")
+
+    def _once_nixl_initialize(self, st: dict[str, Any]) -> tuple[float, float]:
+        nx = st["nixl"]
+        t0 = time.perf_counter()
+        h = nx.initialize_xfer(
+            "WRITE", nx.get_xfer_descs(st["ld"], "DRAM"), nx.get_xfer_descs(st["rd"], "DRAM"), st["rname"], b""
+        )
+        state = nx.transfer(h, b"")
+        t1 = time.perf_counter()
+        try:
+            self._nixl_wait(st, h, state, t0)
+        finally:
+            t2 = time.perf_counter()
+            h.release()
+        return t2 - t0, t1 - t0
+
+    def _once_nixl_prepped(self, st: dict[str, Any]) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        state = st["nixl"].transfer(st["xh"], b"")
+        t1 = time.perf_counter()
+        self._nixl_wait(st, st["xh"], state, t0)
+        return time.perf_counter() - t0, t1 - t0
+
+    def _once_memcpy(self, st: dict[str, Any]) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        np.copyto(st["dst"], st["src"])
+        return time.perf_counter() - t0, 0.0
+
+    def _once_memcpy_scattered(self, st: dict[str, Any]) -> tuple[float, float]:
+        move = ctypes.memmove
+        t0 = time.perf_counter()
+        for d, s, n in st["frags"]:
+            move(d, s, n)
+        return time.perf_counter() - t0, 0.0
+
+    def op_check(self, mode: str) -> dict[str, Any]:
+        """Verify a memcpy mode's destination against the source blocks it copied (the reference modes only)."""
+        import torch
+
+        st = self.bare[mode]
+        if mode == "memcpy":
+            ok = torch.equal(torch.from_numpy(st["dst"]), torch.from_numpy(st["src"]))
+            st["dst"].fill(0)
+            return {"ok": ok}
+        if mode != "memcpy_scattered":
+            raise BenchError(f"op_check verifies the memcpy modes only, got {mode!r}")
+        assert self.shape is not None
+        bb = self.shape.block_bytes
+        out = torch.from_numpy(st["buf"]).reshape(-1, bb)
+        gen_big = _block_ids(self.shape, self.spec.seed, "generation")["big"]
+        ok = all(torch.equal(out[int(d)], self.pool[int(s)]) for s, d in zip(self.ids["big"], gen_big))
+        st["buf"].fill(0)
+        return {"ok": ok}
+
+    def _unprepare(self, mode: str) -> None:
+        st = self.bare.pop(mode, None)
+        if not st:
+            return
+        if "agent" in st:
+            st["agent"].close()
+        if "nixl" in st:
+            nx = st["nixl"]
+            for key in ("xh", "lh", "rh"):
+                if key in st:
+                    st[key].release()
+            nx.remove_remote_agent(st["rname"])
+            nx.deregister_memory(st["reg"])
+
+    def op_unprepare(self, mode: str) -> dict[str, Any]:
+        self._unprepare(mode)
+        return {}
+
+    # --- generation ----------------------------------------------------------------------------
+
+    def op_zero(self, region: str) -> dict[str, Any]:
+        assert self.shape is not None
+        a, b = _region_span(self.shape, region)
+        self.pool[a:b].zero_()
+        self.written.discard(region)
+        return {}
+
+    def op_verify(self, region: str) -> dict[str, Any]:
+        """Compare a region with the expectation computed from the seed and block ids (not from kvcore's plans)."""
+        import torch
+
+        assert self.shape is not None
+        a, b = _region_span(self.shape, region)
+        got, want = self.pool[a:b], self.expected[a:b]
+        if torch.equal(got, want):
+            self.written.add(region)  # the region now holds its expectation (whoever wrote it)
+            return {"ok": True, "bad_bytes": 0, "bytes": int(got.numel())}
+        return {"ok": False, "bad_bytes": int((got != want).sum()), "bytes": int(got.numel())}
+
+    def op_verify_all(self) -> dict[str, Any]:
+        """Written regions hold their expectation; the others are still zero (nothing landed outside its blocks)."""
+        assert self.shape is not None
+        bad = 0
+        for region in ("big", "small", "first"):
+            a, b = _region_span(self.shape, region)
+            if region in self.written:
+                bad += int((self.pool[a:b] != self.expected[a:b]).sum())
+            else:
+                bad += int(self.pool[a:b].count_nonzero())
+        return {"ok": bad == 0, "bad_bytes": bad, "written": sorted(self.written)}
+
+    def op_receive(self, endpoint: str, rid0: int, n: int, region: str, pipelined: bool) -> dict[str, Any]:
+        """Receive ``n`` requests, one at a time (latency each) or all started at once (elapsed until all DONE)."""
+        assert self.shape is not None
+        tpb = self.shape.tokens_per_block
+        latency: list[float] = []
+        not_done: list[str] = []
+        deadline = time.monotonic() + self.spec.timeout_s
+        self.written.add(region)
+
+        def wait(ids: set[int]) -> dict[int, float]:
+            done: dict[int, float] = {}
+            released: set[int] = set()
+            while not (ids <= released and ids <= set(done)):
+                r = self.tx.poll()
+                now = time.perf_counter()
+                for o in r.outcomes:
+                    done[o.request_id] = now
+                    if o.state.value != "DONE" and len(not_done) < 5:
+                        not_done.append(f"request {o.request_id}: {o.state.value} {o.error}")
+                released.update(r.released)
+                if time.monotonic() > deadline:
+                    raise BenchTimeoutError(f"generation rank: {len(ids - released)} request(s) not released")
+                time.sleep(self.spec.poll_interval_s)
+            return done
+
+        if pipelined:
+            t0 = time.perf_counter()
+            for i in range(n):
+                blocks = self._blocks(region, i)
+                self.tx.start_receive(rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb)
+            done = wait(set(range(rid0, rid0 + n)))
+            elapsed = max(done.values()) - t0
+        else:
+            t_all = time.perf_counter()
+            for i in range(n):
+                blocks = self._blocks(region, i)
+                t0 = time.perf_counter()
+                self.tx.start_receive(rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb)
+                latency.append(wait({rid0 + i})[rid0 + i] - t0)
+            elapsed = time.perf_counter() - t_all
+        return {"latency_s": latency, "elapsed_s": elapsed, "not_done": not_done}
+
+    def op_stats(self) -> dict[str, Any]:
+        return {"stats": self.tx.stats() if self.tx is not None else {}}
+
+    def close(self) -> None:
+        try:
+            self.op_teardown()
+        finally:
+            self.agent.close()
+
+
+def _rank_main(role: str, backend: str, spec_d: dict[str, Any], conn: Any) -> None:
+    """Entry point of a rank process: serve commands until told to exit; report any failure."""
+    os.dup2(2, 1)  # native libraries may print: keep the orchestrator's stdout (``--json``) clean
+    rank: _Rank | None = None
+    try:
+        rank = _Rank(role, backend, BenchSpec(**spec_d), conn)
+        _send(conn, {"kind": "ok", "pid": os.getpid()})
+        rank.serve()
+    except BaseException as exc:
+        try:
+            _send(conn, {"kind": "error", "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+        except Exception:
+            pass
+        raise SystemExit(1) from None
+    finally:
+        if rank is not None:
+            rank.close()
+
+
+# --- orchestrator --------------------------------------------------------------------------------
+
+
+class _RankProc:
+    """The orchestrator's handle on one rank process: commands out, replies back, every wait bounded."""
+
+    def __init__(self, role: str, backend: str, spec: BenchSpec) -> None:
+        ctx = mp.get_context("spawn")
+        self.role, self.spec = role, spec
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_rank_main,
+            args=(role, backend, asdict(spec), child),
+            name=f"kvcore-bench-{backend}-{role}",
+            daemon=True,
+        )
+        self.proc.start()
+        child.close()
+        self.who = f"{backend} {role} rank"
+
+    def ready(self) -> None:
+        self._reply(self.spec.timeout_s)
+
+    def post(self, op: str, **args: Any) -> None:
+        _send(self.conn, {"op": op, "args": args})
+
+    def call(self, op: str, timeout: float | None = None, **args: Any) -> dict[str, Any]:
+        self.post(op, **args)
+        return self._reply(timeout or self.spec.timeout_s + 30)
+
+    def _reply(self, timeout: float) -> dict[str, Any]:
+        try:
+            msg = _recv(self.conn, timeout, self.who)
+        except EOFError:
+            raise BenchError(f"{self.who} exited (code {self.proc.exitcode})") from None
+        if msg.get("kind") == "error":
+            raise BenchError(f"{self.who} failed: {msg['error']}\n{msg.get('trace', '')}")
+        return msg
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("exit", timeout=30)
+        except Exception:
+            pass
+        finally:
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+
+
+class BackendRun:
+    """One backend's pair of rank processes, handed to every case function."""
+
+    def __init__(self, backend: str, spec: BenchSpec, say: Callable[[str], None]) -> None:
+        self.backend, self.spec, self.say = backend, spec, say
+        self._rid = itertools.count(1)
+        self.ctx: _RankProc | None = None
+        self.gen: _RankProc | None = None
+        try:
+            self.ctx = _RankProc("context", backend, spec)
+            self.gen = _RankProc("generation", backend, spec)
+            self.ctx.ready()
+            self.gen.ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def rids(self, n: int) -> int:
+        """``n`` fresh request ids; returns the first."""
+        first = next(self._rid)
+        for _ in range(n - 1):
+            next(self._rid)
+        return first
+
+    def open(self, shape: Shape) -> dict[str, Any]:
+        """Set up both ranks for ``shape`` and make first contact (a one-block request, timed on its own)."""
+        assert self.ctx is not None and self.gen is not None
+        c = self.ctx.call("init", shape=asdict(shape))
+        g = self.gen.call("init", shape=asdict(shape))
+        self.ctx.call("peer", rank_info=g["rank_info"])
+        self.endpoint = c["endpoint"]
+        rid = self.rids(1)
+        self.ctx.call("send", rid0=rid, n=1, region="first")
+        r = self.gen.call("receive", endpoint=self.endpoint, rid0=rid, n=1, region="first", pipelined=False)
+        ok = self.gen.call("verify", region="first")["ok"] and not r["not_done"]
+        return {"first_contact_ms": r["latency_s"][0] * 1e3, "first_contact_verified": ok}
+
+    def close_shape(self) -> dict[str, Any]:
+        """Drain the context side, check the whole destination pool, tear both ranks' case state down."""
+        assert self.ctx is not None and self.gen is not None
+        drain = self.ctx.call("drain")
+        full = self.gen.call("verify_all")
+        g_stats = self.gen.call("teardown")["stats"]
+        c_stats = self.ctx.call("teardown")["stats"]
+        leaks = {
+            f"{side}.{k}": v
+            for side, st in (("context", c_stats), ("generation", g_stats))
+            for k, v in st.items()
+            if v and k not in ("ctx_instances", "gen_peers")
+        }
+        return {
+            "context_outcomes": drain["outcomes"],
+            "context_errors": drain["errors"],
+            "pool_verified": full["ok"],
+            "pool_bad_bytes": full["bad_bytes"],
+            "leaks": leaks,
+        }
+
+    def kvcore_once(self, region: str) -> float:
+        """One request through both Transceivers into zeroed memory; returns seconds and checks the bytes."""
+        assert self.ctx is not None and self.gen is not None
+        rid = self.rids(1)
+        self.ctx.call("send", rid0=rid, n=1, region=region)
+        r = self.gen.call("receive", endpoint=self.endpoint, rid0=rid, n=1, region=region, pipelined=False)
+        if r["not_done"]:
+            raise BenchError(f"{self.backend}: kvcore request failed: {r['not_done'][0]}")
+        return float(r["latency_s"][0])
+
+    def close(self) -> None:
+        for p in (self.gen, self.ctx):
+            if p is not None:
+                p.close()
+
+
+#: A case: ``fn(run) -> result dict``. Register more with :func:`register_case` (e.g. a TP2->TP4 bounce case).
+CaseFn = Callable[[BackendRun], dict[str, Any]]
+CASES: dict[str, CaseFn] = {}
+
+
+def register_case(name: str) -> Callable[[CaseFn], CaseFn]:
+    """Decorator: make ``fn(run: BackendRun) -> dict`` selectable as ``kvcore bench --cases name``."""
+
+    def deco(fn: CaseFn) -> CaseFn:
+        if name in CASES:
+            raise BenchError(f"benchmark case {name!r} is registered twice")
+        CASES[name] = fn
+        return fn
+
+    return deco
+
+
+def _summarize(nbytes: int, times: list[float], first: float) -> dict[str, Any]:
+    med = statistics.median(times)
+    return {
+        "gbps_median": nbytes / med / _GB,
+        "gbps_best": nbytes / min(times) / _GB,
+        "ms_median": med * 1e3,
+        "ms_best": min(times) * 1e3,
+        "first_ms": first * 1e3,
+        "times_ms": [t * 1e3 for t in times],
+    }
+
+
+def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
+    """kvcore vs the bare agent vs NIXL's own API vs memcpy on one request's identical fragment plan."""
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    out: dict[str, Any] = {"shape": asdict(shape), "bytes": shape.nbytes, "iterations": spec.iterations}
+    out.update(run.open(shape))
+    modes = ["kvcore", "agent"]
+    if run.backend == "nixl":
+        modes += ["nixl_initialize", "nixl_prepped"]
+    modes += ["memcpy", "memcpy_scattered"]
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    submits: dict[str, list[float]] = {m: [] for m in modes}
+    first: dict[str, float] = {}
+    verified: dict[str, bool] = {m: True for m in modes}
+    setup: dict[str, Any] = {}
+    try:
+        for m in modes[1:]:
+            setup[m] = run.ctx.call("prepare", mode=m, region="big")
+        plan = setup["agent"]
+        out.update(fragments=plan["fragments"], fragment_bytes=plan["fragment_bytes"], plan_bytes=plan["bytes"])
+        # Round-robin over the modes so that load from other processes hits every mode alike; the first
+        # round is the warm-up (registration caches, connections, list preparation), reported apart.
+        for it in range(spec.iterations + 1):
+            run.say(f"{run.backend} {shape.name}: round {it}/{spec.iterations}")
+            for m in modes:
+                memcpy = m.startswith("memcpy")
+                if not memcpy:
+                    run.gen.call("zero", region="big")
+                if m == "kvcore":
+                    t, s = run.kvcore_once("big"), None
+                else:
+                    r = run.ctx.call("xfer", mode=m)
+                    t, s = r["seconds"][0], r["submit_seconds"][0]
+                ok = run.ctx.call("check", mode=m)["ok"] if memcpy else run.gen.call("verify", region="big")["ok"]
+                verified[m] = verified[m] and ok
+                if it == 0:
+                    first[m] = t
+                else:
+                    times[m].append(t)
+                    if s is not None:
+                        submits[m].append(s)
+    finally:
+        for m in setup:
+            run.ctx.call("unprepare", mode=m)
+        shape_checks = run.close_shape()
+    out["modes"] = {}
+    for m in modes:
+        res = _summarize(shape.nbytes, times[m], first[m])
+        res["verified"] = verified[m]
+        if submits[m]:
+            res["submit_ms_median"] = statistics.median(submits[m]) * 1e3
+        if m in setup:
+            res["setup_ms"] = setup[m]["setup_ms"]
+        out["modes"][m] = res
+    g = {m: out["modes"][m]["gbps_median"] for m in modes}
+    natives = [m for m in modes if m.startswith("nixl_")]
+    bare = max(natives, key=lambda m: g[m]) if natives else "agent"
+    out["bare_mode"] = bare
+    out["ratios"] = {
+        "kvcore_vs_bare": g["kvcore"] / g[bare],
+        "kvcore_vs_agent": g["kvcore"] / g["agent"],
+        "kvcore_vs_memcpy": g["kvcore"] / g["memcpy"],
+        "kvcore_vs_memcpy_scattered": g["kvcore"] / g["memcpy_scattered"],
+        "bare_vs_memcpy": g[bare] / g["memcpy"],
+        **{f"kvcore_vs_{m}": g["kvcore"] / g[m] for m in natives},
+    }
+    out.update(shape_checks)
+    out["verified"] = (
+        all(verified.values())
+        and shape_checks["pool_verified"]
+        and out["first_contact_verified"]
+        and not shape_checks["context_errors"]
+    )
+    return out
+
+
+@register_case("llama8b")
+def case_llama8b(run: BackendRun) -> dict[str, Any]:
+    """The Llama-3-8B-shaped request (``--tokens``/``--layers``... change it): every mode, same plan."""
+    return _transfer_case(run, run.spec.llama_shape())
+
+
+@register_case("frag16k")
+def case_frag16k(run: BackendRun) -> dict[str, Any]:
+    """``--fragments`` x 16 KiB fragments (4096 = 64 MiB by default): every mode, same plan."""
+    return _transfer_case(run, run.spec.frag16k_shape())
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+@register_case("small")
+def case_small(run: BackendRun) -> dict[str, Any]:
+    """One-block (16 KiB) requests: per-request latency vs the agent alone, and requests/s with many in flight."""
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    shape = replace(spec.frag16k_shape(), name="small", tokens=32)
+    out: dict[str, Any] = {"shape": asdict(shape), "block_bytes": shape.block_bytes}
+    out.update(run.open(shape))
+    try:
+        warm = max(1, min(20, spec.latency_requests // 10))
+        # warm-up requests, not counted
+        rid = run.rids(warm)
+        run.ctx.call("send", rid0=rid, n=warm, region="small")
+        run.gen.call("receive", endpoint=run.endpoint, rid0=rid, n=warm, region="small", pipelined=False)
+        # latency: one at a time
+        run.say(f"{run.backend} small: {spec.latency_requests} requests one at a time")
+        rid = run.rids(spec.latency_requests)
+        run.ctx.call("send", rid0=rid, n=spec.latency_requests, region="small")
+        r = run.gen.call(
+            "receive", endpoint=run.endpoint, rid0=rid, n=spec.latency_requests, region="small", pipelined=False
+        )
+        lat_ms = [x * 1e3 for x in r["latency_s"]]
+        not_done = list(r["not_done"])
+        # the transport alone on the same one-block plan
+        run.ctx.call("prepare", mode="agent", region="small", count=1)
+        try:
+            a = run.ctx.call("xfer", mode="agent", repeat=spec.latency_requests + warm)
+        finally:
+            run.ctx.call("unprepare", mode="agent")
+        agent_ms = [x * 1e3 for x in a["seconds"][warm:]]
+        # throughput: every request in flight together
+        run.say(f"{run.backend} small: {spec.small_requests} requests in flight")
+        rid = run.rids(spec.small_requests)
+        run.ctx.call("send", rid0=rid, n=spec.small_requests, region="small")
+        t = run.gen.call(
+            "receive", endpoint=run.endpoint, rid0=rid, n=spec.small_requests, region="small", pipelined=True
+        )
+        not_done += t["not_done"]
+        ok = run.gen.call("verify", region="small")["ok"]
+    finally:
+        shape_checks = run.close_shape()
+    out["latency"] = {
+        "requests": len(lat_ms),
+        "kvcore_ms_p50": _pct(lat_ms, 50),
+        "kvcore_ms_p99": _pct(lat_ms, 99),
+        "kvcore_ms_mean": statistics.fmean(lat_ms),
+        "agent_ms_p50": _pct(agent_ms, 50),
+        "agent_ms_p99": _pct(agent_ms, 99),
+        "overhead_ms_p50": _pct(lat_ms, 50) - _pct(agent_ms, 50),
+        "requests_per_s_one_at_a_time": len(lat_ms) / r["elapsed_s"],
+    }
+    out["throughput"] = {
+        "requests": spec.small_requests,
+        "seconds": t["elapsed_s"],
+        "requests_per_s": spec.small_requests / t["elapsed_s"],
+        "gbps": spec.small_requests * shape.block_bytes / t["elapsed_s"] / _GB,
+    }
+    out["not_done"] = not_done
+    out.update(shape_checks)
+    out["verified"] = (
+        ok
+        and not not_done
+        and shape_checks["pool_verified"]
+        and out["first_contact_verified"]
+        and not shape_checks["context_errors"]
+    )
+    return out
+
+
+# --- entry points ------------------------------------------------------------------------------
+
+
+def installed_backends() -> list[str]:
+    """Every transfer agent whose plugin loads here, the NIXL/UCX/shm ones first."""
+    from kvcore.plugins import get_plugin_manager
+
+    reg = get_plugin_manager().registries.transfer_agents
+    ok = []
+    for name in reg.names():
+        try:
+            reg.get(name)
+        except KvcoreError:
+            continue
+        ok.append(name)
+    return sorted(ok, key=lambda n: (_BACKEND_ORDER.index(n) if n in _BACKEND_ORDER else len(_BACKEND_ORDER), n))
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def run_bench(spec: BenchSpec, *, say: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every selected case on every selected backend; returns the JSON-able result (``ok`` says all verified).
+
+    A backend that fails is reported under its name (``ok: false`` and the error) and the others still run.
+    """
+    spec.validate()
+    say = say or (lambda _msg: None)
+    backends = spec.backends or installed_backends()
+    result: dict[str, Any] = {"version": 1, "machine": _machine(), "spec": asdict(spec), "backends": {}}
+    t0 = time.perf_counter()
+    for backend in backends:
+        entry: dict[str, Any] = {"cases": {}}
+        result["backends"][backend] = entry
+        run = None
+        try:
+            from kvcore.config import resolve_backend
+
+            resolve_backend(backend)  # a missing or broken backend fails here, before any process starts
+            say(f"{backend}: starting rank processes")
+            run = BackendRun(backend, spec, say)
+            for case in spec.cases:
+                entry["cases"][case] = CASES[case](run)
+            entry["ok"] = all(c.get("verified") and not c.get("leaks") for c in entry["cases"].values())
+        except (KvcoreError, OSError, EOFError) as exc:
+            entry["ok"] = False
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            if run is not None:
+                run.close()
+    result["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["seconds"] = time.perf_counter() - t0
+    result["ok"] = bool(backends) and all(b["ok"] for b in result["backends"].values())
+    return result
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``kvcore bench`` on the CLI's subparsers."""
+    d = BenchSpec()
+    p = sub.add_parser("bench", help="kvcore end to end vs the bare transport vs memcpy, same fragments, one run")
+    p.add_argument(
+        "--backend", default="", help="comma-separated backends (nixl,ucx,shm); default: every installed one"
+    )
+    p.add_argument("--cases", default=",".join(d.cases), help=f"comma-separated cases (known: {', '.join(CASES)})")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens of the llama8b request")
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    p.add_argument("--head-dim", type=int, default=d.head_dim)
+    p.add_argument("--tokens-per-block", type=int, default=d.tokens_per_block)
+    p.add_argument("--fragments", type=int, default=d.fragments, help="16 KiB fragments of the frag16k case")
+    p.add_argument("--iterations", type=int, default=d.iterations, help="timed rounds after one warm-up round")
+    p.add_argument("--small-requests", type=int, default=d.small_requests, help="one-block requests in flight at once")
+    p.add_argument("--latency-requests", type=int, default=d.latency_requests, help="one-block requests one at a time")
+    p.add_argument(
+        "--poll-interval-us",
+        type=float,
+        default=d.poll_interval_s * 1e6,
+        help="the generation rank's engine loop sleeps this long between poll() calls",
+    )
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound in seconds on every rank command")
+    p.add_argument("--agent-options", default="{}", help='JSON: {"nixl": {...}, "ucx": {...}}')
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``kvcore bench``: run, print a table (or JSON), exit 0 only when every byte was verified and nothing leaked."""
+    try:
+        spec = BenchSpec(
+            backends=[b.strip() for b in args.backend.split(",") if b.strip()] or None,
+            cases=[c.strip() for c in args.cases.split(",") if c.strip()],
+            tokens=args.tokens,
+            layers=args.layers,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            tokens_per_block=args.tokens_per_block,
+            fragments=args.fragments,
+            iterations=args.iterations,
+            small_requests=args.small_requests,
+            latency_requests=args.latency_requests,
+            timeout_s=args.timeout,
+            poll_interval_s=args.poll_interval_us / 1e6,
+            agent_options=json.loads(args.agent_options),
+        )
+        quiet = args.json or not sys.stderr.isatty()
+        result = run_bench(spec, say=None if quiet else lambda m: print(f"  {m}", file=sys.stderr))
+    except (KvcoreError, ValueError) as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+        else:
+            print(f"kvcore bench failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_result(result)
+    return 0 if result["ok"] else 1
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """Rich tables for people: bandwidth per backend, case and mode; small-request latency and rate."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=max(120, Console().width))
+    m = result["machine"]
+    con.print(
+        f"[bold]kvcore bench[/] on {m['cpus']} CPUs, load {m['loadavg']} -> {m.get('loadavg_end')}, "
+        f"{result['seconds']:.0f} s; GB/s = 1e9 B/s; 'vs bare' = kvcore / fastest bare transport mode"
+    )
+    t = Table(title="bandwidth (median of the timed rounds; best; first round apart)")
+    for col in ("backend", "case", "mode", "GB/s", "best", "ms", "first ms", "kvcore/this", "verified"):
+        t.add_column(col, justify="right" if col not in ("backend", "case", "mode") else "left")
+    s = Table(title="one-block requests")
+    for col in (
+        "backend",
+        "kvcore p50 ms",
+        "p99 ms",
+        "agent p50 ms",
+        "overhead p50",
+        "req/s in flight",
+        "first contact ms",
+        "verified",
+    ):
+        s.add_column(col, justify="right" if col != "backend" else "left")
+    for backend, entry in result["backends"].items():
+        if entry.get("error"):
+            t.add_row(backend, "-", "[red]error[/]", "", "", "", "", "", f"[red]{entry['error'][:80]}[/]")
+        for case, c in entry["cases"].items():
+            if "modes" in c:
+                kv = c["modes"]["kvcore"]["gbps_median"]
+                label = f"{case} ({c['fragments']} x {c['fragment_bytes'] / 1024:g} KiB)"
+                for i, (mode, r) in enumerate(c["modes"].items()):
+                    t.add_row(
+                        backend if i == 0 else "",
+                        label if i == 0 else "",
+                        mode + (" (bare)" if mode == c["bare_mode"] else ""),
+                        f"{r['gbps_median']:.2f}",
+                        f"{r['gbps_best']:.2f}",
+                        f"{r['ms_median']:.2f}",
+                        f"{r['first_ms']:.1f}",
+                        "" if mode == "kvcore" else f"{kv / r['gbps_median']:.2f}",
+                        "[green]yes[/]" if r["verified"] else "[red]NO[/]",
+                    )
+                t.add_row(
+                    "", "", f"first contact {c['first_contact_ms']:.1f} ms", "", "", "", "", "", "", end_section=True
+                )
+                if c.get("leaks"):
+                    t.add_row(backend, case, "[red]leaks[/]", json.dumps(c["leaks"])[:60], "", "", "", "", "")
+            elif "latency" in c:
+                lat, thr = c["latency"], c["throughput"]
+                s.add_row(
+                    backend,
+                    f"{lat['kvcore_ms_p50']:.3f}",
+                    f"{lat['kvcore_ms_p99']:.3f}",
+                    f"{lat['agent_ms_p50']:.3f}",
+                    f"{lat['overhead_ms_p50']:.3f}",
+                    f"{thr['requests_per_s']:.0f} ({thr['requests']})",
+                    f"{c['first_contact_ms']:.1f}",
+                    "[green]yes[/]" if c["verified"] else "[red]NO[/]",
+                )
+    con.print(t)
+    if s.row_count:
+        con.print(s)
+    con.print("[green]OK: every transfer verified, nothing leaked[/]" if result["ok"] else "[red]FAILED[/]")

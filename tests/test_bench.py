@@ -1,0 +1,118 @@
+"""``kvcore bench``: every case on a tiny configuration, through the real CLI and the Python API.
+
+Real rank processes and real transports; the assertions are on the result's
+shape and on byte verification, never on wall-clock numbers (the machines are
+shared and noisy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from kvcore.bench import CASES, BenchError, BenchSpec, installed_backends, run_bench
+
+TINY = ["--tokens", "128", "--layers", "2", "--fragments", "32", "--iterations", "2"]
+TINY += ["--small-requests", "40", "--latency-requests", "10", "--timeout", "60"]
+TRANSPORTS = [b for b in ("shm", "nixl", "ucx") if b in installed_backends()]
+
+
+def _check_transfer_case(case: dict[str, Any], backend: str) -> None:
+    modes = set(case["modes"])
+    assert {"kvcore", "agent", "memcpy", "memcpy_scattered"} <= modes
+    if backend == "nixl":
+        assert {"nixl_initialize", "nixl_prepped"} <= modes
+        assert case["bare_mode"] in ("nixl_initialize", "nixl_prepped")
+    else:
+        assert case["bare_mode"] == "agent"
+    for name, mode in case["modes"].items():
+        assert mode["verified"] is True, name
+        assert mode["gbps_median"] > 0 and mode["gbps_best"] >= mode["gbps_median"]
+        assert len(mode["times_ms"]) == case["iterations"] and mode["first_ms"] > 0
+    assert case["plan_bytes"] == case["bytes"] and case["fragments"] >= 1
+    for key in ("kvcore_vs_bare", "kvcore_vs_agent", "kvcore_vs_memcpy", "kvcore_vs_memcpy_scattered"):
+        assert case["ratios"][key] > 0
+    assert case["pool_verified"] is True and case["first_contact_verified"] is True
+    assert case["leaks"] == {} and case["context_errors"] == []
+    assert case["verified"] is True
+
+
+def _check_small_case(case: dict[str, Any], spec: dict[str, Any]) -> None:
+    lat, thr = case["latency"], case["throughput"]
+    assert lat["requests"] == spec["latency_requests"]
+    assert 0 < lat["kvcore_ms_p50"] <= lat["kvcore_ms_p99"]
+    assert lat["agent_ms_p50"] > 0 and "overhead_ms_p50" in lat
+    assert thr["requests"] == spec["small_requests"] and thr["requests_per_s"] > 0
+    assert case["not_done"] == [] and case["leaks"] == {} and case["verified"] is True
+
+
+def _check_result(result: dict[str, Any], backends: list[str]) -> None:
+    assert result["version"] == 1 and result["machine"]["cpus"] >= 1
+    assert list(result["backends"]) == backends
+    for backend, entry in result["backends"].items():
+        assert entry.get("error") is None, entry.get("error")
+        assert set(entry["cases"]) == {"llama8b", "frag16k", "small"}
+        _check_transfer_case(entry["cases"]["llama8b"], backend)
+        _check_transfer_case(entry["cases"]["frag16k"], backend)
+        assert entry["cases"]["frag16k"]["fragment_bytes"] == 16 * 1024
+        _check_small_case(entry["cases"]["small"], result["spec"])
+        assert entry["ok"] is True
+    assert result["ok"] is True
+
+
+@pytest.mark.timeout(120)
+def test_cli_json_every_case_on_every_installed_transport() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcore", "bench", "--json", "--backend", ",".join(TRANSPORTS), *TINY],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # stdout is JSON only: rank processes' native logs go to stderr
+    _check_result(result, TRANSPORTS)
+    llama = result["backends"][TRANSPORTS[0]]["cases"]["llama8b"]
+    assert llama["bytes"] == 4 * 2 * 2 * 8 * 32 * 128 * 2  # 4 blocks x 2 layers x K,V x 8 heads x 32 x 128 x bf16
+
+
+@pytest.mark.timeout(60)
+def test_python_api_shm() -> None:
+    spec = BenchSpec(
+        backends=["shm"],
+        tokens=64,
+        layers=1,
+        fragments=16,
+        iterations=1,
+        small_requests=20,
+        latency_requests=5,
+        timeout_s=60,
+    )
+    result = run_bench(spec)
+    _check_result(result, ["shm"])
+
+
+def test_spec_refuses_unknown_case_and_bad_sizes() -> None:
+    assert {"llama8b", "frag16k", "small"} <= set(CASES)
+    with pytest.raises(BenchError, match="unknown case"):
+        BenchSpec(cases=["nope"]).validate()
+    with pytest.raises(BenchError, match="iterations"):
+        BenchSpec(iterations=0).validate()
+
+
+def test_cli_reports_an_unknown_backend_as_a_failed_backend() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcore", "bench", "--json", "--backend", "no-such-agent", "--cases", "small", *TINY],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    result = json.loads(proc.stdout)
+    assert result["ok"] is False
+    assert "no-such-agent" in result["backends"]["no-such-agent"]["error"]
