@@ -95,6 +95,7 @@ class DemoSpec:
     timeout_s: float = 120.0
     seed: int = 1234
     extra: dict[str, Any] = field(default_factory=dict)  # more TransceiverConfig fields, passed through
+    poison: int = -1  # self-check: context ranks fill this request with another request's values (must fail)
 
     # --- derived -------------------------------------------------------------------------------
 
@@ -454,7 +455,8 @@ class _Rank:
         """Context side: write the request's KV (all its tokens) and its Mamba state."""
         spec = self.spec
         tokens = range(spec.blocks_per_request * spec.tokens_per_block)
-        want = expected_values(request, self.layers, spec.kv_factor, self.heads, tokens, spec.head_dim, self.dtype)
+        source = request + 1 if request == spec.poison else request
+        want = expected_values(source, self.layers, spec.kv_factor, self.heads, tokens, spec.head_dim, self.dtype)
         _scatter(self.caches, spec.layout, self.blocks[request], want)
         if self.mamba_layers:
             slot = self.slots[request]
@@ -776,8 +778,9 @@ def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
                 child.close()
                 ranks.procs[(role, rank)] = p
                 ranks.conns[(role, rank)] = parent
-        start_deadline = time.monotonic() + spec.timeout_s
-        first = ranks.wait([("context", 0)], start_deadline)[("context", 0)]
+        t_spawned = time.monotonic()
+        first = ranks.wait([("context", 0)], t_spawned + spec.timeout_s)[("context", 0)]
+        t_ready = time.monotonic()
         summary["backend"] = first["backend"]
         for c in ranks.conns.values():
             _send(c, {"kind": "go", "endpoint": first["endpoint"]})
@@ -798,6 +801,7 @@ def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
         for c in ranks.conns.values():
             _send(c, {"kind": "exit"})
         clean = True
+        summary["phases_s"] = {"startup": t_ready - t_spawned, "run": time.monotonic() - t_ready}
         gen = [reports[k] for k in gen_keys]
         ctx = [r for k, r in reports.items() if k[0] == "context"]
         lat = np.array([x for r in gen for x in r["outcomes"]["latency"]]) * 1000
