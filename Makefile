@@ -1,8 +1,9 @@
 # Set-up and test entry points; README.md names `make demo` and `make test`.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-PLUGINS := $(wildcard plugins/nixl plugins/ucx plugins/mixers)
-EXAMPLES := $(wildcard docs/examples/kvcore-cma)
+# Each plugin with the extra that brings its native library (nixl: the CUDA-12 flavour of the NIXL wheel,
+# which also works on host memory without a GPU).
+PLUGINS := 'plugins/nixl[cu12]' plugins/ucx plugins/mixers docs/examples/kvcore-cma
 
 .PHONY: install demo test lint
 
@@ -10,7 +11,7 @@ EXAMPLES := $(wildcard docs/examples/kvcore-cma)
 install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
-	$(foreach p,$(PLUGINS) $(EXAMPLES),$(PIP) install -q -e $(p) &&) true
+	$(foreach p,$(PLUGINS),$(PIP) install -q -e $(p) &&) true
 
 demo: install
 	kvcore demo

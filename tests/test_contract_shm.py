@@ -185,5 +185,6 @@ def test_no_fd_or_thread_leak(kvcore_peer: PeerProcess) -> None:
         kvcore_peer.call("free", key="fd")
     del a, h
     gc.collect()
-    assert threading.active_count() == before_threads
-    assert fds() == before_fds
+    # "<=": resources of earlier tests in this process (ZeroMQ sockets) may still be closing in the background.
+    assert threading.active_count() <= before_threads
+    assert fds() <= before_fds

@@ -49,7 +49,7 @@ def test_no_heading_for_a_hook_that_does_not_exist() -> None:
 def test_writing_a_transport_points_at_a_real_example() -> None:
     guide = (DOCS / "writing-a-transport.md").read_text()
     example = DOCS / "examples" / "kvcore-cma"
-    for path in ("pyproject.toml", "src/kvcore_cma/plugin.py", "src/kvcore_cma/agent.py", "tests/test_contract.py"):
+    for path in ("pyproject.toml", "src/kvcore_cma/plugin.py", "src/kvcore_cma/agent.py", "tests/test_cma_contract.py"):
         assert (example / path).is_file(), f"docs/examples/kvcore-cma/{path} is missing"
     assert "from kvcore.testing.contract import *" in guide
     assert 'cma = "kvcore_cma.plugin"' in (example / "pyproject.toml").read_text()
