@@ -181,6 +181,7 @@ class Transceiver:
         self._arena: bounce.Arena | None = None
         self._staging: bounce.Arena | None = None
         self._bounce_tensors: list[Any] = []
+        self._plan_shape: dict[tuple[str, int], tuple[float, float]] = {}  # (ctx endpoint, rank) -> per block
         if self._bounce_on and role == "generation":
             self._arena = self._new_arena()
         self.messenger = Messenger(
@@ -914,10 +915,24 @@ class Transceiver:
         for r in writers:
             s.writers[r] = WriterState.ASKED
         s.transition(SessionState.TRANSFERRING)
-        if self._arena is not None:
+        if self._arena is not None and self._may_bounce(inst, writers, len(s.block_ids)):
             self._work.put(("ask", s.request_id))  # plans are computed off the caller's thread
         else:
             self._send_requests(s, inst, {})
+
+    def _may_bounce(self, inst: _CtxInstance, writers: list[int], nblocks: int) -> bool:
+        """Cheap pre-check from each writer's cached plan shape: False when no writer could qualify for bounce."""
+        for r in writers:
+            shape = self._plan_shape.get((inst.endpoint, r))
+            if shape is None:
+                return True  # unknown yet: plan it once
+            per_block, mean_bytes = shape
+            if (
+                per_block * nblocks >= self.config.bounce_min_fragments
+                and mean_bytes <= self.config.bounce_max_fragment_bytes
+            ):
+                return True
+        return False
 
     def _ask(self, rid: int) -> None:
         """Worker: decide per writer whether its fragments go through a bounce lease, then ask."""
@@ -948,6 +963,8 @@ class Transceiver:
             except E.KvcoreError as exc:
                 log.debug("request %d: no bounce for context rank %d: %s", rid, r, exc)
                 continue
+            if plan.count and len(s.block_ids):
+                self._plan_shape[(inst.endpoint, r)] = (plan.count / len(s.block_ids), plan.nbytes / plan.count)
             if not bounce.wants_bounce(
                 plan.count,
                 plan.nbytes,
@@ -1067,6 +1084,7 @@ class Transceiver:
         with self._lock:
             t.handle, t.state, t.nbytes, t.fragments = handle, "submitted", plan.nbytes, plan.count
             t.deadline = min(t.deadline, time.monotonic() + self.config.transfer_timeout_s)
+        self._check_transfer(s, t, time.monotonic())  # same-host transports are often done already
 
     def _submit_bounced(self, s: TxSession, t: ReceiverTask, peer: _GenPeer) -> bool:
         """Gather the unmerged plan into staging and write it with one fragment; False: use the direct path."""
@@ -1115,6 +1133,7 @@ class Transceiver:
             t.handle, t.state, t.nbytes, t.fragments = handle, "submitted", plan.nbytes, plan.count
             t.staging, t.bounced = off, True
             t.deadline = min(t.deadline, time.monotonic() + self.config.transfer_timeout_s)
+        self._check_transfer(s, t, time.monotonic())
         return True
 
     def _poll_transfers(self) -> None:
@@ -1122,46 +1141,50 @@ class Transceiver:
             inflight = [(s, t) for s in self._tx.values() for t in s.tasks.values() if t.state == "submitted"]
         now = time.monotonic()
         for s, t in inflight:
-            status = self.agent.poll(t.handle)
-            if status is TransferStatus.PENDING:
-                if now > t.deadline and not t.doubt_sent:
-                    # Logical timeout; the write may still land, so the receiver keeps its pages quarantined.
-                    t.doubt_sent = True
-                    with self._lock:
-                        s.transition(
-                            SessionState.TIMED_OUT,
-                            E.TransferTimeoutError(
-                                f"request {s.request_id}: transfer to {t.gen_key} still pending at its deadline"
-                            ),
-                        )
-                    self._send_result(
-                        s.request_id,
-                        t.endpoint,
-                        status="failed",
-                        kind="in_doubt",
-                        error="transfer still in flight at its deadline",
+            self._check_transfer(s, t, now)
+
+    def _check_transfer(self, s: TxSession, t: ReceiverTask, now: float) -> None:
+        """Poll one submitted write; report it to the receiver as soon as the transport says it is terminal."""
+        status = self.agent.poll(t.handle)
+        if status is TransferStatus.PENDING:
+            if now > t.deadline and not t.doubt_sent:
+                # Logical timeout; the write may still land, so the receiver keeps its pages quarantined.
+                t.doubt_sent = True
+                with self._lock:
+                    s.transition(
+                        SessionState.TIMED_OUT,
+                        E.TransferTimeoutError(
+                            f"request {s.request_id}: transfer to {t.gen_key} still pending at its deadline"
+                        ),
                     )
-                continue
-            err = t.handle.error
-            self.agent.release(t.handle)
-            if t.staging is not None and self._staging is not None:
-                self._staging.release(t.staging)  # the transport no longer reads it
-                t.staging = None
-            with self._lock:
-                t.handle = None
-                if status is TransferStatus.DONE:
-                    t.state = "done"
-                    s.nbytes += t.nbytes
-                else:
-                    t.state = "failed"
-                    s.transition(SessionState.FAILED, err)
-            if status is TransferStatus.DONE:
                 self._send_result(
-                    s.request_id, t.endpoint, status="ok", nbytes=t.nbytes, fragments=t.fragments, bounced=t.bounced
+                    s.request_id,
+                    t.endpoint,
+                    status="failed",
+                    kind="in_doubt",
+                    error="transfer still in flight at its deadline",
                 )
+            return
+        err = t.handle.error
+        self.agent.release(t.handle)
+        if t.staging is not None and self._staging is not None:
+            self._staging.release(t.staging)  # the transport no longer reads it
+            t.staging = None
+        with self._lock:
+            t.handle = None
+            if status is TransferStatus.DONE:
+                t.state = "done"
+                s.nbytes += t.nbytes
             else:
-                self._send_result(s.request_id, t.endpoint, status="failed", kind=type(err).__name__, error=str(err))
-            self._settle_tx(s)
+                t.state = "failed"
+                s.transition(SessionState.FAILED, err)
+        if status is TransferStatus.DONE:
+            self._send_result(
+                s.request_id, t.endpoint, status="ok", nbytes=t.nbytes, fragments=t.fragments, bounced=t.bounced
+            )
+        else:
+            self._send_result(s.request_id, t.endpoint, status="failed", kind=type(err).__name__, error=str(err))
+        self._settle_tx(s)
 
     def _settle_tx(self, s: TxSession) -> None:
         with self._lock:
