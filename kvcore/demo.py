@@ -26,6 +26,7 @@ definition and never call kvcore's sharding or mapping code.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -58,6 +59,8 @@ __all__ = [
 BOUNCE_MODES = ("auto", "on", "off")
 #: Ranks a demo may start in all (both instances); each is a process importing torch.
 MAX_PROCESSES = 16
+#: Seconds a rank may take to close its transceiver, agent and process group before it dumps its stacks.
+_TEARDOWN_WATCHDOG_S = 8.0
 
 
 @dataclass
@@ -619,6 +622,8 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
             }
         _send(conn, report)
         _recv(conn, spec.timeout_s)  # hold memory until everyone reported
+        # Teardown must be quick; if it is not, show where every thread is before the orchestrator kills us.
+        faulthandler.dump_traceback_later(_TEARDOWN_WATCHDOG_S, exit=False)
     finally:
         if tx is not None:
             tx.close()
@@ -706,6 +711,7 @@ class _Ranks:
     def __init__(self) -> None:
         self.procs: dict[tuple[str, int], Any] = {}
         self.conns: dict[tuple[str, int], Any] = {}
+        self.stopped: dict[str, Any] | None = None
 
     def wait(self, keys: list[tuple[str, int]], deadline: float, on_progress: Any = None) -> dict[tuple[str, int], Any]:
         """The next non-progress message of each rank in ``keys``; a rank's error or death raises at once."""
@@ -737,11 +743,17 @@ class _Ranks:
                     raise RuntimeError(f"{key[0]} rank {key[1]} died (exit code {self.procs[key].exitcode})")
         return out
 
-    def stop(self, grace: float) -> None:
-        """Join every rank within ``grace`` seconds in all, then kill what is left."""
+    def stop(self, grace: float) -> dict[str, Any]:
+        """Join every rank within ``grace`` seconds in all, then kill what is left; idempotent.
+
+        Returns the ranks that had to be killed and those that exited non-zero.
+        """
+        if self.stopped is not None:
+            return self.stopped
         end = time.monotonic() + grace
         for p in self.procs.values():
             p.join(timeout=max(0.0, end - time.monotonic()))
+        killed = [f"{role}{rank}" for (role, rank), p in self.procs.items() if p.is_alive()]
         for p in self.procs.values():
             if p.is_alive():
                 p.kill()
@@ -749,6 +761,13 @@ class _Ranks:
             p.join(5)
         for c in self.conns.values():
             c.close()
+        failed = {
+            f"{role}{rank}": p.exitcode
+            for (role, rank), p in self.procs.items()
+            if p.exitcode and f"{role}{rank}" not in killed
+        }
+        self.stopped = {"killed": killed, "exit_codes": failed}
+        return self.stopped
 
 
 def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
@@ -761,7 +780,6 @@ def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
     spec_b = msgspec.msgpack.encode(asdict(spec))
     summary: dict[str, Any] = {"spec": asdict(spec), "ok": False}
     bar = None
-    clean = False
     try:
         for role in ("context", "generation"):
             tp, pp, _, _ = spec.side(role)
@@ -800,8 +818,14 @@ def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
         reports = ranks.wait(list(ranks.conns), time.monotonic() + 2 * spec.timeout_s + 60, on_progress)
         for c in ranks.conns.values():
             _send(c, {"kind": "exit"})
-        clean = True
-        summary["phases_s"] = {"startup": t_ready - t_spawned, "run": time.monotonic() - t_ready}
+        t_done = time.monotonic()
+        # Every rank must close its transceiver, agent and process group by itself, promptly.
+        teardown = ranks.stop(grace=_TEARDOWN_WATCHDOG_S + 2)
+        summary["phases_s"] = {
+            "startup": t_ready - t_spawned,
+            "run": t_done - t_ready,
+            "teardown": time.monotonic() - t_done,
+        }
         gen = [reports[k] for k in gen_keys]
         ctx = [r for k, r in reports.items() if k[0] == "context"]
         lat = np.array([x for r in gen for x in r["outcomes"]["latency"]]) * 1000
@@ -841,12 +865,20 @@ def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
             leaks=leaks,
             counters=counters,
         )
-        summary["ok"] = mismatches == 0 and summary["not_done"] == 0 and not leaks and nbytes > 0
+        summary["teardown"] = teardown
+        summary["ok"] = (
+            mismatches == 0
+            and summary["not_done"] == 0
+            and not leaks
+            and nbytes > 0
+            and not teardown["killed"]
+            and not teardown["exit_codes"]
+        )
         return summary
     finally:
         if bar is not None:
             bar.stop()
-        ranks.stop(grace=15.0 if clean else 1.0)
+        ranks.stop(grace=1.0)  # no-op after a clean run; kills whatever is left after a failure
 
 
 # --- command line ----------------------------------------------------------------------------------
@@ -999,6 +1031,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         t.add_row("errors", json.dumps(s["errors"])[:500])
     if s["leaks"]:
         t.add_row("leaks", json.dumps(s["leaks"]))
+    if s["teardown"]["killed"] or s["teardown"]["exit_codes"]:
+        t.add_row("teardown", json.dumps(s["teardown"]))
     if s.get("counters"):
         t.add_row("counters", json.dumps(s["counters"]))
     t.add_row("result", "[green]OK: every byte verified[/]" if s["ok"] else f"[red]FAILED[/] {s['first_mismatch']}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import ipaddress
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from kvcore import wire
 from kvcore.errors import KvcoreError, ProtocolError
 
 __all__ = ["Messenger", "Source"]
+
+_WAKE_IDS = itertools.count()
 
 log = logging.getLogger("kvcore.messenger")
 
@@ -89,7 +92,9 @@ class Messenger:
         else:
             self._router.bind_to_random_port(f"tcp://{bind_host}")
         self.endpoint: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._wake_addr = f"inproc://kvcore-wake-{id(self)}"
+        # Unique per messenger for the life of the process: id(self) is reused once a closed messenger is freed,
+        # while libzmq unbinds a closed inproc endpoint asynchronously ("Address already in use").
+        self._wake_addr = f"inproc://kvcore-wake-{next(_WAKE_IDS)}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.bind(self._wake_addr)
         self._wake_tx = self._ctx.socket(zmq.PAIR)
@@ -276,13 +281,18 @@ class Messenger:
             log.exception("messenger %s: handler failed on %s", self.name, type(msg).__name__)
 
     def _close_sockets(self) -> None:
-        for sock, _ in list(self._monitors.items()):
-            sock.close(0)
+        # Stop every monitor while its PAIR end is still open, and only then close that end. libzmq emits
+        # monitor events with a blocking send under the monitored socket's monitor lock: an event raised after
+        # our PAIR end closed (a peer disconnecting while both sides shut down) blocks that send for good, and
+        # disable_monitor() then waits on the lock forever (seen as a ~1-in-12 hang in Transceiver.close).
         for sock in self._dealers.values():
             try:
                 sock.disable_monitor()
             except zmq.ZMQError:
                 pass
+        for sock in list(self._monitors):
+            sock.close(0)
+        for sock in self._dealers.values():
             sock.close(0)
         self._dealers.clear()
         self._monitors.clear()

@@ -6,8 +6,9 @@ the context ranks fill their pools from a formula, the generation ranks verify
 every received byte against the same formula computed independently for their
 own shard (and that cached prefixes and other DP groups' requests stay zero).
 ``summary["ok"]`` means: every rank-outcome DONE, zero mismatching elements,
-bytes actually verified, and every live resource (sessions, leases, transfers,
-quarantine) back to zero on every rank.
+bytes actually verified, every live resource (sessions, leases, transfers,
+quarantine) back to zero on every rank, and every rank closing its
+transceiver, agent and process group by itself within a few seconds.
 
 Geometries are small (4 layers, 4-8 KV heads, head dim 32, 32-64 tokens, 8-16
 requests) so that the file runs in a few minutes on two busy cores. The shared-
@@ -77,11 +78,12 @@ def _run(backend: str, overrides: dict[str, Any]) -> dict[str, Any]:
     summary = run_demo(spec, progress=False)
     brief = {
         k: summary.get(k)
-        for k in ("backend", "done", "not_done", "mismatches", "first_mismatch", "errors", "leaks", "bytes")
+        for k in ("backend", "done", "not_done", "mismatches", "first_mismatch", "errors", "leaks", "bytes", "teardown")
     }
     assert summary["ok"], f"{backend} {overrides}: {brief}"
     assert summary["backend"] == backend
     assert summary["bytes"] > 0 and summary["mismatches"] == 0 and summary["not_done"] == 0
+    assert summary["teardown"] == {"killed": [], "exit_codes": {}}  # every rank closed by itself, promptly
     return summary
 
 
