@@ -930,6 +930,57 @@ def case_frag16k(run: BackendRun) -> dict[str, Any]:
     return _transfer_case(run, run.spec.frag16k_shape())
 
 
+@register_case("bounce")
+def case_bounce(run: BackendRun) -> dict[str, Any]:
+    """Token-major TP2 -> TP4 (one fragment per token) through the bounce path vs per-token fragments, same run.
+
+    Runs ``kvcore demo`` twice on this backend with 6 rank processes (2 context, 4 generation): once with
+    the bounce path forced on, once off. ``--tokens`` is split over 4 requests in flight; every byte is
+    verified by the demo's independent check.
+    """
+    from kvcore.demo import DemoSpec, run_demo
+    from kvcore.topology import dtype_bytes
+
+    spec = run.spec
+    requests = 4
+    tokens = max(spec.tokens_per_block, spec.tokens // requests)
+    per_rank = spec.layers * 2 * tokens * max(1, spec.kv_heads // 4) * spec.head_dim * dtype_bytes(spec.dtype)
+    arena = max(64 << 20, 2 * requests * per_rank)  # every request's lease fits at once
+    out: dict[str, Any] = {"topology": "context TP2 -> generation TP4, token-major", "requests": requests}
+    modes: dict[str, Any] = {}
+    for mode in ("off", "on"):
+        run.say(f"{run.backend} bounce: {mode}")
+        demo = DemoSpec(
+            backend=run.backend,
+            requests=requests,
+            tokens=tokens,
+            layers=spec.layers,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            tokens_per_block=spec.tokens_per_block,
+            dtype=spec.dtype,
+            layout="token_major",
+            ctx_tp=2,
+            gen_tp=4,
+            bounce=mode,
+            timeout_s=spec.timeout_s,
+            extra={"bounce_buffer_bytes": arena},
+        )
+        r = run_demo(demo, progress=False)
+        modes[mode] = {
+            "gbps": r.get("gbps", 0.0),
+            "seconds": r.get("seconds"),
+            "bytes": r.get("bytes"),
+            "verified": bool(r.get("ok")),
+            "errors": r.get("errors", {}),
+        }
+    out["modes"] = {"per_token_fragments": modes["off"], "bounce": modes["on"]}
+    off = modes["off"]["gbps"]
+    out["ratio_bounce_vs_fragments"] = modes["on"]["gbps"] / off if off else None
+    out["verified"] = modes["off"]["verified"] and modes["on"]["verified"]
+    return out
+
+
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 
@@ -1158,7 +1209,22 @@ def print_result(result: dict[str, Any]) -> None:
         if entry.get("error"):
             t.add_row(backend, "-", "[red]error[/]", "", "", "", "", "", f"[red]{entry['error'][:80]}[/]")
         for case, c in entry["cases"].items():
-            if "modes" in c:
+            if "ratio_bounce_vs_fragments" in c:
+                for i, (mode, r) in enumerate(c["modes"].items()):
+                    ratio = c["ratio_bounce_vs_fragments"]
+                    t.add_row(
+                        backend if i == 0 else "",
+                        f"{case} ({c['topology']})" if i == 0 else "",
+                        mode,
+                        f"{r['gbps']:.2f}",
+                        "",
+                        f"{(r['seconds'] or 0) * 1e3:.1f}",
+                        "",
+                        f"bounce/this {ratio:.2f}" if mode == "per_token_fragments" and ratio else "",
+                        "[green]yes[/]" if r["verified"] else "[red]NO[/]",
+                        end_section=i == 1,
+                    )
+            elif "modes" in c:
                 kv = c["modes"]["kvcore"]["gbps_median"]
                 label = f"{case} ({c['fragments']} x {c['fragment_bytes'] / 1024:g} KiB)"
                 for i, (mode, r) in enumerate(c["modes"].items()):
