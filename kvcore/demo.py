@@ -399,7 +399,7 @@ class _Rank:
             tokens_per_block=spec.tokens_per_block,
             dtype=spec.dtype,
             kv_factor=spec.kv_factor,
-            layout=spec.layout,
+            layout=spec.layout,  # type: ignore[arg-type]  # checked by DemoSpec.validate
         )
         self.caches = allocate_kv_cache(self.topology, self.geometry, spec.num_blocks, allocator=agent.allocate_tensor)
         for c in self.caches if isinstance(self.caches, list) else [self.caches]:
@@ -723,6 +723,7 @@ class _Ranks:
                 raise TimeoutError(f"no message from {sorted(pending.values())} in time")
             ready = multiprocessing.connection.wait(list(pending), timeout=min(left, 0.5))
             for c in ready:
+                assert isinstance(c, multiprocessing.connection.Connection)
                 key = pending[c]
                 try:
                     m = msgspec.msgpack.decode(c.recv_bytes())
