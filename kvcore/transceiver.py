@@ -181,7 +181,10 @@ class Transceiver:
         self._arena: bounce.Arena | None = None
         self._staging: bounce.Arena | None = None
         self._bounce_tensors: list[Any] = []
-        self._plan_shape: dict[tuple[str, int], tuple[float, float]] = {}  # (ctx endpoint, rank) -> per block
+        self._plan_shape: dict[tuple[str, int], tuple[float, float]] = {}
+        self._bounced_writes_total = (
+            0  # context: writes sent packed; generation: leases unpacked  # (ctx endpoint, rank) -> per block
+        )
         if self._bounce_on and role == "generation":
             self._arena = self._new_arena()
         self.messenger = Messenger(
@@ -237,6 +240,7 @@ class Transceiver:
         self._require("context")
         rid = self._check_rid(request_id)
         blocks = np.asarray(list(block_ids) if not isinstance(block_ids, np.ndarray) else block_ids, dtype=np.int64)
+        self._check_slots(rid, blocks, state_slot)
         with self._lock:
             if rid in self._tx:
                 raise E.SessionError(f"request {rid} is already being sent")
@@ -277,8 +281,7 @@ class Transceiver:
         rid = self._check_rid(request_id)
         wire.parse_endpoint(ctx_endpoint)
         blocks = np.asarray(list(block_ids) if not isinstance(block_ids, np.ndarray) else block_ids, dtype=np.int64)
-        if blocks.size and (blocks.min() < 0 or blocks.max() >= self._max_slot()):
-            raise E.LayoutError(f"request {rid}: block ids must be in 0..{self._max_slot() - 1}")
+        self._check_slots(rid, blocks, state_slot)
         with self._lock:
             if rid in self._rx:
                 raise E.SessionError(f"request {rid} is already being received")
@@ -414,6 +417,7 @@ class Transceiver:
         with self._lock:
             return {
                 "bounce_leases": self._arena.leased if self._arena else 0,
+                "bounced_writes_total": self._bounced_writes_total,
                 "staging_leases": self._staging.leased if self._staging else 0,
                 "rx_sessions": len(self._rx),
                 "tx_sessions": len(self._tx),
@@ -480,12 +484,20 @@ class Transceiver:
                 f"{live} requests in flight reach max_inflight_requests={self.config.max_inflight_requests}"
             )
 
-    def _max_slot(self) -> int:
-        # Minimal fix (e2e/demo owner): block ids index the pools of token views only. State pools (Mamba) hold
-        # one slot per request; counting them refused valid block ids whenever a rank had fewer state slots than
-        # KV blocks (kvcore demo --mamba).
-        pools = {p for v in self.page_table.views if not v.is_state for p in v.pools}
+    def _max_slot(self, state: bool = False) -> int:
+        """Slots of the token views' pools (block ids), or of the state views' pools (``state=True``)."""
+        pools = {p for v in self.page_table.views if v.is_state == state for p in v.pools}
         return min((self.page_table.pools[p].num_slots for p in pools), default=0)
+
+    def _check_slots(self, rid: int, blocks: np.ndarray, state_slot: int) -> None:
+        """Refuse block ids or a state slot outside this rank's pools before anything is sent."""
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= self._max_slot()):
+            raise E.LayoutError(f"request {rid}: block ids must be in 0..{self._max_slot() - 1}")
+        if state_slot >= 0 and state_slot >= self._max_slot(state=True):
+            raise E.LayoutError(
+                f"request {rid}: state_slot {state_slot} is outside 0..{self._max_slot(state=True) - 1} "
+                "(or this rank holds no state pools)"
+            )
 
     def _new_arena(self) -> bounce.Arena:
         import torch
@@ -995,6 +1007,7 @@ class Transceiver:
         try:
             for addr, dst, sizes in work:
                 bounce.scatter(addr, dst, sizes)
+                self._bounced_writes_total += 1
         except Exception as exc:  # pragma: no cover - addresses were validated when planned
             with self._lock:
                 s.transition(SessionState.FAILED, E.TransferFailedError(f"request {rid}: bounce scatter failed: {exc}"))
@@ -1132,6 +1145,7 @@ class Transceiver:
         with self._lock:
             t.handle, t.state, t.nbytes, t.fragments = handle, "submitted", plan.nbytes, plan.count
             t.staging, t.bounced = off, True
+            self._bounced_writes_total += 1
             t.deadline = min(t.deadline, time.monotonic() + self.config.transfer_timeout_s)
         self._check_transfer(s, t, time.monotonic())
         return True
