@@ -357,6 +357,7 @@ def _recv(conn: Any, timeout: float) -> Any:
 
 def _rank_main(role: str, rank: int, spec_b: bytes, dist_port: int, conn: Any) -> None:
     """Entry point of one rank process."""
+    os.dup2(2, 1)  # native libraries (NIXL, UCX) print to stdout: keep the orchestrator's --json output clean
     try:
         _rank_body(role, rank, DemoSpec(**msgspec.msgpack.decode(spec_b)), dist_port, conn)
     except BaseException as exc:  # report, never hang the orchestrator
