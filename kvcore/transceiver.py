@@ -237,10 +237,7 @@ class Transceiver:
         self, request_id: int, block_ids: Iterable[int], *, prompt_len: int = -1, state_slot: int = -1
     ) -> None:
         """Context side: the request's prefill finished; its KV lives in ``block_ids`` (in token order)."""
-        self._require("context")
-        rid = self._check_rid(request_id)
-        blocks = np.asarray(list(block_ids) if not isinstance(block_ids, np.ndarray) else block_ids, dtype=np.int64)
-        self._check_slots(rid, blocks, state_slot)
+        rid, blocks = self._admit_args("context", request_id, block_ids, state_slot)
         with self._lock:
             if rid in self._tx:
                 raise E.SessionError(f"request {rid} is already being sent")
@@ -277,11 +274,8 @@ class Transceiver:
         generation side already holds a cached prefix, pass only the suffix blocks.
         ``ctx_dp_rank`` names the context attention-DP group that ran the prefill.
         """
-        self._require("generation")
-        rid = self._check_rid(request_id)
+        rid, blocks = self._admit_args("generation", request_id, block_ids, state_slot)
         wire.parse_endpoint(ctx_endpoint)
-        blocks = np.asarray(list(block_ids) if not isinstance(block_ids, np.ndarray) else block_ids, dtype=np.int64)
-        self._check_slots(rid, blocks, state_slot)
         with self._lock:
             if rid in self._rx:
                 raise E.SessionError(f"request {rid} is already being received")
@@ -488,6 +482,16 @@ class Transceiver:
         """Slots of the token views' pools (block ids), or of the state views' pools (``state=True``)."""
         pools = {p for v in self.page_table.views if v.is_state == state for p in v.pools}
         return min((self.page_table.pools[p].num_slots for p in pools), default=0)
+
+    def _admit_args(
+        self, role: str, request_id: int, block_ids: Iterable[int], state_slot: int
+    ) -> tuple[int, np.ndarray]:
+        """Validate a start_send/start_receive call: role, 64-bit id, block ids and state slot in range."""
+        self._require(role)
+        rid = self._check_rid(request_id)
+        blocks = np.asarray(list(block_ids) if not isinstance(block_ids, np.ndarray) else block_ids, dtype=np.int64)
+        self._check_slots(rid, blocks, state_slot)
+        return rid, blocks
 
     def _check_slots(self, rid: int, blocks: np.ndarray, state_slot: int) -> None:
         """Refuse block ids or a state slot outside this rank's pools before anything is sent."""
