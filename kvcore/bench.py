@@ -216,7 +216,7 @@ def _fill_logical(words: np.ndarray, phys: np.ndarray, logical: np.ndarray, seed
     base = np.random.default_rng([seed, 7]).integers(0, 2**63, words.shape[1], dtype=np.uint64)
     chunk = max(1, (64 << 20) // max(1, words.shape[1] * 8))
     for a in range(0, len(phys), chunk):
-        words[phys[a : a + chunk]] = base[None, :] + logical[a : a + chunk, None].astype(np.uint64) * _MIX
+        words[phys[a : a + chunk]] = base[None, :] + logical[a : a + chunk, None].astype(np.uint64) * _MIX  # type: ignore[index]
 
 
 def _logical_ids(shape: Shape) -> dict[str, np.ndarray]:

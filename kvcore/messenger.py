@@ -75,7 +75,7 @@ class Messenger:
         self._max = max_message_bytes
         self._heartbeat_ms = heartbeat_ms
         self.name = name
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -91,7 +91,8 @@ class Messenger:
             self._router.bind(f"tcp://{bind_host}:{port}")
         else:
             self._router.bind_to_random_port(f"tcp://{bind_host}")
-        self.endpoint: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        last = self._router.getsockopt(zmq.LAST_ENDPOINT)
+        self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
         # Unique per messenger for the life of the process: id(self) is reused once a closed messenger is freed,
         # while libzmq unbinds a closed inproc endpoint asynchronously ("Address already in use").
         self._wake_addr = f"inproc://kvcore-wake-{next(_WAKE_IDS)}"

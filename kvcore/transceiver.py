@@ -812,11 +812,11 @@ class Transceiver:
                 for key, peer in self._gen_peers.items():
                     if peer.info.endpoint == endpoint:
                         peer.lost = True
-                        for s in self._tx.values():
-                            t = s.tasks.get(key)
+                        for tx in self._tx.values():
+                            t = tx.tasks.get(key)
                             if t is not None and t.state == "waiting":
                                 t.state = "failed"
-                                s.transition(
+                                tx.transition(
                                     SessionState.FAILED,
                                     E.PeerLostError(f"generation rank {key} at {endpoint} was lost"),
                                 )
@@ -1090,6 +1090,7 @@ class Transceiver:
                     t.state = "done"
                 self._send_result(s.request_id, t.endpoint, status="ok")
                 return
+            assert peer.agent_name is not None  # only loaded peers reach _submit
             handle = self.agent.submit(TransferOp.WRITE, peer.agent_name, plan.src, plan.dst, plan.sizes)
         except E.KvcoreError as exc:
             log.warning("request %d to %s: %s", s.request_id, t.gen_key, exc)
@@ -1132,6 +1133,7 @@ class Transceiver:
         staging = self._staging.address + off
         try:
             bounce.gather(plan.src, plan.sizes, staging)
+            assert peer.agent_name is not None
             handle = self.agent.submit(
                 TransferOp.WRITE,
                 peer.agent_name,
@@ -1276,19 +1278,19 @@ class Transceiver:
                                 s.writers[r] = WriterState.FENCED
                     if not s.quiescent:
                         self._quarantined.add(s.request_id)
-            for s in self._tx.values():
-                if not s.terminal and now > s.deadline:
-                    s.transition(
+            for tx in self._tx.values():
+                if not tx.terminal and now > tx.deadline:
+                    tx.transition(
                         SessionState.TIMED_OUT,
                         E.TransferTimeoutError(
-                            f"request {s.request_id}: receivers did not all ask within {self.config.request_timeout_s}s"
+                            f"request {tx.request_id}: receivers did not all ask within {self.config.request_timeout_s}s"
                         ),
                     )
-                    for t in s.tasks.values():
+                    for t in tx.tasks.values():
                         if t.state == "waiting":
                             t.state = "failed"
                             self._send_result(
-                                s.request_id,
+                                tx.request_id,
                                 t.endpoint,
                                 status="failed",
                                 kind="TransferTimeoutError",

@@ -71,7 +71,7 @@ class _Msg(msgspec.Struct, tag_field="t", frozen=True):
     v: int  # protocol version of the sender
 
 
-class InstanceInfoRequest(_Msg, tag="instance_info_request"):
+class InstanceInfoRequest(_Msg, tag="instance_info_request", frozen=True):
     """gen -> ctx rank 0: send me your instance's RankInfos. Carries the range of versions the asker speaks."""
 
     min_version: int
@@ -79,7 +79,7 @@ class InstanceInfoRequest(_Msg, tag="instance_info_request"):
     asker: str  # "instance/rank" of the generation rank, for logs
 
 
-class InstanceInfo(_Msg, tag="instance_info"):
+class InstanceInfo(_Msg, tag="instance_info", frozen=True):
     """ctx rank 0 -> gen: every context rank's RankInfo (or an error explaining the refusal)."""
 
     instance_name: str
@@ -87,13 +87,13 @@ class InstanceInfo(_Msg, tag="instance_info"):
     error: str = ""
 
 
-class RegisterRankInfo(_Msg, tag="register_rank_info"):
+class RegisterRankInfo(_Msg, tag="register_rank_info", frozen=True):
     """gen -> each overlapping ctx rank: my RankInfo; load my agent descriptor."""
 
     info: RankInfo
 
 
-class RegisterResult(_Msg, tag="register_result"):
+class RegisterResult(_Msg, tag="register_result", frozen=True):
     """ctx -> gen: whether the registration was accepted; ``error`` names every incompatible field."""
 
     ctx_rank: int
@@ -102,7 +102,7 @@ class RegisterResult(_Msg, tag="register_result"):
     error: str = ""
 
 
-class RequestData(_Msg, tag="request_data"):
+class RequestData(_Msg, tag="request_data", frozen=True):
     """gen -> ctx rank: write request ``request_id`` into these destination blocks."""
 
     request_id: int
@@ -118,7 +118,7 @@ class RequestData(_Msg, tag="request_data"):
     bounce_digest: bytes = b""  # kvcore.bounce.plan_digest of the receiver's view of the unmerged plan
 
 
-class TransferResult(_Msg, tag="transfer_result"):
+class TransferResult(_Msg, tag="transfer_result", frozen=True):
     """ctx rank -> gen rank: the outcome of one writer's part of a request (exactly one per writer)."""
 
     request_id: int
@@ -132,7 +132,7 @@ class TransferResult(_Msg, tag="transfer_result"):
     bounced: bool = False  # the bytes sit packed in the bounce lease; the receiver must scatter them
 
 
-class Cancel(_Msg, tag="cancel"):
+class Cancel(_Msg, tag="cancel", frozen=True):
     """Either direction: the sender cancelled ``request_id``."""
 
     request_id: int
@@ -141,7 +141,7 @@ class Cancel(_Msg, tag="cancel"):
     reason: str = ""
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(_Msg, tag="error", frozen=True):
     """Answer to a frame that could not be processed; ``kind`` is the kvcore error class name."""
 
     kind: str

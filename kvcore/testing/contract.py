@@ -143,7 +143,7 @@ def _assert_bytes(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
 
 
 def _run(agent: TransferAgent, *args: Any, notification: bytes | None = None) -> None:
-    h = agent.submit(*args, notification=notification)
+    h = agent.submit(*args, notification=notification)  # type: ignore[misc]
     agent.wait(h, timeout=WAIT_S)
     agent.release(h)
 
@@ -241,7 +241,7 @@ def test_contract_remote_range_refused(kvcore_agent: TransferAgent, kvcore_peer:
     try:
         _, src = _source(kvcore_agent, pattern(6, 2 * page))
         peer = _connect(kvcore_agent, kvcore_peer)
-        bad = [
+        bad: list[tuple[Any, Any, Any]] = [
             ([src], [base + 2 * page], [16]),  # just past the end
             ([src], [base + 2 * page - 8], [16]),  # straddles the end
             ([src], [base + page - 8], [16]),  # straddles the start

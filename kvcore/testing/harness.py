@@ -52,7 +52,7 @@ def pattern(seed: int, nbytes: int) -> np.ndarray:
 
 def digest(data: Any) -> str:
     """blake2b hex digest of a bytes-like object or uint8 array."""
-    return hashlib.blake2b(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()
+    return hashlib.blake2b(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()  # type: ignore[arg-type]
 
 
 def _write_frame(stream: BinaryIO, obj: Mapping[str, Any]) -> None:
@@ -132,7 +132,7 @@ class PeerProcess:
             raise PeerError(op, "PeerExited", f"peer process exited with status {self.proc.returncode}")
         assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
-            _write_frame(self.proc.stdin, {"op": op, **args})
+            _write_frame(self.proc.stdin, {"op": op, **args})  # type: ignore[arg-type]
             reply = _read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout)
         except (BrokenPipeError, EOFError) as exc:
             raise PeerError(op, "PeerExited", f"peer process went away: {exc}") from exc
