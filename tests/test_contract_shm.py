@@ -16,7 +16,7 @@ from kvcore.agent import TransferAgent, TransferOp
 from kvcore.builtin.shm import SHM_DIR, ShmAgent
 from kvcore.errors import PeerLostError, RemoteAgentError, RemoteRangeError
 from kvcore.testing.contract import *  # noqa: F403
-from kvcore.testing.harness import PeerProcess, pattern
+from kvcore.testing.harness import PeerProcess, digest, pattern
 
 KVCORE_CONTRACT_BACKEND = "shm"
 
@@ -160,8 +160,10 @@ def test_bandwidth(agent: ShmAgent, kvcore_peer: PeerProcess, layout: str) -> No
         agent.release(h)
         times.append(time.perf_counter() - t0)
     gbps = n * frag / min(times) / 1e9
-    print(f"\nshm WRITE {layout}: {gbps:.2f} GB/s (best of 5)")
-    assert gbps > 0.2
+    print(f"\nshm WRITE {layout}: {gbps:.2f} GB/s (best of 5)")  # reported only; `kvcore bench` measures speed
+    # What must hold is the placement: remote slot order[i] holds local fragment i, computed apart from the agent.
+    want = pattern(27, n * frag).reshape(n, frag)[np.argsort(order)].reshape(-1)
+    assert kvcore_peer.call("digest", key="bw")["digest"] == digest(want)
     kvcore_peer.call("free", key="bw")
 
 
