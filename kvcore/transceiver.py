@@ -401,8 +401,11 @@ class Transceiver:
             outcomes.update({o.request_id: o for o in r.outcomes})
             released.update(r.released)
             if time.monotonic() > deadline:
-                missing = sorted(want - released)
-                raise E.TransferTimeoutError(f"{len(missing)} request(s) not released after {timeout}s: {missing[:8]}")
+                missing = sorted((want - released) | (want - set(outcomes)))
+                raise E.TransferTimeoutError(
+                    f"{len(missing)} request(s) not reported and released after {timeout}s: {missing[:8]} "
+                    "(wait_all sees only outcomes reported during its own polls)"
+                )
             time.sleep(0.001)
         return outcomes
 

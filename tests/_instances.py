@@ -142,3 +142,59 @@ class ContextProcess:
             self.proc.join(10)
         if self.proc.is_alive():
             self.kill()
+
+
+def _generation_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: int, timeout: float) -> None:
+    from kvcore.builders import allocate_kv_cache, build_page_table
+    from kvcore.config import TransceiverConfig, create_agent
+    from kvcore.topology import AttentionGeometry, Topology
+    from kvcore.transceiver import Transceiver
+
+    geometry = AttentionGeometry(**geo)
+    topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geometry.num_layers)
+    cfg = TransceiverConfig(backend=backend, request_timeout_s=timeout)
+    agent = create_agent(cfg, f"gen-{os.getpid()}")
+    cache = allocate_kv_cache(topo, geometry, num_blocks, allocator=agent.allocate_tensor)
+    tx = Transceiver(
+        cfg,
+        role="generation",
+        agent=agent,
+        topology=topo,
+        geometry=geometry,
+        page_table=build_page_table("head_major_pool", cache, topology=topo, geometry=geometry),
+    )
+    conn.send_bytes(msgspec.msgpack.encode({"endpoint": tx.endpoint, "pid": os.getpid()}))
+    try:
+        while True:
+            if conn.poll(0.002):
+                cmd = msgspec.msgpack.decode(conn.recv_bytes())
+                if cmd["op"] == "exit":
+                    break
+                if cmd["op"] == "receive":
+                    tx.start_receive(cmd["rid"], cmd["endpoint"], cmd["blocks"])
+            tx.poll()
+    finally:
+        tx.close()
+        agent.close()
+
+
+class GenerationProcess(ContextProcess):
+    """A one-rank generation instance in its own process; ``receive`` asks a context instance for a request."""
+
+    def __init__(self, backend: str = "shm", num_blocks: int = 64, timeout: float = 30.0, **geo: Any) -> None:
+        self.geo = geometry_kwargs(**geo)
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_generation_main, args=(child, backend, self.geo, num_blocks, timeout), daemon=True
+        )
+        self.proc.start()
+        hello = self._recv(60)
+        self.endpoint = hello["endpoint"]
+        self.pid = hello["pid"]
+        self.events = []
+
+    def receive(self, rid: int, endpoint: str, blocks: list[int]) -> None:
+        self.conn.send_bytes(
+            msgspec.msgpack.encode({"op": "receive", "rid": rid, "endpoint": endpoint, "blocks": blocks})
+        )

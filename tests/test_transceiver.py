@@ -221,3 +221,81 @@ def test_request_ids_are_64_bit_and_validated(ctx: ContextProcess, gen: Gen) -> 
         gen.tx.start_receive(1, "tcp://1.2.3.4;evil:1", [0])
     with pytest.raises(E.SessionError, match="generation transceiver"):
         gen.tx.start_send(1, [0])
+
+
+def test_stopped_writer_keeps_pages_quarantined_until_it_is_dead() -> None:
+    """A writer that is alive but frozen may still write: the timed-out request is not released until it dies."""
+    import os
+    import signal
+
+    c = ContextProcess()
+    g = Gen(timeout=1.0)
+    try:
+        g.tx.start_receive(11, c.endpoint, [4])
+        deadline = time.monotonic() + 5
+        while not g.tx._rx[11].writers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the RequestData reached the context rank
+        os.kill(c.pid, signal.SIGSTOP)
+        outcome = None
+        t_end = time.monotonic() + 4.0
+        released: list[int] = []
+        while time.monotonic() < t_end:
+            r = g.tx.poll()
+            outcome = outcome or next((o for o in r.outcomes if o.request_id == 11), None)
+            released += r.released
+            time.sleep(0.01)
+        assert outcome is not None and outcome.state is SessionState.TIMED_OUT
+        assert 11 not in released, "pages were handed back while a live writer could still write"
+        assert g.tx.stats()["quarantined"] == 1
+        c.kill()  # now it can write nothing: fenced, released
+        t_end = time.monotonic() + 15.0
+        while 11 not in released and time.monotonic() < t_end:
+            released += g.tx.poll().released
+            time.sleep(0.01)
+        assert 11 in released
+        assert g.tx.stats()["quarantined"] == 0 and g.tx.stats()["rx_sessions"] == 0
+    finally:
+        try:
+            os.kill(c.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        c.close()
+        g.close()
+
+
+def test_dead_receiver_fails_the_send_and_releases() -> None:
+    """The generation process dies after asking; the context side ends FAILED/PEER_LOST, nothing leaks."""
+    from _instances import GenerationProcess
+
+    gp = GenerationProcess()
+    geo = AttentionGeometry(**geometry_kwargs())
+    topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geo.num_layers)
+    cfg = TransceiverConfig(backend="shm", request_timeout_s=10)
+    agent = create_agent(cfg, "ctx-test")
+    cache = allocate_kv_cache(topo, geo, 64, allocator=agent.allocate_tensor)
+    tx = Transceiver(
+        cfg,
+        role="context",
+        agent=agent,
+        topology=topo,
+        geometry=geo,
+        page_table=build_page_table("head_major_pool", cache, topology=topo, geometry=geo),
+    )
+    try:
+        gp.receive(21, tx.info_endpoint, [1, 2])
+        deadline = time.monotonic() + 10
+        while not tx._early and time.monotonic() < deadline:  # its RequestData arrived before start_send
+            time.sleep(0.01)
+        gp.kill()
+        time.sleep(0.3)
+        tx.start_send(21, [5, 6])
+        out = tx.wait_all([21], 15.0)[21]
+        assert out.state in (SessionState.FAILED, SessionState.TIMED_OUT)
+        assert isinstance(out.error, (E.PeerLostError, E.TransferError, E.TransferTimeoutError))
+        st = tx.stats()
+        assert st["tx_sessions"] == 0 and st["agent_transfers"] == 0
+    finally:
+        gp.close()
+        tx.close()
+        agent.close()
