@@ -669,10 +669,18 @@ class Transceiver:
                         error="request was cancelled by the context side",
                     )
                     return
-                pending = self._early.setdefault(msg.request_id, [])
-                if len(pending) < 1024:
-                    # Kept until the receiver's own deadline: then it is answered with a failure.
-                    pending.append((time.monotonic() + msg.timeout_ms / 1000.0, msg))
+                if sum(len(v) for v in self._early.values()) >= self.config.max_inflight_requests:
+                    self._send_result(
+                        msg.request_id,
+                        peer.info.endpoint,
+                        status="failed",
+                        kind="ResourceExhaustedError",
+                        error=f"{self.config.max_inflight_requests} requests already wait for start_send here",
+                    )
+                    return
+                # Kept until the receiver's deadline (bounded by ours); then it is answered with a failure.
+                ttl = min(msg.timeout_ms / 1000.0, self.config.request_timeout_s)
+                self._early.setdefault(msg.request_id, []).append((time.monotonic() + ttl, msg))
                 return
             self._attach_receiver(s, msg)
         self._work.put(("tx", msg.request_id))
