@@ -24,7 +24,16 @@ import numpy as np
 
 from kvcore.errors import KvcoreError, SessionError
 
-__all__ = ["SessionState", "TERMINAL", "Session", "RxSession", "TxSession", "WriterState", "ReceiverTask"]
+__all__ = [
+    "IDLE_TASK_STATES",
+    "SessionState",
+    "TERMINAL",
+    "Session",
+    "RxSession",
+    "TxSession",
+    "WriterState",
+    "ReceiverTask",
+]
 
 
 class SessionState(str, Enum):
@@ -126,7 +135,7 @@ class ReceiverTask:
     block_ids: np.ndarray
     state_slot: int
     prompt_len: int
-    state: str = "waiting"  # waiting | submitted | done | failed | cancelled | skipped
+    state: str = "waiting"  # waiting | submitted | partial (some layers written, nothing in flight) | done | ...
     handle: Any = None
     nbytes: int = 0
     fragments: int = 0
@@ -137,6 +146,9 @@ class ReceiverTask:
     staging: int | None = None  # offset of this task's lease in the sender's staging arena
     bounced: bool = False
     doubt_sent: bool = False
+    sent_upto: int = -1  # layer-wise: global layers below this were submitted (-1: nothing yet)
+    total_bytes: int = 0  # over every slice written so far
+    total_fragments: int = 0
 
 
 @dataclass(eq=False)
@@ -149,7 +161,12 @@ class TxSession(Session):
     tasks: dict[tuple[str, int], ReceiverTask] = field(default_factory=dict)
     expected_receivers: int | None = None  # known once the first receiver asked
     nbytes: int = 0
+    layers_upto: int | None = None  # layer-wise sending: layers below this are ready; None: all are
 
     @property
     def quiescent(self) -> bool:
         return all(t.state != "submitted" for t in self.tasks.values())
+
+
+#: Receiver tasks with nothing in flight that may still have layers to write.
+IDLE_TASK_STATES = frozenset({"waiting", "partial"})

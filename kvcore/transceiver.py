@@ -41,7 +41,7 @@ from kvcore.mapping import RankLayout, plan_transfer, validate_compatible
 from kvcore.messenger import Messenger, Source
 from kvcore.page import PageTable
 from kvcore.peer import peer_ranks
-from kvcore.session import ReceiverTask, RxSession, SessionState, TxSession, WriterState
+from kvcore.session import IDLE_TASK_STATES, ReceiverTask, RxSession, SessionState, TxSession, WriterState
 from kvcore.topology import AttentionGeometry, Topology
 
 __all__ = ["Transceiver", "PollResult", "Outcome"]
@@ -234,9 +234,21 @@ class Transceiver:
         return self.instance_ranks[0].endpoint
 
     def start_send(
-        self, request_id: int, block_ids: Iterable[int], *, prompt_len: int = -1, state_slot: int = -1
+        self,
+        request_id: int,
+        block_ids: Iterable[int],
+        *,
+        prompt_len: int = -1,
+        state_slot: int = -1,
+        layers_ready: int | None = None,
     ) -> None:
-        """Context side: the request's prefill finished; its KV lives in ``block_ids`` (in token order)."""
+        """Context side: the request's KV lives in ``block_ids`` (in token order); send it.
+
+        By default every layer is complete. For layer-wise sending while prefill
+        still runs, pass ``layers_ready=L`` (global layers below ``L`` are complete)
+        and call :meth:`layers_ready` as more layers finish; each slice is written
+        as soon as a receiver asked for the request.
+        """
         rid, blocks = self._admit_args("context", request_id, block_ids, state_slot)
         with self._lock:
             if rid in self._tx:
@@ -248,6 +260,7 @@ class Transceiver:
                 block_ids=blocks,
                 state_slot=state_slot,
                 prompt_len=prompt_len,
+                layers_upto=self._layers_upto(layers_ready),
             )
             self._tx[rid] = s
             if rid in self._tombstones:
@@ -257,6 +270,25 @@ class Transceiver:
             for _, req in self._early.pop(rid, []):
                 self._attach_receiver(s, req)
         self._work.put(("tx", rid))
+
+    def layers_ready(self, request_id: int, upto: int) -> None:
+        """Context side, layer-wise: global layers below ``upto`` are complete; they are written at once."""
+        self._require("context")
+        rid = self._check_rid(request_id)
+        with self._lock:
+            s = self._tx.get(rid)
+            if s is None:
+                raise E.SessionError(f"request {rid} is not being sent; call start_send first")
+            if s.layers_upto is not None:
+                new = self._layers_upto(upto)
+                s.layers_upto = None if new is None else max(s.layers_upto, new)
+        self._work.put(("tx", rid))
+
+    def _layers_upto(self, upto: int | None) -> int | None:
+        """None once every layer this rank holds is ready."""
+        if upto is None or upto >= self.topology.layer_range[1]:
+            return None
+        return int(upto)
 
     def start_receive(
         self,
@@ -768,7 +800,7 @@ class Transceiver:
                             error=msg.reason,
                         )
                     return
-                if t.state == "waiting":
+                if t.state in IDLE_TASK_STATES:
                     t.state = "cancelled"
                     self._send_result(
                         msg.request_id, t.endpoint, status="cancelled", kind="RequestCancelledError", error=msg.reason
@@ -825,7 +857,7 @@ class Transceiver:
                         peer.lost = True
                         for tx in self._tx.values():
                             t = tx.tasks.get(key)
-                            if t is not None and t.state == "waiting":
+                            if t is not None and t.state in IDLE_TASK_STATES:
                                 t.state = "failed"
                                 tx.transition(
                                     SessionState.FAILED,
@@ -1060,7 +1092,7 @@ class Transceiver:
                 return
             todo = []
             for t in s.tasks.values():
-                if t.state != "waiting":
+                if t.state not in IDLE_TASK_STATES:
                     continue
                 if s.terminal:
                     t.state = "cancelled" if s.state is SessionState.CANCELLED else "failed"
@@ -1075,6 +1107,8 @@ class Transceiver:
                 peer = self._gen_peers.get(t.gen_key)
                 if peer is None or peer.agent_name is None:
                     continue  # descriptor still loading
+                if self._next_slice(s, t) is False:
+                    continue  # layer-wise: nothing new is ready for this receiver
                 todo.append((t, peer))
             if todo and s.state in (SessionState.INIT, SessionState.READY):
                 s.transition(SessionState.TRANSFERRING)
@@ -1082,8 +1116,39 @@ class Transceiver:
             self._submit(s, t, peer)
         self._settle_tx(s)
 
+    def _next_slice(self, s: TxSession, t: ReceiverTask) -> tuple[int, int] | bool | None:
+        """The global layer range to write next: None for the whole request, False when nothing is ready."""
+        start, stop = self.topology.layer_range
+        lo = max(t.sent_upto, start)
+        hi = stop if s.layers_upto is None else s.layers_upto
+        if t.sent_upto < 0 and s.layers_upto is None:
+            return None  # everything at once: the common, fastest case
+        return (lo, hi) if hi > lo else False
+
+    def _slice_done(self, s: TxSession, t: ReceiverTask) -> None:
+        """A slice landed (or was empty): report the task, or wait for more layers (caller holds the lock)."""
+        t.total_bytes += t.nbytes
+        t.total_fragments += t.fragments
+        if t.sent_upto >= self.topology.layer_range[1]:
+            t.state = "done"
+            s.nbytes += t.total_bytes
+            self._send_result(
+                s.request_id,
+                t.endpoint,
+                status="ok",
+                nbytes=t.total_bytes,
+                fragments=t.total_fragments,
+                bounced=t.bounced,
+            )
+        else:
+            t.state = "partial"
+            self._work.put(("tx", s.request_id))  # more layers may be ready already
+
     def _submit(self, s: TxSession, t: ReceiverTask, peer: _GenPeer) -> None:
-        if t.bounce_addr and self._bounce_on and self._submit_bounced(s, t, peer):
+        layers = self._next_slice(s, t)
+        if layers is False:
+            return
+        if layers is None and t.bounce_addr and self._bounce_on and self._submit_bounced(s, t, peer):
             return
         try:
             plan = plan_transfer(
@@ -1095,11 +1160,13 @@ class Transceiver:
                 src_state_slot=s.state_slot if s.state_slot >= 0 else None,
                 dst_state_slot=t.state_slot if t.state_slot >= 0 else None,
                 prompt_len=s.prompt_len if s.prompt_len >= 0 else None,
+                layer_range=layers if isinstance(layers, tuple) else None,
             )
+            t.sent_upto = self.topology.layer_range[1] if layers is None else layers[1]  # type: ignore[index]
             if plan.count == 0:
                 with self._lock:
-                    t.state = "done"
-                self._send_result(s.request_id, t.endpoint, status="ok")
+                    t.nbytes = t.fragments = 0
+                    self._slice_done(s, t)
                 return
             assert peer.agent_name is not None  # only loaded peers reach _submit
             handle = self.agent.submit(TransferOp.WRITE, peer.agent_name, plan.src, plan.dst, plan.sizes)
@@ -1162,6 +1229,7 @@ class Transceiver:
         with self._lock:
             t.handle, t.state, t.nbytes, t.fragments = handle, "submitted", plan.nbytes, plan.count
             t.staging, t.bounced = off, True
+            t.sent_upto = self.topology.layer_range[1]
             self._bounced_writes_total += 1
             t.deadline = min(t.deadline, time.monotonic() + self.config.transfer_timeout_s)
         self._check_transfer(s, t, time.monotonic())
@@ -1204,16 +1272,11 @@ class Transceiver:
         with self._lock:
             t.handle = None
             if status is TransferStatus.DONE:
-                t.state = "done"
-                s.nbytes += t.nbytes
+                self._slice_done(s, t)
             else:
                 t.state = "failed"
                 s.transition(SessionState.FAILED, err)
-        if status is TransferStatus.DONE:
-            self._send_result(
-                s.request_id, t.endpoint, status="ok", nbytes=t.nbytes, fragments=t.fragments, bounced=t.bounced
-            )
-        else:
+        if status is not TransferStatus.DONE:
             self._send_result(s.request_id, t.endpoint, status="failed", kind=type(err).__name__, error=str(err))
         self._settle_tx(s)
 
@@ -1226,7 +1289,7 @@ class Transceiver:
             states = {t.state for t in s.tasks.values()}
             if states <= {"done"}:
                 s.transition(SessionState.DONE)
-            elif "waiting" not in states and "submitted" not in states:
+            elif not states & (IDLE_TASK_STATES | {"submitted"}):
                 if "failed" in states:
                     s.transition(SessionState.FAILED, E.TransferFailedError(f"request {s.request_id}: a write failed"))
                 else:
@@ -1298,7 +1361,7 @@ class Transceiver:
                         ),
                     )
                     for t in tx.tasks.values():
-                        if t.state == "waiting":
+                        if t.state in IDLE_TASK_STATES:
                             t.state = "failed"
                             self._send_result(
                                 tx.request_id,

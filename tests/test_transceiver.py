@@ -299,3 +299,44 @@ def test_dead_receiver_fails_the_send_and_releases() -> None:
         gp.close()
         tx.close()
         agent.close()
+
+
+def test_layer_wise_sending_writes_each_slice_as_it_becomes_ready(ctx: ContextProcess) -> None:
+    """start_send(layers_ready=L) then layers_ready(): finished layers land before the rest exist; DONE at the end."""
+    geo = AttentionGeometry(**geometry_kwargs())
+    topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geo.num_layers)
+    cfg = TransceiverConfig(backend="shm", request_timeout_s=20)
+    agent = create_agent(cfg, "ctx-layerwise")
+    cache = allocate_kv_cache(topo, geo, 64, allocator=agent.allocate_tensor)
+    tx = Transceiver(
+        cfg,
+        role="context",
+        agent=agent,
+        topology=topo,
+        geometry=geo,
+        page_table=build_page_table("head_major_pool", cache, topology=topo, geometry=geo),
+    )
+    g = Gen()
+    try:
+        src, dst = [3, 8], [10, 20]
+        cache.zero_()
+        cache[src, :2] = torch.randn(2, 2, *cache.shape[2:]).to(cache.dtype)  # layers 0-1 computed
+        tx.start_send(31, src, layers_ready=2)
+        g.tx.start_receive(31, tx.info_endpoint, dst)
+        deadline = time.monotonic() + 10
+        while not torch.equal(g.cache[dst, :2], cache[src, :2]) and time.monotonic() < deadline:
+            g.tx.poll()
+            time.sleep(0.01)
+        assert torch.equal(g.cache[dst, :2], cache[src, :2]), "the ready layers were not written early"
+        assert not g.cache[dst, 2:].any(), "layers that were not ready must not have moved"
+        assert all(o.request_id != 31 for o in g.tx.poll().outcomes)  # not DONE while layers are missing
+        cache[src, 2:] = torch.randn(2, geo.num_layers - 2, *cache.shape[2:]).to(cache.dtype)
+        tx.layers_ready(31, geo.num_layers)
+        assert g.outcomes([31])[31].state is SessionState.DONE
+        assert torch.equal(g.cache[dst], cache[src])
+        assert tx.wait_all([31], 10)[31].state is SessionState.DONE
+        assert tx.stats()["tx_sessions"] == 0
+    finally:
+        g.close()
+        tx.close()
+        agent.close()
