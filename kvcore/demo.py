@@ -93,6 +93,7 @@ class DemoSpec:
     mamba_d_conv: int = 4
     mamba_ssm_dtype: str = "float32"
     bounce: str = "auto"
+    layerwise: bool = False  # context ranks send the first half of their layers, then the rest (layers_ready)
     cached_prefix_blocks: int = 0
     spare_blocks: int = 8  # at least one per DP group: the first-contact requests use them
     timeout_s: float = 120.0
@@ -565,8 +566,14 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
                 tx.start_send(w, me.blocks[w], prompt_len=spec.tokens_per_block, state_slot=me.state_slot(w))
             _drive(tx, collective, spec, warm)
             t0 = time.perf_counter()
+            first, stop = me.topology.layer_range
+            half = first + (stop - first) // 2 if spec.layerwise else None
             for r in work:
-                tx.start_send(r, me.blocks[r], prompt_len=spec.tokens, state_slot=me.state_slot(r))
+                tx.start_send(r, me.blocks[r], prompt_len=spec.tokens, state_slot=me.state_slot(r), layers_ready=half)
+            if spec.layerwise:
+                tx.poll()  # let the first slices go out before the rest is declared ready
+                for r in work:
+                    tx.layers_ready(r, stop)
             outcomes = _drive(tx, collective, spec, work)
             report = {
                 "kind": "report",
@@ -948,6 +955,11 @@ def add_parser(sub: Any) -> None:
         choices=list(BOUNCE_MODES),
         help="bounce buffer for small scattered fragments: transceiver default, forced, or disabled",
     )
+    p.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="context ranks mark half of their layers ready first, the rest afterwards (layer-wise sending)",
+    )
     p.add_argument("--cached-prefix-blocks", type=int, default=0, help="blocks the generation side already holds")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request bound in seconds")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -977,6 +989,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         mla=args.mla,
         mamba=args.mamba,
         bounce=args.bounce,
+        layerwise=args.layerwise,
         cached_prefix_blocks=args.cached_prefix_blocks,
         timeout_s=args.timeout,
         seed=args.seed,

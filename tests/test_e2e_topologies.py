@@ -72,6 +72,8 @@ CASES: dict[str, dict[str, Any]] = {
     ),
     "token_major-tp2-tp4-bounce-off": dict(kv_heads=8, ctx_tp=2, gen_tp=4, layout="token_major", bounce="off"),
     "token_major-tp2-tp4-bounce-on": dict(kv_heads=8, ctx_tp=2, gen_tp=4, layout="token_major", bounce="on"),
+    # layer-wise sending: half of each context rank's layers first, the rest afterwards
+    "layerwise-pp2-tp4": dict(ctx_tp=1, ctx_pp=2, gen_tp=4, layerwise=True),
 }
 
 #: Run on every installed transport besides shm.
@@ -81,6 +83,7 @@ SUBSET = (
     "token_major-tp2-tp4-bounce-off",
     "token_major-tp2-tp4-bounce-on",
     "kitchen-sink",
+    "layerwise-pp2-tp4",
 )
 
 
