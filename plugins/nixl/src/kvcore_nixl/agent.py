@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import logging
+import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -135,6 +137,10 @@ def load_nixl() -> ModuleType:
             last = exc
             continue
         _nixl_cache = mod
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            # NIXL's Python logger prints an INFO line to stdout for every agent and backend it creates;
+            # a library should stay quiet unless asked (NIXL_LOG_LEVEL=INFO brings the lines back).
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         return mod
     raise UnknownBackendError(
         "transfer agent 'nixl' needs NIXL's Python API, which could not be imported:\n  "
