@@ -125,6 +125,73 @@ _notif_decoder = msgspec.msgpack.Decoder(tuple[str, bytes])
 _encoder = msgspec.msgpack.Encoder()
 
 
+_SWEPT_PID = 0
+_SWEEP_MIN_AGE_S = 30.0  # never touch files young enough to belong to an agent still being created
+
+
+def sweep_dead_segments(directory: str = SHM_DIR) -> list[str]:
+    """Unlink the files of shm agents whose process died without closing (SIGKILL, crash).
+
+    Proof of death is the owner's ``flock`` on its control file: if we can take
+    it, nobody holds it. Files younger than 30 s are left alone (the owner may be
+    between creating its control file and locking it). Segment files whose
+    control file is already gone are removed once their creator pid is gone.
+    Returns the unlinked paths. Called once per process by the first ``ShmAgent``.
+    """
+    import re
+    import time
+
+    now = time.time()
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    pattern = re.compile(r"\Akvcore-shm-(\d+)-[0-9a-f]+-\d+")
+    by_prefix: dict[str, list[str]] = {}
+    for n in names:
+        m = pattern.match(n)
+        if m:
+            by_prefix.setdefault(m.group(0), []).append(n)
+    for prefix, files in by_prefix.items():
+        paths = [os.path.join(directory, f) for f in files]
+        try:
+            if any(now - os.stat(p).st_mtime < _SWEEP_MIN_AGE_S for p in paths):
+                continue
+        except FileNotFoundError:
+            continue
+        ctl = os.path.join(directory, f"{prefix}-ctl")
+        if os.path.exists(ctl):
+            try:
+                fd = os.open(ctl, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue  # alive: its owner holds the lock
+            try:
+                _unlink_quietly(paths)
+                removed.extend(paths)
+            finally:
+                os.close(fd)
+        else:
+            pid = int(prefix.split("-")[2])
+            try:
+                os.kill(pid, 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            _unlink_quietly(paths)
+            removed.extend(paths)
+    if removed:
+        log.info("kvcore shm: removed %d file(s) left by dead agents", len(removed))
+    return removed
+
+
 def _address_of(mm: mmap.mmap) -> int:
     """The address of an mmap's first byte, without keeping a buffer export alive."""
     return ctypes.addressof(ctypes.c_char.from_buffer(mm))
@@ -242,6 +309,10 @@ class ShmAgent(TransferAgent):
 
     def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
         super().__init__(name, options)
+        global _SWEPT_PID
+        if _SWEPT_PID != os.getpid():
+            _SWEPT_PID = os.getpid()
+            sweep_dead_segments()
         self._prefix = f"kvcore-shm-{os.getpid()}-{process_incarnation()[:8]}-{next(_agent_seq)}"
         self._segments: dict[str, _Segment] = {}
         self._seg_count = itertools.count()
