@@ -1,0 +1,111 @@
+"""The ZeroMQ messenger on its own: loopback by default, typed round trips, hostile frames, disconnect events."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import pytest
+
+from kvcore import wire
+from kvcore.messenger import Messenger, Source
+
+V = wire.PROTOCOL_VERSION
+
+
+def _pair() -> tuple[Messenger, Messenger, queue.Queue, queue.Queue]:
+    qa: queue.Queue = queue.Queue()
+    qb: queue.Queue = queue.Queue()
+    a = Messenger(lambda src, m: qa.put((src, m)), name="a")
+    b = Messenger(lambda src, m: qb.put((src, m)), name="b")
+    a.start()
+    b.start()
+    return a, b, qa, qb
+
+
+def test_binds_loopback_by_default() -> None:
+    m = Messenger(lambda s, x: None, name="lo")
+    try:
+        host, port = wire.parse_endpoint(m.endpoint)
+        assert host == "127.0.0.1" and port > 0
+    finally:
+        m.close()
+
+
+def test_non_loopback_bind_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvcore.messenger"):
+        m = Messenger(lambda s, x: None, host="0.0.0.0", name="any")
+    try:
+        assert "non-loopback" in caplog.text
+    finally:
+        m.close()
+
+
+def test_round_trip_and_reply_on_the_same_socket() -> None:
+    a, b, qa, qb = _pair()
+    try:
+        a.send(b.endpoint, wire.Cancel(v=V, request_id=2**64 - 1, instance="x", rank=3, reason="r"))
+        src, msg = qb.get(timeout=5)
+        assert isinstance(src, Source) and src.identity is not None
+        assert isinstance(msg, wire.Cancel) and msg.request_id == 2**64 - 1
+        b.reply(src, wire.ErrorReply(v=V, kind="SessionError", error="no such request", request_id=7))
+        src2, reply = qa.get(timeout=5)
+        assert src2.endpoint == b.endpoint and isinstance(reply, wire.ErrorReply) and reply.request_id == 7
+    finally:
+        a.close()
+        b.close()
+
+
+def test_garbage_is_answered_and_the_listener_keeps_serving() -> None:
+    a, b, qa, qb = _pair()
+    try:
+        for frame in (b"", b"\xc1", b"\x81\xa1t\xa4nope"):
+            a.send_raw(b.endpoint, frame)
+            _, err = qa.get(timeout=5)
+            assert isinstance(err, wire.ErrorReply) and err.kind == "MessageDecodeError"
+        a.send(b.endpoint, wire.Cancel(v=V, request_id=1, instance="x", rank=0))
+        assert isinstance(qb.get(timeout=5)[1], wire.Cancel)
+        assert b.counters["bad_frames"] == 3
+    finally:
+        a.close()
+        b.close()
+
+
+def test_oversized_frame_never_reaches_the_handler() -> None:
+    import time
+
+    got: queue.Queue = queue.Queue()
+    small = Messenger(lambda s, m: got.put(m), max_message_bytes=1024, name="small")
+    big = Messenger(lambda s, m: None, name="big")
+    small.start()
+    big.start()
+    try:
+        big.send_raw(small.endpoint, b"\x00" * 4096)  # ZMQ_MAXMSGSIZE drops it (and that connection)
+        time.sleep(0.5)  # the DEALER reconnects by itself
+        big.send(small.endpoint, wire.Cancel(v=V, request_id=1, instance="x", rank=0))
+        assert isinstance(got.get(timeout=5), wire.Cancel)  # the next sane message is served
+        assert got.empty() and small.counters["received"] == 1
+    finally:
+        small.close()
+        big.close()
+
+
+def test_peer_disconnect_is_reported() -> None:
+    lost: list[str] = []
+    event = threading.Event()
+    a = Messenger(lambda s, m: None, on_disconnect=lambda ep: (lost.append(ep), event.set()), name="a")
+    b = Messenger(lambda s, m: None, name="b")
+    a.start()
+    b.start()
+    try:
+        a.send(b.endpoint, wire.Cancel(v=V, request_id=1, instance="x", rank=0))
+        ep = b.endpoint
+        import time
+
+        time.sleep(0.3)  # connected
+        b.close()
+        assert event.wait(10), "no disconnect event after the peer closed"
+        assert lost == [ep]
+    finally:
+        a.close()
