@@ -263,7 +263,7 @@ class Transceiver:
                 layers_upto=self._layers_upto(layers_ready),
             )
             self._tx[rid] = s
-            if rid in self._tombstones:
+            if self._tombstones.pop(rid, None) is not None:
                 s.transition(
                     SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled by the receiver")
                 )

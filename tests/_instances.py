@@ -99,10 +99,17 @@ class ContextProcess:
             raise TimeoutError("context process did not answer")
         return msgspec.msgpack.decode(self.conn.recv_bytes())
 
+    def _drain(self) -> None:
+        """Read the child's pending reports, so that neither side ever blocks on a full pipe."""
+        while self.conn.poll(0):
+            self.events.append(msgspec.msgpack.decode(self.conn.recv_bytes()))
+
     def send(self, rid: int, blocks: list[int]) -> None:
+        self._drain()
         self.conn.send_bytes(msgspec.msgpack.encode({"op": "send", "rid": rid, "blocks": blocks}))
 
     def cancel(self, rid: int) -> None:
+        self._drain()
         self.conn.send_bytes(msgspec.msgpack.encode({"op": "cancel", "rid": rid}))
 
     def stats(self, timeout: float = 10) -> dict[str, int]:

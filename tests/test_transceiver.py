@@ -340,3 +340,63 @@ def test_layer_wise_sending_writes_each_slice_as_it_becomes_ready(ctx: ContextPr
         g.close()
         tx.close()
         agent.close()
+
+
+def test_soak_many_requests_with_cancels_each_ends_once_and_nothing_leaks(gen: Gen) -> None:
+    """1000 requests (up to 64 in flight), ~10 % cancelled at random moments: one outcome and one release each."""
+    ctx = ContextProcess(timeout=3.0)  # short bound: cancel tombstones for finished requests expire quickly
+    try:
+        _soak(ctx, gen)
+    finally:
+        ctx.close()
+
+
+def _soak(ctx: ContextProcess, gen: Gen) -> None:
+    rng = np.random.default_rng(7)
+    total, window = 1000, 64
+    outcomes: dict[int, SessionState] = {}
+    released: list[int] = []
+    slots = {}  # request -> its generation block, reused only after release
+    free = list(range(64))
+    started = 0
+    cancel_at = set(rng.choice(total, total // 10, replace=False).tolist())
+    deadline = time.monotonic() + 120
+    while len(released) < total:
+        assert time.monotonic() < deadline, f"stuck: {len(released)} of {total} released"
+        while started < total and started - len(released) < window and free:
+            r = started
+            slots[r] = free.pop()
+            src = int(rng.integers(0, 64))
+            if r % 3 == 0:  # receivers first for a third of them
+                gen.tx.start_receive(r, ctx.endpoint, [slots[r]])
+                ctx.send(r, [src])
+            else:
+                ctx.send(r, [src])
+                gen.tx.start_receive(r, ctx.endpoint, [slots[r]])
+            if r in cancel_at:
+                gen.tx.cancel(r)
+            started += 1
+        res = gen.tx.poll()
+        for o in res.outcomes:
+            assert o.request_id not in outcomes, f"request {o.request_id} reported twice"
+            outcomes[o.request_id] = o.state
+        for rid in res.released:
+            assert rid in outcomes, "released before its outcome was reported"
+            assert rid not in released, f"request {rid} released twice"
+            released.append(rid)
+            free.append(slots.pop(rid))
+        time.sleep(0.0005)
+    states = list(outcomes.values())
+    assert len(outcomes) == total
+    assert states.count(SessionState.DONE) >= total - len(cancel_at)  # a cancel may lose the race to DONE
+    assert set(states) <= {SessionState.DONE, SessionState.CANCELLED}
+    assert all(v == 0 for k, v in gen.tx.stats().items() if k not in ("ctx_instances", "gen_peers"))
+    deadline = time.monotonic() + 30
+    while True:  # the context side settles cancelled requests and expires tombstones on its own timer
+        st = ctx.stats()
+        if (st["tx_sessions"] == 0 and st["tombstones"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {k: v for k, v in st.items() if k not in ("ctx_instances", "gen_peers", "bounced_writes_total")} == {
+        k: 0 for k in st if k not in ("ctx_instances", "gen_peers", "bounced_writes_total")
+    }
