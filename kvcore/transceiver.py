@@ -181,10 +181,11 @@ class Transceiver:
         self._arena: bounce.Arena | None = None
         self._staging: bounce.Arena | None = None
         self._bounce_tensors: list[Any] = []
+        # (ctx endpoint, ctx rank) -> (fragments per block, mean fragment bytes) of its unmerged plans
         self._plan_shape: dict[tuple[str, int], tuple[float, float]] = {}
-        self._bounced_writes_total = (
-            0  # context: writes sent packed; generation: leases unpacked  # (ctx endpoint, rank) -> per block
-        )
+        # context: writes sent packed; generation: leases unpacked
+        self._bounced_writes_total = 0
+        self._inflight: dict[int, tuple[TxSession, ReceiverTask]] = {}  # id(task) -> its submitted write
         if self._bounce_on and role == "generation":
             self._arena = self._new_arena()
         self.messenger = Messenger(
@@ -893,7 +894,7 @@ class Transceiver:
 
     def _has_inflight(self) -> bool:
         with self._lock:
-            return any(t.state == "submitted" for s in self._tx.values() for t in s.tasks.values())
+            return bool(self._inflight)
 
     def _handle_work(self, item: tuple[str, Any]) -> None:
         kind, arg = item
@@ -1179,6 +1180,7 @@ class Transceiver:
             return
         with self._lock:
             t.handle, t.state, t.nbytes, t.fragments = handle, "submitted", plan.nbytes, plan.count
+            self._inflight[id(t)] = (s, t)
             t.deadline = min(t.deadline, time.monotonic() + self.config.transfer_timeout_s)
         self._check_transfer(s, t, time.monotonic())  # same-host transports are often done already
 
@@ -1228,6 +1230,7 @@ class Transceiver:
             return True
         with self._lock:
             t.handle, t.state, t.nbytes, t.fragments = handle, "submitted", plan.nbytes, plan.count
+            self._inflight[id(t)] = (s, t)
             t.staging, t.bounced = off, True
             t.sent_upto = self.topology.layer_range[1]
             self._bounced_writes_total += 1
@@ -1237,7 +1240,7 @@ class Transceiver:
 
     def _poll_transfers(self) -> None:
         with self._lock:
-            inflight = [(s, t) for s in self._tx.values() for t in s.tasks.values() if t.state == "submitted"]
+            inflight = list(self._inflight.values())
         now = time.monotonic()
         for s, t in inflight:
             self._check_transfer(s, t, now)
@@ -1266,6 +1269,8 @@ class Transceiver:
             return
         err = t.handle.error
         self.agent.release(t.handle)
+        with self._lock:
+            self._inflight.pop(id(t), None)
         if t.staging is not None and self._staging is not None:
             self._staging.release(t.staging)  # the transport no longer reads it
             t.staging = None
