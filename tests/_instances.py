@@ -1,4 +1,4 @@
-"""A context instance in its own process, driven by msgpack commands over a Pipe (for end-to-end tests)."""
+"""One-rank context/generation instances in this process or in their own, for end-to-end tests."""
 
 from __future__ import annotations
 
@@ -25,28 +25,30 @@ def geometry_kwargs(**over: Any) -> dict[str, Any]:
     return d
 
 
-def _context_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: int, timeout: float) -> None:
-    import torch
-
+def make_rank(
+    role: str, name: str, backend: str = "shm", num_blocks: int = 64, timeout: float = 30.0, **geo: Any
+) -> tuple[Any, Any, Any]:
+    """A one-rank instance in this process: ``(agent, head-major KV cache, Transceiver)``."""
     from kvcore.builders import allocate_kv_cache, build_page_table
     from kvcore.config import TransceiverConfig, create_agent
     from kvcore.topology import AttentionGeometry, Topology
     from kvcore.transceiver import Transceiver
 
-    geometry = AttentionGeometry(**geo)
+    geometry = AttentionGeometry(**geometry_kwargs(**geo))
     topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geometry.num_layers)
     cfg = TransceiverConfig(backend=backend, request_timeout_s=timeout)
-    agent = create_agent(cfg, f"ctx-{os.getpid()}")
+    agent = create_agent(cfg, name)
     cache = allocate_kv_cache(topo, geometry, num_blocks, allocator=agent.allocate_tensor)
+    table = build_page_table("head_major_pool", cache, topology=topo, geometry=geometry)
+    tx = Transceiver(cfg, role=role, agent=agent, topology=topo, geometry=geometry, page_table=table)
+    return agent, cache, tx
+
+
+def _context_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: int, timeout: float) -> None:
+    import torch
+
+    agent, cache, tx = make_rank("context", f"ctx-{os.getpid()}", backend, num_blocks, timeout, **geo)
     flat = cache.view(num_blocks, -1).view(torch.uint8)
-    tx = Transceiver(
-        cfg,
-        role="context",
-        agent=agent,
-        topology=topo,
-        geometry=geometry,
-        page_table=build_page_table("head_major_pool", cache, topology=topo, geometry=geometry),
-    )
     conn.send_bytes(msgspec.msgpack.encode({"endpoint": tx.info_endpoint, "pid": os.getpid()}))
     try:
         while True:
@@ -152,24 +154,7 @@ class ContextProcess:
 
 
 def _generation_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: int, timeout: float) -> None:
-    from kvcore.builders import allocate_kv_cache, build_page_table
-    from kvcore.config import TransceiverConfig, create_agent
-    from kvcore.topology import AttentionGeometry, Topology
-    from kvcore.transceiver import Transceiver
-
-    geometry = AttentionGeometry(**geo)
-    topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geometry.num_layers)
-    cfg = TransceiverConfig(backend=backend, request_timeout_s=timeout)
-    agent = create_agent(cfg, f"gen-{os.getpid()}")
-    cache = allocate_kv_cache(topo, geometry, num_blocks, allocator=agent.allocate_tensor)
-    tx = Transceiver(
-        cfg,
-        role="generation",
-        agent=agent,
-        topology=topo,
-        geometry=geometry,
-        page_table=build_page_table("head_major_pool", cache, topology=topo, geometry=geometry),
-    )
+    agent, _, tx = make_rank("generation", f"gen-{os.getpid()}", backend, num_blocks, timeout, **geo)
     conn.send_bytes(msgspec.msgpack.encode({"endpoint": tx.endpoint, "pid": os.getpid()}))
     try:
         while True:
