@@ -286,6 +286,7 @@ def test_soak_with_cancels_from_both_sides_every_request_terminal_and_released(
                 gen.tx.cancel(r - 5)
             if r - 3 in ctx_cancel:
                 ctx.cancel(r - 3)
+        ctx._drain()  # keep the context process's report pipe flowing
         res = gen.tx.poll()
         for o in res.outcomes:
             assert o.request_id not in outcomes, f"request {o.request_id} reported twice"
