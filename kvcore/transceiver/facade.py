@@ -47,7 +47,17 @@ from kvcore.transceiver.sessions import SessionState
 __all__ = ["Transceiver", "PollResult", "Outcome", "CACHE_GAUGES", "COUNTERS", "leaks"]
 
 #: ``stats()`` keys of bounded caches (peers, loaded agents, connections, tombstones), not per-request resources.
-CACHE_GAUGES = frozenset({"ctx_instances", "gen_peers", "remote_agents", "control_connections", "tombstones"})
+CACHE_GAUGES = frozenset(
+    {
+        "ctx_instances",
+        "gen_peers",
+        "retired_instances",  # lost peers waiting for the timer to unload them
+        "retired_peers",
+        "remote_agents",
+        "control_connections",
+        "tombstones",
+    }
+)
 #: ``stats()`` keys that only grow (events counted since start); every other key returns to zero when idle.
 COUNTERS = frozenset(
     {
