@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import heapq
 import itertools
 import json
 import multiprocessing as mp
@@ -77,6 +78,8 @@ _GB = 1e9
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # per-block word offset: a misplaced or torn block never matches
 _BACKEND_ORDER = ("nixl", "ucx", "shm")
 SMALL_SLOTS = 8  # distinct one-block slots the small requests cycle through
+#: stats() keys that are not leak gauges: peers are kept on purpose, bounced_writes_total only grows
+_NOT_LEAKS = frozenset({"ctx_instances", "gen_peers", "bounced_writes_total"})
 
 
 class BenchError(KvcoreError):
@@ -137,6 +140,11 @@ class BenchSpec:
     timeout_s: float = 120.0  # bound on every command a rank runs
     agent_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # backend -> agent options
     seed: int = 1234
+    # the soak case (issue 9): many one-block requests with random cancels from both sides
+    requests: int = 10000
+    inflight: int = 512
+    cancel_rate: float = 0.1  # fraction of requests cancelled, half by each side, at a random moment
+    soak_request_timeout_s: float = 10.0  # the transceivers' request_timeout_s in the soak (tombstones live as long)
 
     def validate(self) -> None:
         """Raise ``BenchError`` naming the first field out of range."""
@@ -150,6 +158,8 @@ class BenchSpec:
             "iterations",
             "small_requests",
             "latency_requests",
+            "requests",
+            "inflight",
         ):
             if int(getattr(self, name)) < 1:
                 raise BenchError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -160,6 +170,12 @@ class BenchSpec:
             raise BenchError(f"unknown case(s) {unknown}; known: {sorted(CASES)}")
         if not self.timeout_s > 0:
             raise BenchError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.inflight > 4000:
+            raise BenchError(f"inflight must be <= 4000 (max_inflight_requests), got {self.inflight}")
+        if not 0.0 <= self.cancel_rate <= 1.0:
+            raise BenchError(f"cancel_rate must be in [0, 1], got {self.cancel_rate}")
+        if not self.soak_request_timeout_s > 0:
+            raise BenchError(f"soak_request_timeout_s must be > 0, got {self.soak_request_timeout_s}")
         if not 0 <= self.poll_interval_s < 1:
             raise BenchError(f"poll_interval_s must be in [0, 1), got {self.poll_interval_s}")
 
@@ -290,8 +306,11 @@ class _Rank:
 
     # --- per-case setup ------------------------------------------------------------------------
 
-    def op_init(self, shape: dict[str, Any]) -> dict[str, Any]:
-        """Allocate and fill (context) or zero (generation) the pool, build the page table, start a Transceiver."""
+    def op_init(self, shape: dict[str, Any], request_timeout_s: float | None = None) -> dict[str, Any]:
+        """Allocate and fill (context) or zero (generation) the pool, build the page table, start a Transceiver.
+
+        ``request_timeout_s`` overrides the transceivers' request bound for this case (the soak's is short).
+        """
         import torch
 
         from kvcore.builders import allocate_kv_cache, build_page_table
@@ -326,8 +345,11 @@ class _Rank:
                 _fill_logical(words, self.ids[region], logical[region], self.spec.seed)
             self.written: set[str] = set()
         self.page_table = build_page_table("head_major_pool", self.caches, topology=topology, geometry=geometry)
+        config = self.config
+        if request_timeout_s is not None:
+            config = replace(config, request_timeout_s=request_timeout_s)
         self.tx = Transceiver(
-            self.config,
+            config,
             role=self.role,
             agent=self.agent,
             topology=topology,
@@ -658,6 +680,139 @@ class _Rank:
             elapsed = time.perf_counter() - t_all
         return {"latency_s": latency, "elapsed_s": elapsed, "not_done": not_done}
 
+    # --- both roles: the soak --------------------------------------------------------------------
+
+    def op_soak(
+        self, rid0: int, requests: int, inflight: int, cancel_rate: float, deadline_s: float, endpoint: str = ""
+    ) -> dict[str, Any]:
+        """Run this side of the soak: start, randomly cancel and poll ``requests`` one-block requests.
+
+        Request ``rid0 + i`` reads context block ``i % inflight`` (logical id ``i % inflight``) and lands in a
+        free generation slot, zeroed first and reused only after its release. Each side cancels about
+        ``cancel_rate / 2`` of the requests, 0-5 ms after starting them. Returns outcome counts, what broke
+        a promise (a request reported twice, released before its outcome, never released, wrong bytes),
+        latencies, and the transceiver's stats once it has settled (tombstones expired).
+        """
+        import torch
+
+        assert self.shape is not None
+        gen = self.role == "generation"
+        tpb = self.shape.tokens_per_block
+        rng = np.random.default_rng([self.spec.seed, 11 if gen else 12])
+        ids = self.ids["big"]
+        nslots = len(ids)
+        free = list(range(nslots))  # generation: free slots (indexes into ids)
+        slot_of: dict[int, int] = {}
+        src_of: dict[int, int] = {}
+        pending: dict[int, float] = {}  # started, not yet released -> start time
+        reported: dict[int, str] = {}
+        latency: dict[int, float] = {}
+        cancels: list[tuple[float, int]] = []  # heap of (due time, request id)
+        out: dict[str, Any] = {
+            "outcomes": {},
+            "error_kinds": {},
+            "cancel_calls": 0,
+            "cancels_accepted": 0,
+            "duplicate_outcomes": 0,
+            "released_before_outcome": 0,
+            "byte_mismatches": 0,
+            "errors": [],
+        }
+        started, released = 0, 0
+        t0 = time.monotonic()
+        deadline = t0 + deadline_s
+
+        def handle(r: Any, now: float) -> int:
+            n = 0
+            for o in r.outcomes:
+                rid = o.request_id
+                if rid in reported:
+                    out["duplicate_outcomes"] += 1
+                    continue
+                state = o.state.value
+                reported[rid] = state
+                latency[rid] = now - pending.get(rid, now)
+                out["outcomes"][state] = out["outcomes"].get(state, 0) + 1
+                if o.error is not None:
+                    kind = type(o.error).__name__
+                    out["error_kinds"][kind] = out["error_kinds"].get(kind, 0) + 1
+                    if state != "CANCELLED" and len(out["errors"]) < 5:
+                        out["errors"].append(f"request {rid}: {kind}: {o.error}")
+                if gen and state == "DONE":
+                    row = int(ids[slot_of[rid]])
+                    want = int(self.ids["big"][src_of[rid]])
+                    if not torch.equal(self.pool[row], self.expected[want]):
+                        out["byte_mismatches"] += 1
+            for rid in r.released:
+                if rid not in reported:
+                    out["released_before_outcome"] += 1
+                if pending.pop(rid, None) is not None:
+                    n += 1
+                if gen and rid in slot_of:
+                    free.append(slot_of.pop(rid))
+            return n
+
+        # Every request ends within its timeout on a healthy transceiver: no release for two of them means stuck.
+        stall_s = 2 * self.tx.config.request_timeout_s + 5.0
+        progress = t0
+        while (started < requests or pending) and time.monotonic() < deadline:
+            if started == requests and time.monotonic() - progress > stall_s:
+                break
+            while started < requests and len(pending) < inflight and (free or not gen):
+                rid = rid0 + started
+                src = started % nslots
+                if gen:
+                    slot = free.pop()
+                    self.pool[int(ids[slot])].zero_()  # a missing write cannot pass for a done one
+                    slot_of[rid], src_of[rid] = slot, src
+                    pending[rid] = time.monotonic()
+                    self.tx.start_receive(rid, endpoint, ids[slot : slot + 1], prompt_len=tpb)
+                else:
+                    pending[rid] = time.monotonic()
+                    self.tx.start_send(rid, ids[src : src + 1], prompt_len=tpb)
+                if rng.random() < cancel_rate / 2:
+                    heapq.heappush(cancels, (time.monotonic() + float(rng.uniform(0.0, 0.005)), rid))
+                started += 1
+            now = time.monotonic()
+            while cancels and cancels[0][0] <= now:
+                _, rid = heapq.heappop(cancels)
+                if rid in pending:
+                    out["cancel_calls"] += 1
+                    out["cancels_accepted"] += bool(self.tx.cancel(rid, "soak: random cancel"))
+            n = handle(self.tx.poll(), time.monotonic())
+            if n:
+                released += n
+                progress = time.monotonic()
+            time.sleep(self.spec.poll_interval_s)
+        out["seconds"] = time.monotonic() - t0
+        out["started"], out["released"], out["unreleased"] = started, released, len(pending)
+        out["unreleased_ids"] = sorted(pending)[:10]
+        # Settle: tombstones and timers expire on the transceiver's own clock; keep polling so that
+        # anything still quiescent is released, then read the live counts.
+        settle = time.monotonic() + self.tx.config.request_timeout_s + 5.0
+        while time.monotonic() < settle:
+            handle(self.tx.poll(), time.monotonic())
+            st = self.tx.stats()
+            if not pending and not any(v for k, v in st.items() if k not in _NOT_LEAKS):
+                break
+            time.sleep(0.05)
+        out["unreleased"] = len(pending)
+        out["stats"] = self.tx.stats()
+        out["leaks"] = {k: v for k, v in out["stats"].items() if v and k not in _NOT_LEAKS}
+        lat = sorted(latency.values())
+        done = sorted(v for rid, v in latency.items() if reported.get(rid) == "DONE")
+        out["latency_ms"] = {
+            "p50": _pct(lat, 50) * 1e3 if lat else None,
+            "p99": _pct(lat, 99) * 1e3 if lat else None,
+            "done_p50": _pct(done, 50) * 1e3 if done else None,
+            "done_p99": _pct(done, 99) * 1e3 if done else None,
+        }
+        if gen:
+            a, b = _region_span(self.shape, "big")
+            self.pool[a:b].zero_()  # slots hold other blocks' bytes: make the end-of-case pool check meaningful
+            self.written.discard("big")
+        return out
+
     def op_stats(self) -> dict[str, Any]:
         return {"stats": self.tx.stats() if self.tx is not None else {}}
 
@@ -717,6 +872,10 @@ class _RankProc:
         self.post(op, **args)
         return self._reply(timeout or self.spec.timeout_s + 30)
 
+    def reply(self, timeout: float) -> dict[str, Any]:
+        """The reply to a command sent with :meth:`post` (a rank error raises ``BenchError``)."""
+        return self._reply(timeout)
+
     def _reply(self, timeout: float) -> dict[str, Any]:
         try:
             msg = _recv(self.conn, timeout, self.who)
@@ -763,11 +922,11 @@ class BackendRun:
             next(self._rid)
         return first
 
-    def open(self, shape: Shape) -> dict[str, Any]:
+    def open(self, shape: Shape, request_timeout_s: float | None = None) -> dict[str, Any]:
         """Set up both ranks for ``shape`` and make first contact (a one-block request, timed on its own)."""
         assert self.ctx is not None and self.gen is not None
-        c = self.ctx.call("init", shape=asdict(shape))
-        g = self.gen.call("init", shape=asdict(shape))
+        c = self.ctx.call("init", shape=asdict(shape), request_timeout_s=request_timeout_s)
+        g = self.gen.call("init", shape=asdict(shape), request_timeout_s=request_timeout_s)
         self.ctx.call("peer", rank_info=g["rank_info"])
         self.endpoint = c["endpoint"]
         rid = self.rids(1)
@@ -787,7 +946,7 @@ class BackendRun:
             f"{side}.{k}": v
             for side, st in (("context", c_stats), ("generation", g_stats))
             for k, v in st.items()
-            if v and k not in ("ctx_instances", "gen_peers")
+            if v and k not in _NOT_LEAKS
         }
         return {
             "context_outcomes": drain["outcomes"],
@@ -1054,6 +1213,74 @@ def case_small(run: BackendRun) -> dict[str, Any]:
     return out
 
 
+@register_case("soak")
+def case_soak(run: BackendRun) -> dict[str, Any]:
+    """Issue 9's soak: ``--requests`` one-block requests, ``--inflight`` at a time, random cancels from both sides.
+
+    Both ranks run their side at once (separate processes). Every request must be reported exactly once and
+    released on both sides, DONE ones must hold the right bytes, and once the transceivers have settled every
+    live count (sessions, tombstones, quarantine, leases, transfers) must be back to zero.
+    """
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    shape = Shape("soak", tokens=spec.inflight * 32, layers=1, kv_heads=1, head_dim=128, tokens_per_block=32)
+    out: dict[str, Any] = {
+        "shape": asdict(shape),
+        "requests": spec.requests,
+        "inflight": spec.inflight,
+        "cancel_rate": spec.cancel_rate,
+        "request_timeout_s": spec.soak_request_timeout_s,
+    }
+    out.update(run.open(shape, request_timeout_s=spec.soak_request_timeout_s))
+    sides: dict[str, dict[str, Any]] = {}
+    try:
+        rid0 = run.rids(spec.requests)
+        # the loop's own bound: at least 50 requests/s, and never below --timeout
+        deadline_s = max(spec.timeout_s, spec.requests / 50.0)
+        args = {
+            "rid0": rid0,
+            "requests": spec.requests,
+            "inflight": spec.inflight,
+            "cancel_rate": spec.cancel_rate,
+            "deadline_s": deadline_s,
+        }
+        run.say(
+            f"{run.backend} soak: {spec.requests} requests, {spec.inflight} in flight, cancel rate {spec.cancel_rate}"
+        )
+        run.ctx.post("soak", **args)
+        run.gen.post("soak", endpoint=run.endpoint, **args)
+        wait = deadline_s + spec.soak_request_timeout_s + 60.0
+        sides["generation"] = run.gen.reply(wait)
+        sides["context"] = run.ctx.reply(wait)
+    finally:
+        shape_checks = run.close_shape()
+    for side in sides.values():
+        side.pop("kind", None)
+    out.update(sides)
+    out["seconds"] = max(side["seconds"] for side in sides.values())
+    out.update(shape_checks)
+    out["leaks"] = {
+        **{f"{name}.{k}": v for name, side in sides.items() for k, v in side["leaks"].items()},
+        **shape_checks["leaks"],
+    }
+    promises = {
+        name: {
+            "reported_once": side["duplicate_outcomes"] == 0 and sum(side["outcomes"].values()) == spec.requests,
+            "released_after_outcome": side["released_before_outcome"] == 0,
+            "all_released": side["unreleased"] == 0,
+            "bytes": side["byte_mismatches"] == 0,
+        }
+        for name, side in sides.items()
+    }
+    out["promises"] = promises
+    out["verified"] = (
+        all(all(p.values()) for p in promises.values())
+        and shape_checks["pool_verified"]
+        and out["first_contact_verified"]
+    )
+    return out
+
+
 # --- entry points ------------------------------------------------------------------------------
 
 
@@ -1141,6 +1368,16 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound in seconds on every rank command")
     p.add_argument("--agent-options", default="{}", help='JSON: {"nixl": {...}, "ucx": {...}}')
+    soak = p.add_argument_group("soak case (--cases soak)")
+    soak.add_argument("--requests", type=int, default=d.requests, help="one-block requests in the soak")
+    soak.add_argument("--inflight", type=int, default=d.inflight, help="soak requests in flight on each side")
+    soak.add_argument("--cancel-rate", type=float, default=d.cancel_rate, help="fraction cancelled, half by each side")
+    soak.add_argument(
+        "--soak-request-timeout",
+        type=float,
+        default=d.soak_request_timeout_s,
+        help="the transceivers' request_timeout_s during the soak (seconds)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_bench)
 
@@ -1163,6 +1400,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             poll_interval_s=args.poll_interval_us / 1e6,
             agent_options=json.loads(args.agent_options),
+            requests=args.requests,
+            inflight=args.inflight,
+            cancel_rate=args.cancel_rate,
+            soak_request_timeout_s=args.soak_request_timeout,
         )
         quiet = args.json or not sys.stderr.isatty()
         result = run_bench(spec, say=None if quiet else lambda m: print(f"  {m}", file=sys.stderr))
@@ -1259,4 +1500,39 @@ def print_result(result: dict[str, Any]) -> None:
     con.print(t)
     if s.row_count:
         con.print(s)
+    _print_soak(con, result)
     con.print("[green]OK: every transfer verified, nothing leaked[/]" if result["ok"] else "[red]FAILED[/]")
+
+
+def _print_soak(con: Any, result: dict[str, Any]) -> None:
+    """The soak: outcomes per kind on each side, broken promises, leaks and latency."""
+    from rich.table import Table
+
+    t = Table(title="soak: every request reported once and released on both sides, nothing left behind")
+    for col in ("backend", "side", "outcomes", "error kinds", "cancels", "unreleased", "p50 ms", "p99 ms", "leaks"):
+        t.add_column(col, justify="left" if col in ("backend", "side", "outcomes", "error kinds", "leaks") else "right")
+    for backend, entry in result["backends"].items():
+        c = entry["cases"].get("soak")
+        if not c:
+            continue
+        for i, side in enumerate(("context", "generation")):
+            r = c.get(side)
+            if r is None:
+                continue
+            lat = r["latency_ms"]
+            broken = [k for k, ok in c["promises"][side].items() if not ok]
+            t.add_row(
+                backend if i == 0 else "",
+                side,
+                ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items())),
+                ", ".join(f"{k} {v}" for k, v in sorted(r["error_kinds"].items())) or "-",
+                f"{r['cancels_accepted']}/{r['cancel_calls']}",
+                f"[red]{r['unreleased']}[/]" if r["unreleased"] else "0",
+                f"{lat['p50']:.2f}" if lat["p50"] is not None else "-",
+                f"{lat['p99']:.2f}" if lat["p99"] is not None else "-",
+                ("[red]" + json.dumps(r["leaks"]) + "[/]" if r["leaks"] else "none")
+                + (f" [red]broken: {', '.join(broken)}[/]" if broken else ""),
+                end_section=i == 1,
+            )
+    if t.row_count:
+        con.print(t)
