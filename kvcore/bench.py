@@ -145,6 +145,14 @@ class BenchSpec:
     inflight: int = 512
     cancel_rate: float = 0.1  # fraction of requests cancelled, half by each side, at a random moment
     soak_request_timeout_s: float = 10.0  # the transceivers' request_timeout_s in the soak (tombstones live as long)
+    # the matrix case: request size x fragment size x requests in flight, Llama-3-70B-shaped bytes per token
+    matrix_tokens: list[int] = field(default_factory=lambda: [32, 256, 1024, 4096])
+    matrix_fragment_bytes: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 262144, 1048576, 0])
+    matrix_inflight: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    matrix_layers: int = 80  # Llama-3-70B; heads, head dim, dtype and block size are the fields above
+    matrix_iterations: int = 3  # timed rounds per cell, after one warm-up round
+    matrix_max_bytes: int = 4 << 30  # cells that would move more per round (requests x size) are skipped
+    matrix_pool_bytes: int = 3 << 30  # per side: request-sized slots the in-flight requests cycle through
 
     def validate(self) -> None:
         """Raise ``BenchError`` naming the first field out of range."""
@@ -160,6 +168,10 @@ class BenchSpec:
             "latency_requests",
             "requests",
             "inflight",
+            "matrix_layers",
+            "matrix_iterations",
+            "matrix_max_bytes",
+            "matrix_pool_bytes",
         ):
             if int(getattr(self, name)) < 1:
                 raise BenchError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -170,6 +182,13 @@ class BenchSpec:
             raise BenchError(f"unknown case(s) {unknown}; known: {sorted(CASES)}")
         if not self.timeout_s > 0:
             raise BenchError(f"timeout_s must be > 0, got {self.timeout_s}")
+        for name in ("matrix_tokens", "matrix_inflight"):
+            values = getattr(self, name)
+            if not values or any(int(v) < 1 for v in values):
+                raise BenchError(f"{name} must be a non-empty list of integers >= 1, got {values!r}")
+        for f in self.matrix_fragment_bytes:
+            if f != 0 and (f < 512 or f % 512):
+                raise BenchError(f"matrix_fragment_bytes entries must be 0 (whole block) or multiples of 512, got {f}")
         if self.inflight > 4000:
             raise BenchError(f"inflight must be <= 4000 (max_inflight_requests), got {self.inflight}")
         if not 0.0 <= self.cancel_rate <= 1.0:
@@ -182,6 +201,23 @@ class BenchSpec:
     def llama_shape(self) -> Shape:
         return Shape(
             "llama8b", self.tokens, self.layers, self.kv_heads, self.head_dim, self.tokens_per_block, self.dtype
+        )
+
+    def matrix_block_bytes(self) -> int:
+        """One block of the matrix's model (all layers, K and V): the 'whole block' fragment size."""
+        from kvcore.topology import dtype_bytes
+
+        return self.matrix_layers * 2 * self.kv_heads * self.tokens_per_block * self.head_dim * dtype_bytes(self.dtype)
+
+    def quick_matrix(self) -> BenchSpec:
+        """The ``--quick`` matrix: 2 request sizes x 3 fragment sizes x 2 in-flight counts of a 2-layer model."""
+        return replace(
+            self,
+            matrix_tokens=[32, 64],
+            matrix_fragment_bytes=[4096, 16384, 0],
+            matrix_inflight=[1, 4],
+            matrix_layers=2,
+            matrix_iterations=1,
         )
 
     def frag16k_shape(self) -> Shape:
@@ -376,20 +412,26 @@ class _Rank:
                 delattr(self, attr)
         return {"stats": stats}
 
-    def _blocks(self, region: str, i: int) -> np.ndarray:
+    def _blocks(self, region: str, i: int, count: int | None = None, slot_blocks: int | None = None) -> np.ndarray:
+        """Request ``i``'s blocks: a small slot, the whole region, or the first ``count`` of slot ``i % slots``."""
         ids = self.ids[region]
         if region == "small":
             return ids[i % SMALL_SLOTS : i % SMALL_SLOTS + 1]
-        return ids
+        if slot_blocks:
+            k = i % (len(ids) // slot_blocks)
+            return ids[k * slot_blocks : k * slot_blocks + (count or slot_blocks)]
+        return ids[:count]
 
     # --- context: kvcore -----------------------------------------------------------------------
 
-    def op_send(self, rid0: int, n: int, region: str) -> dict[str, Any]:
+    def op_send(
+        self, rid0: int, n: int, region: str, count: int | None = None, slot_blocks: int | None = None
+    ) -> dict[str, Any]:
         """Start sending ``n`` requests (ids ``rid0..``); the serve loop polls them until released."""
         assert self.shape is not None
         now = time.monotonic()
         for i in range(n):
-            blocks = self._blocks(region, i)
+            blocks = self._blocks(region, i, count, slot_blocks)
             self.tx.start_send(rid0 + i, blocks, prompt_len=len(blocks) * self.shape.tokens_per_block)
             self.pending[rid0 + i] = now
         return {}
@@ -437,7 +479,7 @@ class _Rank:
         plan = self._plan(region, count)
         src, dst, sizes = plan.src, plan.dst, plan.sizes
         pool_base, pool_bytes = int(self.pool.data_ptr()), int(self.pool.numel())
-        state: dict[str, Any] = {"plan": plan}
+        state: dict[str, Any] = {"plan": plan, "count": count}
         if mode == "agent":
             ag = self._create_agent(self.config, f"bench-bare-{os.getpid()}-{region}")
             ag.register_memory(MemoryRegion(pool_base, pool_bytes))
@@ -582,8 +624,9 @@ class _Rank:
         assert self.shape is not None
         bb = self.shape.block_bytes
         out = torch.from_numpy(st["buf"]).reshape(-1, bb)
-        gen_big = _block_ids(self.shape, self.spec.seed, "generation")["big"]
-        ok = all(torch.equal(out[int(d)], self.pool[int(s)]) for s, d in zip(self.ids["big"], gen_big))
+        count = st.get("count")
+        gen_big = _block_ids(self.shape, self.spec.seed, "generation")["big"][:count]
+        ok = all(torch.equal(out[int(d)], self.pool[int(s)]) for s, d in zip(self.ids["big"][:count], gen_big))
         st["buf"].fill(0)
         return {"ok": ok}
 
@@ -626,6 +669,24 @@ class _Rank:
             return {"ok": True, "bad_bytes": 0, "bytes": int(got.numel())}
         return {"ok": False, "bad_bytes": int((got != want).sum()), "bytes": int(got.numel())}
 
+    def op_verify_slots(self, count: int, slot_blocks: int, slots: int) -> dict[str, Any]:
+        """The first ``count`` blocks of the first ``slots`` slots hold their expectation, the rest of the region is zero.
+
+        Then zero the region again, ready for the next cell.
+        """
+        import torch
+
+        assert self.shape is not None
+        ids = self.ids["big"]
+        rows = torch.from_numpy(np.concatenate([ids[k * slot_blocks : k * slot_blocks + count] for k in range(slots)]))
+        got, want = self.pool.index_select(0, rows), self.expected.index_select(0, rows)
+        bad = int((got != want).sum())
+        a, b = _region_span(self.shape, "big")
+        bad += int(self.pool[a:b].count_nonzero()) - int(got.count_nonzero())  # nothing outside the written rows
+        self.pool[a:b].zero_()
+        self.written.discard("big")  # zero again: the end-of-case check expects zeros there
+        return {"ok": bad == 0, "bad_bytes": bad}
+
     def op_verify_all(self) -> dict[str, Any]:
         """Written regions hold their expectation; the others are still zero (nothing landed outside its blocks)."""
         assert self.shape is not None
@@ -638,7 +699,16 @@ class _Rank:
                 bad += int(self.pool[a:b].count_nonzero())
         return {"ok": bad == 0, "bad_bytes": bad, "written": sorted(self.written)}
 
-    def op_receive(self, endpoint: str, rid0: int, n: int, region: str, pipelined: bool) -> dict[str, Any]:
+    def op_receive(
+        self,
+        endpoint: str,
+        rid0: int,
+        n: int,
+        region: str,
+        pipelined: bool,
+        count: int | None = None,
+        slot_blocks: int | None = None,
+    ) -> dict[str, Any]:
         """Receive ``n`` requests, one at a time (latency each) or all started at once (elapsed until all DONE)."""
         assert self.shape is not None
         tpb = self.shape.tokens_per_block
@@ -666,14 +736,14 @@ class _Rank:
         if pipelined:
             t0 = time.perf_counter()
             for i in range(n):
-                blocks = self._blocks(region, i)
+                blocks = self._blocks(region, i, count, slot_blocks)
                 self.tx.start_receive(rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb)
             done = wait(set(range(rid0, rid0 + n)))
             elapsed = max(done.values()) - t0
         else:
             t_all = time.perf_counter()
             for i in range(n):
-                blocks = self._blocks(region, i)
+                blocks = self._blocks(region, i, count, slot_blocks)
                 t0 = time.perf_counter()
                 self.tx.start_receive(rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb)
                 latency.append(wait({rid0 + i})[rid0 + i] - t0)
@@ -901,8 +971,11 @@ class _RankProc:
 class BackendRun:
     """One backend's pair of rank processes, handed to every case function."""
 
-    def __init__(self, backend: str, spec: BenchSpec, say: Callable[[str], None]) -> None:
+    def __init__(
+        self, backend: str, spec: BenchSpec, say: Callable[[str], None], tick: Callable[[int], None] | None = None
+    ) -> None:
         self.backend, self.spec, self.say = backend, spec, say
+        self._tick = tick
         self._rid = itertools.count(1)
         self.ctx: _RankProc | None = None
         self.gen: _RankProc | None = None
@@ -914,6 +987,11 @@ class BackendRun:
         except BaseException:
             self.close()
             raise
+
+    def tick(self, n: int = 1) -> None:
+        """Advance the progress bar by ``n`` of the units the case declared (``register_case(units=...)``)."""
+        if self._tick is not None:
+            self._tick(n)
 
     def rids(self, n: int) -> int:
         """``n`` fresh request ids; returns the first."""
@@ -975,15 +1053,23 @@ class BackendRun:
 #: A case: ``fn(run) -> result dict``. Register more with :func:`register_case` (e.g. a TP2->TP4 bounce case).
 CaseFn = Callable[[BackendRun], dict[str, Any]]
 CASES: dict[str, CaseFn] = {}
+#: Progress units of a case for a spec; a case with units calls ``run.tick()`` that many times.
+CASE_UNITS: dict[str, Callable[[BenchSpec], int]] = {}
 
 
-def register_case(name: str) -> Callable[[CaseFn], CaseFn]:
-    """Decorator: make ``fn(run: BackendRun) -> dict`` selectable as ``kvcore bench --cases name``."""
+def register_case(name: str, units: Callable[[BenchSpec], int] | None = None) -> Callable[[CaseFn], CaseFn]:
+    """Decorator: make ``fn(run: BackendRun) -> dict`` selectable as ``kvcore bench --cases name``.
+
+    ``units(spec)`` is how many times the case calls ``run.tick()`` (its share of the progress bar); without
+    it the case counts as one unit, ticked when it returns.
+    """
 
     def deco(fn: CaseFn) -> CaseFn:
         if name in CASES:
             raise BenchError(f"benchmark case {name!r} is registered twice")
         CASES[name] = fn
+        if units is not None:
+            CASE_UNITS[name] = units
         return fn
 
     return deco
@@ -1025,6 +1111,8 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
         # round is the warm-up (registration caches, connections, list preparation), reported apart.
         for it in range(spec.iterations + 1):
             run.say(f"{run.backend} {shape.name}: round {it}/{spec.iterations}")
+            if it:
+                run.tick()
             for m in modes:
                 memcpy = m.startswith("memcpy")
                 if not memcpy:
@@ -1046,6 +1134,7 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
         for m in setup:
             run.ctx.call("unprepare", mode=m)
         shape_checks = run.close_shape()
+    run.tick()
     out["modes"] = {}
     for m in modes:
         res = _summarize(shape.nbytes, times[m], first[m])
@@ -1077,13 +1166,13 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
     return out
 
 
-@register_case("llama8b")
+@register_case("llama8b", units=lambda spec: spec.iterations + 1)
 def case_llama8b(run: BackendRun) -> dict[str, Any]:
     """The Llama-3-8B-shaped request (``--tokens``/``--layers``... change it): every mode, same plan."""
     return _transfer_case(run, run.spec.llama_shape())
 
 
-@register_case("frag16k")
+@register_case("frag16k", units=lambda spec: spec.iterations + 1)
 def case_frag16k(run: BackendRun) -> dict[str, Any]:
     """``--fragments`` x 16 KiB fragments (4096 = 64 MiB by default): every mode, same plan."""
     return _transfer_case(run, run.spec.frag16k_shape())
@@ -1281,6 +1370,131 @@ def case_soak(run: BackendRun) -> dict[str, Any]:
     return out
 
 
+def matrix_cells(spec: BenchSpec) -> list[tuple[int, int, int]]:
+    """The matrix's (fragment bytes, request tokens, in flight) cells that run (the others exceed matrix_max_bytes)."""
+    out = []
+    block = spec.matrix_block_bytes()
+    per_token = block // spec.tokens_per_block
+    for f in spec.matrix_fragment_bytes:
+        for tokens in sorted(spec.matrix_tokens):
+            for n in sorted(spec.matrix_inflight):
+                if n * tokens * per_token <= spec.matrix_max_bytes or n == 1:
+                    out.append((f or block, tokens, n))
+    return out
+
+
+@register_case("matrix", units=lambda spec: len(matrix_cells(spec)))
+def case_matrix(run: BackendRun) -> dict[str, Any]:
+    """GB/s over request size x fragment size x requests in flight: kvcore, the bare transport and memcpy.
+
+    A request of ``t`` tokens moves the bytes of ``t`` tokens of a Llama-3-70B-shaped cache (all layers, K and V),
+    cut into fragments of ``f`` bytes (as per-layer, per-head or per-token pools would cut them; 0 = one whole
+    block of the model per fragment). Each fragment size is one pool shape on both ranks (one fragment per
+    block, blocks scattered on both sides), opened once; within it every request size runs the bare modes
+    (one request) and kvcore with each in-flight count. In-flight requests cycle through request-sized slots
+    (``matrix_pool_bytes`` per side), so concurrent writes to one slot carry identical bytes and stay checkable.
+    """
+    from kvcore.topology import dtype_bytes
+
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    block = spec.matrix_block_bytes()
+    per_token = block // spec.tokens_per_block
+    bare = ["agent"] + (["nixl_initialize"] if run.backend == "nixl" else []) + ["memcpy", "memcpy_scattered"]
+    cells: list[dict[str, Any]] = []
+    out: dict[str, Any] = {
+        "model": {
+            "name": "Llama-3-70B-shaped",
+            "layers": spec.matrix_layers,
+            "kv_heads": spec.kv_heads,
+            "head_dim": spec.head_dim,
+            "dtype": spec.dtype,
+            "tokens_per_block": spec.tokens_per_block,
+            "block_bytes": block,
+            "bytes_per_token": per_token,
+        },
+        "iterations": spec.matrix_iterations,
+        "cells": cells,
+        "skipped": [],
+        "leaks": {},
+        "first_contact_ms": {},
+    }
+    todo = matrix_cells(spec)
+    ok = True
+    for frag in dict.fromkeys(f for f, _, _ in todo):
+        sizes = sorted({t for f, t, _ in todo if f == frag})
+        max_req = max(sizes) * per_token
+        max_n = max(n for f, _, n in todo if f == frag)
+        slot_blocks = -(-max_req // frag)
+        slots = max(1, min(max_n, spec.matrix_pool_bytes // max(1, slot_blocks * frag)))
+        head_dim = frag // (2 * dtype_bytes("bfloat16"))  # 1 layer, K and V, 1 head, 1 token per block: f bytes
+        shape = Shape(f"matrix-{frag}", slots * slot_blocks, 1, 1, head_dim, 1, "bfloat16")
+        opened = run.open(shape)
+        out["first_contact_ms"][str(frag)] = opened["first_contact_ms"]
+        ok = ok and opened["first_contact_verified"]
+        try:
+            for tokens in sizes:
+                nbytes = tokens * per_token
+                count = -(-nbytes // frag)
+                moved = count * frag
+                base = {"fragment_bytes": frag, "request_tokens": tokens, "request_bytes": moved, "fragments": count}
+                for mode in bare:
+                    run.say(f"{run.backend} matrix: {tokens} tokens, {frag} B fragments, {mode}")
+                    run.ctx.call("prepare", mode=mode, region="big", count=count)
+                    try:
+                        r = run.ctx.call("xfer", mode=mode, repeat=spec.matrix_iterations + 1)
+                        if mode.startswith("memcpy"):
+                            good = run.ctx.call("check", mode=mode)["ok"]
+                        else:
+                            good = run.gen.call("verify_slots", count=count, slot_blocks=slot_blocks, slots=1)["ok"]
+                    finally:
+                        run.ctx.call("unprepare", mode=mode)
+                    cells.append(
+                        {**base, "mode": mode, "inflight": 1, "verified": good}
+                        | _summarize(moved, r["seconds"][1:], r["seconds"][0])
+                    )
+                    ok = ok and good
+                for n in sorted({n for f, t, n in todo if f == frag and t == tokens}):
+                    run.say(f"{run.backend} matrix: {tokens} tokens, {frag} B fragments, kvcore x{n}")
+                    times, first = [], 0.0
+                    good = True
+                    for it in range(spec.matrix_iterations + 1):
+                        rid = run.rids(n)
+                        run.ctx.call("send", rid0=rid, n=n, region="big", count=count, slot_blocks=slot_blocks)
+                        rr = run.gen.call(
+                            "receive",
+                            endpoint=run.endpoint,
+                            rid0=rid,
+                            n=n,
+                            region="big",
+                            pipelined=True,
+                            count=count,
+                            slot_blocks=slot_blocks,
+                        )
+                        v = run.gen.call("verify_slots", count=count, slot_blocks=slot_blocks, slots=min(n, slots))
+                        good = good and v["ok"] and not rr["not_done"]
+                        if it == 0:
+                            first = rr["elapsed_s"]
+                        else:
+                            times.append(rr["elapsed_s"])
+                    cell = {**base, "mode": "kvcore", "inflight": n, "verified": good}
+                    cell |= _summarize(moved * n, times, first)
+                    cells.append(cell)
+                    ok = ok and good
+                    run.tick()
+        finally:
+            checks = run.close_shape()
+        out["leaks"].update({f"{frag}.{k}": v for k, v in checks["leaks"].items()})
+        ok = ok and checks["pool_verified"] and not checks["context_errors"]
+    for f in spec.matrix_fragment_bytes:
+        for tokens in spec.matrix_tokens:
+            for n in spec.matrix_inflight:
+                if (f or block, tokens, n) not in todo:
+                    out["skipped"].append({"fragment_bytes": f or block, "request_tokens": tokens, "inflight": n})
+    out["verified"] = ok
+    return out
+
+
 # --- entry points ------------------------------------------------------------------------------
 
 
@@ -1308,14 +1522,61 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def run_bench(spec: BenchSpec, *, say: Callable[[str], None] | None = None) -> dict[str, Any]:
+class BenchProgress:
+    """A progress bar on stderr (rich): the cases' units done of the total, the current step as its label."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(
+            TextColumn("{task.description}", style="bold"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._task: Any = None
+
+    def start(self, total: int) -> None:
+        self._bar.start()
+        self._task = self._bar.add_task("kvcore bench", total=max(1, total))
+
+    def say(self, message: str) -> None:
+        if self._task is not None:
+            self._bar.update(self._task, description=message)
+
+    def advance(self, n: int = 1) -> None:
+        if self._task is not None:
+            self._bar.advance(self._task, n)
+
+    def stop(self) -> None:
+        self._bar.stop()
+
+
+def run_bench(
+    spec: BenchSpec, *, say: Callable[[str], None] | None = None, progress: BenchProgress | None = None
+) -> dict[str, Any]:
     """Run every selected case on every selected backend; returns the JSON-able result (``ok`` says all verified).
 
     A backend that fails is reported under its name (``ok: false`` and the error) and the others still run.
+    ``progress`` (a :class:`BenchProgress`) shows a bar; ``say`` gets each step's label otherwise.
     """
     spec.validate()
-    say = say or (lambda _msg: None)
     backends = spec.backends or installed_backends()
+    if progress is not None:
+        progress.start(len(backends) * sum(CASE_UNITS.get(c, lambda _s: 1)(spec) for c in spec.cases))
+        try:
+            return _run_bench(spec, backends, progress.say, progress.advance)
+        finally:
+            progress.stop()
+    return _run_bench(spec, backends, say or (lambda _msg: None), None)
+
+
+def _run_bench(
+    spec: BenchSpec, backends: list[str], say: Callable[[str], None], tick: Callable[[int], None] | None
+) -> dict[str, Any]:
     result: dict[str, Any] = {"version": 1, "machine": _machine(), "spec": asdict(spec), "backends": {}}
     t0 = time.perf_counter()
     for backend in backends:
@@ -1327,9 +1588,11 @@ def run_bench(spec: BenchSpec, *, say: Callable[[str], None] | None = None) -> d
 
             resolve_backend(backend)  # a missing or broken backend fails here, before any process starts
             say(f"{backend}: starting rank processes")
-            run = BackendRun(backend, spec, say)
+            run = BackendRun(backend, spec, say, tick)
             for case in spec.cases:
                 entry["cases"][case] = CASES[case](run)
+                if case not in CASE_UNITS:
+                    run.tick()
             entry["ok"] = all(c.get("verified") and not c.get("leaks") for c in entry["cases"].values())
         except (KvcoreError, OSError, EOFError) as exc:
             entry["ok"] = False
@@ -1378,8 +1641,33 @@ def add_parser(sub: Any) -> None:
         default=d.soak_request_timeout_s,
         help="the transceivers' request_timeout_s during the soak (seconds)",
     )
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    mx = p.add_argument_group("matrix (--matrix)")
+    mx.add_argument(
+        "--matrix",
+        action="store_true",
+        help="GB/s over request size x fragment size x requests in flight (Llama-3-70B-shaped), bare and memcpy too",
+    )
+    mx.add_argument("--quick", action="store_true", help="a small matrix (2 x 3 x 2 cells of a 2-layer model)")
+    mx.add_argument("--matrix-tokens", default="", help=f"request sizes in tokens (default {d.matrix_tokens})")
+    mx.add_argument(
+        "--matrix-fragment-bytes",
+        default="",
+        help=f"fragment sizes in bytes, 0 = one whole block (default {d.matrix_fragment_bytes})",
+    )
+    mx.add_argument("--matrix-inflight", default="", help=f"requests in flight (default {d.matrix_inflight})")
+    mx.add_argument("--matrix-iterations", type=int, default=d.matrix_iterations, help="timed rounds per cell")
+    p.add_argument("--plot", metavar="FILE.png", default="", help="plot GB/s against fragment size (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     p.set_defaults(func=cmd_bench)
+
+
+def _int_list(text: str, name: str) -> list[int] | None:
+    if not text.strip():
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"{name}: expected comma-separated integers, got {text!r}") from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -1404,9 +1692,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
             inflight=args.inflight,
             cancel_rate=args.cancel_rate,
             soak_request_timeout_s=args.soak_request_timeout,
+            matrix_iterations=args.matrix_iterations,
         )
+        if args.matrix:
+            spec.cases = ["matrix"]
+        if args.quick:
+            spec = spec.quick_matrix()
+        for name in ("matrix_tokens", "matrix_fragment_bytes", "matrix_inflight"):
+            values = _int_list(getattr(args, name), "--" + name.replace("_", "-"))
+            if values is not None:
+                setattr(spec, name, values)
+        if args.plot and not args.plot.lower().endswith(".png"):
+            raise BenchError(f"--plot: expected a .png file name, got {args.plot!r}")
         quiet = args.json or not sys.stderr.isatty()
-        result = run_bench(spec, say=None if quiet else lambda m: print(f"  {m}", file=sys.stderr))
+        result = run_bench(spec, progress=None if quiet else BenchProgress())
+        if args.plot:
+            plot_result(result, args.plot)
     except (KvcoreError, ValueError) as exc:
         if args.json:
             print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
@@ -1497,10 +1798,12 @@ def print_result(result: dict[str, Any]) -> None:
                     f"{c['first_contact_ms']:.1f}",
                     "[green]yes[/]" if c["verified"] else "[red]NO[/]",
                 )
-    con.print(t)
+    if t.row_count:
+        con.print(t)
     if s.row_count:
         con.print(s)
     _print_soak(con, result)
+    _print_matrix(con, result)
     con.print("[green]OK: every transfer verified, nothing leaked[/]" if result["ok"] else "[red]FAILED[/]")
 
 
@@ -1536,3 +1839,117 @@ def _print_soak(con: Any, result: dict[str, Any]) -> None:
             )
     if t.row_count:
         con.print(t)
+
+
+def _matrix_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every matrix cell of every backend, with its backend."""
+    return [
+        {"backend": b, **cell}
+        for b, entry in result["backends"].items()
+        for cell in entry.get("cases", {}).get("matrix", {}).get("cells", [])
+    ]
+
+
+def _print_matrix(con: Any, result: dict[str, Any]) -> None:
+    """One row per (backend, request size, fragment size): kvcore at each in-flight count, bare, memcpy."""
+    from rich.table import Table
+
+    rows = _matrix_rows(result)
+    if not rows:
+        return
+    inflight = sorted({r["inflight"] for r in rows if r["mode"] == "kvcore"})
+    t = Table(title="matrix: GB/s (median); kvcore xN = N requests in flight; bare = the transport alone")
+    for col in ("backend", "request", "fragment", "fragments", *[f"kvcore x{n}" for n in inflight]):
+        t.add_column(col, justify="left" if col == "backend" else "right")
+    for col in ("bare", "memcpy", "memcpy scattered", "kvcore x1 / bare", "verified"):
+        t.add_column(col, justify="right")
+    keys = dict.fromkeys((r["backend"], r["request_tokens"], r["fragment_bytes"]) for r in rows)
+    for backend, tokens, frag in keys:
+        cell = {
+            (r["mode"], r["inflight"]): r
+            for r in rows
+            if (r["backend"], r["request_tokens"], r["fragment_bytes"]) == (backend, tokens, frag)
+        }
+        bare = cell.get(("nixl_initialize", 1)) or cell.get(("agent", 1))
+        kv1 = cell.get(("kvcore", 1))
+
+        def g(key: tuple[str, int], cell: dict[tuple[str, int], dict[str, Any]] = cell) -> str:
+            return f"{cell[key]['gbps_median']:.2f}" if key in cell else "-"
+
+        any_row = next(iter(cell.values()))
+        t.add_row(
+            backend,
+            f"{tokens} tok ({any_row['request_bytes'] / 2**20:.1f} MiB)",
+            f"{frag / 1024:g} KiB",
+            str(any_row["fragments"]),
+            *[g(("kvcore", n)) for n in inflight],
+            f"{bare['gbps_median']:.2f}" if bare else "-",
+            g(("memcpy", 1)),
+            g(("memcpy_scattered", 1)),
+            f"{kv1['gbps_median'] / bare['gbps_median']:.2f}" if kv1 and bare else "-",
+            "[green]yes[/]" if all(r["verified"] for r in cell.values()) else "[red]NO[/]",
+        )
+    con.print(t)
+
+
+def plot_result(result: dict[str, Any], path: str) -> None:
+    """Write a PNG of GB/s against fragment size per backend: one panel per request size, kvcore against bare.
+
+    Uses the matrix cells when the run has them, else the transfer cases (llama8b, frag16k). Needs matplotlib
+    (``pip install 'kvcore[plot]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise BenchError("--plot needs matplotlib: pip install 'kvcore[plot]'") from exc
+    rows = _matrix_rows(result)
+    if not rows:  # the transfer cases: one point per case and mode, all in one panel
+        for b, entry in result["backends"].items():
+            for c in entry.get("cases", {}).values():
+                for mode, r in c.get("modes", {}).items() if "fragment_bytes" in c else ():
+                    rows.append(
+                        {
+                            "backend": b,
+                            "mode": mode,
+                            "inflight": 1,
+                            "request_tokens": 0,
+                            "request_bytes": c["bytes"],
+                            "fragment_bytes": c["fragment_bytes"],
+                            "gbps_median": r["gbps_median"],
+                        }
+                    )
+    if not rows:
+        raise BenchError("--plot: this run has no matrix cells and no transfer cases to plot")
+    sizes = sorted({r["request_bytes"] for r in rows}) if any(r["request_tokens"] for r in rows) else [None]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4.2), squeeze=False, sharey=True)
+    styles = {"kvcore": "-", "agent": "--", "nixl_initialize": "--", "memcpy_scattered": ":"}
+    backends = list(result["backends"])
+    colors = {b: f"C{i}" for i, b in enumerate(backends)}
+    for ax, size in zip(axes[0], sizes):
+        here = [r for r in rows if size is None or r["request_bytes"] == size]
+        for b in backends:
+            for mode, style in styles.items():
+                if b == "nixl" and mode == "agent" and any(r["mode"] == "nixl_initialize" for r in here):
+                    continue  # bare NIXL is its own API
+                pts = sorted(
+                    (r["fragment_bytes"], r["gbps_median"])
+                    for r in here
+                    if r["backend"] == b and r["mode"] == mode and r["inflight"] == 1
+                )
+                if pts:
+                    label = f"{b} {'bare' if mode in ('agent', 'nixl_initialize') else mode}"
+                    ax.plot(*zip(*pts), style, marker="o", color=colors[b], label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("fragment size (bytes)")
+        ax.set_title("all requests" if size is None else f"request {size / 2**20:.1f} MiB")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("GB/s (1e9 B/s, median)")
+    axes[0][-1].legend(fontsize="small")
+    m = result["machine"]
+    fig.suptitle(f"kvcore bench: {m['cpus']} CPUs, load {m['loadavg']} -> {m.get('loadavg_end')}", fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
