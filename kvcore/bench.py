@@ -1943,6 +1943,7 @@ def plot_result(result: dict[str, Any], path: str) -> None:
                     label = f"{b} {'bare' if mode in ('agent', 'nixl_initialize') else mode}"
                     ax.plot(*zip(*pts), style, marker="o", color=colors[b], label=label)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # GB/s spans decades: one-block kvcore requests to memcpy
         ax.set_xlabel("fragment size (bytes)")
         ax.set_title("all requests" if size is None else f"request {size / 2**20:.1f} MiB")
         ax.grid(True, which="both", alpha=0.3)

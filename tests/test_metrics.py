@@ -192,8 +192,7 @@ def test_prometheus_exposition_parses_with_correct_counts_and_types() -> None:
     assert _value(fams, "kvcore_requests_started_total", **lab) == 5
     assert _value(fams, "kvcore_requests_finished_total", peer="gen-a", outcome="DONE", error_kind="") == 2
     assert (
-        _value(fams, "kvcore_requests_finished_total", peer="gen-a", outcome="FAILED", error_kind="PeerLostError")
-        == 1
+        _value(fams, "kvcore_requests_finished_total", peer="gen-a", outcome="FAILED", error_kind="PeerLostError") == 1
     )
     assert _value(fams, "kvcore_requests_finished_total", peer="", outcome="TIMED_OUT", error_kind="OtherError") == 1
     assert _value(fams, "kvcore_transfer_bytes_total", peer="gen-a") == 2 * 16384 + (1 << 20)
