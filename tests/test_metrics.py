@@ -273,3 +273,27 @@ def test_snapshot_works_without_prometheus_client() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "refused:" in out.stdout and "kvcore[prometheus]" in out.stdout
+
+
+def test_every_exported_metric_is_documented_with_its_type() -> None:
+    from pathlib import Path
+
+    from kvcore.metrics import KvcoreCollector
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "observability.md").read_text()
+    cells = [line.split("|")[1:-1] for line in doc.splitlines() if line.startswith("| `kvcore_")]
+    rows = {c[0].strip().strip("`"): c[1].strip() for c in cells if len(c) == 5}  # the "Every metric" table
+    families = KvcoreCollector().describe()
+    assert len(families) >= 18
+    for fam in families:
+        # prometheus-client names counters without _total; the exposition (and the doc) adds it
+        name = fam.name + ("_total" if fam.type == "counter" else "")
+        assert name in rows, f"docs/observability.md does not list {name}"
+        assert rows[name] == fam.type, f"{name}: documented as {rows[name]}, exported as {fam.type}"
+    assert all(field in doc for field in _peer_metrics_fields())
+
+
+def _peer_metrics_fields() -> list[str]:
+    from kvcore.metrics import PeerMetrics
+
+    return [f"`{f}`" for f in PeerMetrics.__struct_fields__]
