@@ -152,7 +152,7 @@ class BenchSpec:
     matrix_layers: int = 80  # Llama-3-70B; heads, head dim, dtype and block size are the fields above
     matrix_iterations: int = 3  # timed rounds per cell, after one warm-up round
     matrix_max_bytes: int = 4 << 30  # cells that would move more per round (requests x size) are skipped
-    matrix_pool_bytes: int = 3 << 30  # per side: request-sized slots the in-flight requests cycle through
+    matrix_pool_bytes: int = 2 << 30  # per side: request-sized slots the in-flight requests cycle through
 
     def validate(self) -> None:
         """Raise ``BenchError`` naming the first field out of range."""
