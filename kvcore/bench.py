@@ -1647,7 +1647,9 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="GB/s over request size x fragment size x requests in flight (Llama-3-70B-shaped), bare and memcpy too",
     )
-    mx.add_argument("--quick", action="store_true", help="a small matrix (2 x 3 x 2 cells of a 2-layer model)")
+    mx.add_argument(
+        "--quick", action="store_true", help="a small matrix (2 x 3 x 2 cells of a 2-layer model); implies --matrix"
+    )
     mx.add_argument("--matrix-tokens", default="", help=f"request sizes in tokens (default {d.matrix_tokens})")
     mx.add_argument(
         "--matrix-fragment-bytes",
@@ -1694,7 +1696,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             soak_request_timeout_s=args.soak_request_timeout,
             matrix_iterations=args.matrix_iterations,
         )
-        if args.matrix:
+        if args.matrix or args.quick:
             spec.cases = ["matrix"]
         if args.quick:
             spec = spec.quick_matrix()
