@@ -788,6 +788,8 @@ class _Rank:
             "byte_mismatches": 0,
             "errors": [],
         }
+        if not gen:
+            self.op_drain()  # the first-contact request is released by the serve loop's poll, not by ours
         started, released = 0, 0
         t0 = time.monotonic()
         deadline = t0 + deadline_s
@@ -814,6 +816,7 @@ class _Rank:
                     if not torch.equal(self.pool[row], self.expected[want]):
                         out["byte_mismatches"] += 1
             for rid in r.released:
+                self.pending.pop(rid, None)  # a request started before the soak (not one of ours)
                 if rid not in reported:
                     out["released_before_outcome"] += 1
                 if pending.pop(rid, None) is not None:
