@@ -2,10 +2,6 @@
 
 The context rank runs in its own process and serves its metrics over HTTP on loopback; the generation rank
 runs here. After four two-block requests, both sides' counts must match what happened.
-
-Until the transceiver calls its ``metrics`` recorder (the lead's rewrite wires it; the call sites are listed in
-kvcore/metrics.py's report), this test is expected to fail: it is marked ``xfail(strict=True)``, so it turns
-into a failure the moment the wiring lands, and the marker must then be removed.
 """
 
 from __future__ import annotations
@@ -24,10 +20,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore.metrics import register_metrics, serve_metrics
-
-pytestmark = pytest.mark.xfail(
-    strict=True, reason="Transceiver does not call kvcore.metrics yet (wired by the transceiver rewrite)"
-)
 
 NUM_BLOCKS = 32
 

@@ -168,6 +168,8 @@ class Transceiver:
         link.plug(self._role.handlers(), self._role.tick, self._role.busy)
         link.on_disconnect = self._role.on_disconnect
         link.on_connect = self._role.on_connect
+        self.metrics = link.metrics
+        self.metrics.gauges = self.stats
         self._poll_lock = threading.Lock()
         self._closed = False
         link.start()
@@ -303,6 +305,7 @@ class Transceiver:
         agreed_quiet = set(quiescent)
         for g in gathered:
             agreed_quiet &= set(g.quiescent)
+        now = time.monotonic()
         with link.lock:
             sessions = self._role.sessions
             for rid in sorted(agreed_terminal):
@@ -315,6 +318,9 @@ class Transceiver:
                 if state is not s.state and err is None:
                     err = E.SessionError(f"request {rid} ended {state.value} on another rank of this instance")
                 out = Outcome(rid, state, err if state is not SessionState.DONE else None, s.nbytes)
+                self.metrics.request_finished(
+                    state.value, now - s.created, error=out.error, peer=self._role.peer_name(s)
+                )
                 if state is SessionState.DONE:
                     result.done.append(out)
                 elif state is SessionState.CANCELLED:
@@ -375,6 +381,7 @@ class Transceiver:
         if self._closed:
             return
         self._closed = True
+        self.metrics.close()
         self._link.close(timeout)
         self._role.close()
         self._link.deregister()

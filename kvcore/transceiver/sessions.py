@@ -145,6 +145,7 @@ class RxSession(Session):
     unpack: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # ctx rank -> (dst, sizes)
     bounced: set[int] = field(default_factory=set)  # writers whose bytes sit packed in their lease
     last_query: float = 0.0  # when the quarantined writers were last asked for their final word
+    asked_at: dict[int, float] = field(default_factory=dict)  # ctx rank -> when its RequestData was sent
 
     @property
     def quiescent(self) -> bool:
@@ -214,6 +215,8 @@ class ReceiverTask:
     total_bytes: int = 0  # over every slice written so far
     total_fragments: int = 0
     final: Any = None  # the final TransferResult sent, re-sent when the receiver asks again
+    attached_at: float = field(default_factory=time.monotonic)  # when its RequestData arrived
+    posted_at: float = 0.0  # when its current write was submitted
 
     @property
     def key(self) -> tuple[str, int]:
