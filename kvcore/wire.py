@@ -9,7 +9,7 @@ wire are relative (milliseconds), never absolute clock readings.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -35,6 +35,10 @@ __all__ = [
     "decode",
     "parse_endpoint",
     "negotiate",
+    "check_msgpack_bounds",
+    "MAX_DEPTH",
+    "MAX_CONTAINER_ENTRIES",
+    "MAX_ITEMS",
 ]
 
 #: The protocol version this build speaks, and the oldest it still accepts.
@@ -45,22 +49,42 @@ MIN_PROTOCOL_VERSION = 1
 MAX_BLOCKS_PER_REQUEST = 65536
 MAX_U64 = 2**64 - 1
 
+#: Bounds checked on the raw msgpack bytes of every frame before msgspec sees them. The deepest legitimate
+#: message (InstanceInfo -> RankInfo -> PageTable -> PoolView -> ViewLayout -> section_bytes) nests 9 deep.
+MAX_DEPTH = 24
+#: Entries in one array or map: a page-table view holds at most 65536 entries (page.MAX_ENTRIES_PER_VIEW).
+MAX_CONTAINER_ENTRIES = 1 << 17
+#: Objects in one frame, all levels together.
+MAX_ITEMS = 1 << 21
+#: Ranks in one instance, and the longest name or endpoint string a peer may send.
+MAX_RANKS = 65536
+MAX_NAME_CHARS = 1024
+MAX_ERROR_CHARS = 64 * 1024
+#: A CURVE public key: 32 raw bytes (or empty: the peer runs without authentication).
+CURVE_KEY_BYTES = 32
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+ErrorText = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)]
+
 
 class RankInfo(msgspec.Struct, frozen=True):
     """One rank's identity, geometry, page table, agent descriptor and endpoint; cached per peer."""
 
-    instance_name: str
+    instance_name: Name
     rank: int
-    incarnation: str
+    incarnation: Name
     protocol_version: int
-    backend: str
-    endpoint: str
+    backend: Name
+    endpoint: Name
     topology: Topology
     geometry: AttentionGeometry
     page_table: PageTable
     agent_descriptor: bytes
     pid: int = 0  # with hostname: lets a same-host peer prove a writer is dead (fenced)
-    hostname: str = ""
+    hostname: Name = ""
+    #: The CURVE public key (32 raw bytes) this rank's control socket serves with; empty without authentication.
+    #: Learnt from an authenticated peer, it tells the other ranks of an instance which server key to expect.
+    curve_public_key: Annotated[bytes, msgspec.Meta(max_length=CURVE_KEY_BYTES)] = b""
 
     @property
     def layout(self) -> RankLayout:
@@ -76,15 +100,15 @@ class InstanceInfoRequest(_Msg, tag="instance_info_request", frozen=True):
 
     min_version: int
     max_version: int
-    asker: str  # "instance/rank" of the generation rank, for logs
+    asker: Name  # "instance/rank" of the generation rank, for logs
 
 
 class InstanceInfo(_Msg, tag="instance_info", frozen=True):
     """ctx rank 0 -> gen: every context rank's RankInfo (or an error explaining the refusal)."""
 
-    instance_name: str
-    ranks: list[RankInfo]
-    error: str = ""
+    instance_name: Name
+    ranks: Annotated[list[RankInfo], msgspec.Meta(max_length=MAX_RANKS)]
+    error: ErrorText = ""
 
 
 class RegisterRankInfo(_Msg, tag="register_rank_info", frozen=True):
@@ -98,17 +122,17 @@ class RegisterResult(_Msg, tag="register_result", frozen=True):
 
     ctx_rank: int
     ok: bool
-    error_kind: str = ""
-    error: str = ""
+    error_kind: Name = ""
+    error: ErrorText = ""
 
 
 class RequestData(_Msg, tag="request_data", frozen=True):
     """gen -> ctx rank: write request ``request_id`` into these destination blocks."""
 
     request_id: int
-    gen_instance: str
+    gen_instance: Name
     gen_rank: int
-    gen_incarnation: str
+    gen_incarnation: Name
     block_ids: bytes  # little-endian int64
     state_slot: int = -1  # one slot per request for state pools (Mamba); -1: none
     prompt_len: int = -1
@@ -123,12 +147,12 @@ class TransferResult(_Msg, tag="transfer_result", frozen=True):
 
     request_id: int
     ctx_rank: int
-    ctx_incarnation: str
+    ctx_incarnation: Name
     status: Literal["ok", "failed", "cancelled"]
     nbytes: int = 0
     fragments: int = 0
-    error_kind: str = ""
-    error: str = ""
+    error_kind: Name = ""
+    error: ErrorText = ""
     bounced: bool = False  # the bytes sit packed in the bounce lease; the receiver must scatter them
 
 
@@ -136,16 +160,16 @@ class Cancel(_Msg, tag="cancel", frozen=True):
     """Either direction: the sender cancelled ``request_id``."""
 
     request_id: int
-    instance: str
+    instance: Name
     rank: int
-    reason: str = ""
+    reason: ErrorText = ""
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):
     """Answer to a frame that could not be processed; ``kind`` is the kvcore error class name."""
 
-    kind: str
-    error: str
+    kind: Name
+    error: ErrorText
     request_id: int = -1
 
 
@@ -160,9 +184,16 @@ Message = (
     | ErrorReply
 )
 
+
+class _VersionProbe(msgspec.Struct):
+    """Only the ``v`` of a frame that did not decode as any known message (unknown fields are skipped)."""
+
+    v: int
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
-_probe = msgspec.msgpack.Decoder(dict[str, Any])
+_probe = msgspec.msgpack.Decoder(_VersionProbe)
 
 
 def encode(msg: Message) -> bytes:
@@ -171,9 +202,18 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(frame: bytes, max_bytes: int = 16 * 1024 * 1024) -> Message:
-    """Decode one frame; typed errors for oversize, malformed, unknown or wrong-version frames."""
+    """Decode one frame; any input raises only ``ProtocolError`` subclasses (oversize, malformed, unknown, version).
+
+    The raw bytes are walked first (``check_msgpack_bounds``): nesting depth,
+    entries per container, objects per frame and every declared length are
+    bounded before msgspec allocates anything, so no frame can exhaust the
+    stack (a RecursionError used to escape here) or memory.
+    """
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise MessageDecodeError(f"control frame must be bytes, got {type(frame).__name__}")
     if len(frame) > max_bytes:
         raise MessageTooLargeError(f"control frame of {len(frame)} bytes exceeds the {max_bytes}-byte bound")
+    check_msgpack_bounds(frame)
     try:
         msg = _decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -183,20 +223,121 @@ def decode(frame: bytes, max_bytes: int = 16 * 1024 * 1024) -> Message:
                 f"peer speaks protocol version {version}; this kvcore speaks {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}"
             ) from exc
         raise MessageDecodeError(f"malformed control frame ({len(frame)} bytes): {exc}") from exc
+    except Exception as exc:  # a bug in a __post_init__ or in msgspec must still be this peer's error
+        raise MessageDecodeError(
+            f"control frame ({len(frame)} bytes) could not be decoded: {type(exc).__name__}: {exc}"
+        ) from exc
     if not (MIN_PROTOCOL_VERSION <= msg.v <= PROTOCOL_VERSION):
         raise ProtocolVersionError(
             f"{type(msg).__name__} has protocol version {msg.v}; this kvcore speaks {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}"
         )
-    _validate(msg)
+    try:
+        _validate(msg)
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise MessageDecodeError(f"{type(msg).__name__} failed validation: {type(exc).__name__}: {exc}") from exc
     return msg
 
 
 def _peek_version(frame: bytes) -> int | None:
     try:
-        v = _probe.decode(frame).get("v")
+        return _probe.decode(frame).v
     except Exception:
         return None
-    return v if isinstance(v, int) else None
+
+
+# Bytes that follow a msgpack type byte, for the fixed-size scalars (0xc0..0xdf).
+_FIXED: dict[int, int] = {
+    0xC0: 0, 0xC2: 0, 0xC3: 0,  # nil, false, true
+    0xCA: 4, 0xCB: 8,  # float32, float64
+    0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,  # uint8..64
+    0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8,  # int8..64
+    0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17,  # fixext 1..16 (type byte + data)
+}  # fmt: skip
+# Length-prefixed bytes (str, bin, ext): width of the length field, and extra bytes (the ext type).
+_SIZED: dict[int, tuple[int, int]] = {
+    0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0),  # bin 8/16/32
+    0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),  # ext 8/16/32
+    0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0),  # str 8/16/32
+}  # fmt: skip
+# Containers with a length field: width of the field, entries per count (a map entry is a key and a value).
+_CONTAINERS: dict[int, tuple[int, int]] = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
+
+
+def check_msgpack_bounds(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_depth: int = MAX_DEPTH,
+    max_entries: int = MAX_CONTAINER_ENTRIES,
+    max_items: int = MAX_ITEMS,
+) -> None:
+    """Walk msgpack bytes without building objects; ``MessageDecodeError`` unless they hold one bounded object.
+
+    Checked, in one pass with an explicit stack (no recursion): nesting depth
+    <= ``max_depth``, entries of one array or map <= ``max_entries``, objects
+    in all <= ``max_items``, every declared length inside the data, no
+    reserved byte (0xc1) and nothing after the object.
+    """
+    buf = bytes(data) if not isinstance(data, bytes) else data
+    end = len(buf)
+    if end == 0:
+        raise MessageDecodeError("empty msgpack data")
+    pos = 0
+    items = 0
+    stack = [1]  # objects still expected at each open level; the bottom is the top-level object
+    while stack:
+        if stack[-1] == 0:
+            stack.pop()
+            continue
+        stack[-1] -= 1
+        if pos >= end:
+            raise MessageDecodeError(f"msgpack data truncated at byte {pos}: an object was expected")
+        b = buf[pos]
+        pos += 1
+        count = -1
+        if b <= 0x7F or b >= 0xE0:  # positive / negative fixint
+            continue
+        if b <= 0x8F:  # fixmap
+            count = 2 * (b & 0x0F)
+        elif b <= 0x9F:  # fixarray
+            count = b & 0x0F
+        elif b <= 0xBF:  # fixstr
+            pos += b & 0x1F
+        elif b in _FIXED:
+            pos += _FIXED[b]
+        elif b in _SIZED:
+            width, extra = _SIZED[b]
+            if pos + width > end:
+                raise MessageDecodeError(f"msgpack data truncated at byte {pos}: a length field was expected")
+            pos += width + extra + int.from_bytes(buf[pos : pos + width], "big")
+        elif b in _CONTAINERS:
+            width, per = _CONTAINERS[b]
+            if pos + width > end:
+                raise MessageDecodeError(f"msgpack data truncated at byte {pos}: a length field was expected")
+            count = per * int.from_bytes(buf[pos : pos + width], "big")
+            pos += width
+        else:
+            raise MessageDecodeError(f"msgpack byte {b:#04x} at offset {pos - 1} is reserved (never valid)")
+        if pos > end:
+            raise MessageDecodeError(f"msgpack object at offset {pos} declares more bytes than the {end} present")
+        if count >= 0:
+            entries = count // 2 if b in (0xDE, 0xDF) or 0x80 <= b <= 0x8F else count
+            if entries > max_entries:
+                raise MessageDecodeError(f"msgpack container of {entries} entries exceeds the bound of {max_entries}")
+            if count > end - pos:  # every object takes at least one byte
+                raise MessageDecodeError(
+                    f"msgpack container declares {count} objects but only {end - pos} bytes follow"
+                )
+            items += count
+            if items > max_items:
+                raise MessageDecodeError(f"msgpack data holds more than {max_items} objects")
+            if count:
+                if len(stack) >= max_depth:
+                    raise MessageDecodeError(f"msgpack nesting deeper than {max_depth} levels")
+                stack.append(count)
+    if pos != end:
+        raise MessageDecodeError(f"{end - pos} trailing byte(s) after the msgpack object")
 
 
 def _validate(msg: Message) -> None:
@@ -213,10 +354,18 @@ def _validate(msg: Message) -> None:
         if msg.bounce_addr < 0 or msg.bounce_bytes < 0 or len(msg.bounce_digest) > 64:
             raise MessageDecodeError("bounce_addr/bounce_bytes must be >= 0 and bounce_digest at most 64 bytes")
     elif isinstance(msg, RegisterRankInfo):
-        parse_endpoint(msg.info.endpoint)
+        _validate_rank_info(msg.info)
     elif isinstance(msg, InstanceInfo):
         for info in msg.ranks:
-            parse_endpoint(info.endpoint)
+            _validate_rank_info(info)
+
+
+def _validate_rank_info(info: RankInfo) -> None:
+    parse_endpoint(info.endpoint)
+    if len(info.curve_public_key) not in (0, CURVE_KEY_BYTES):
+        raise MessageDecodeError(
+            f"RankInfo.curve_public_key: expected 0 or {CURVE_KEY_BYTES} bytes, got {len(info.curve_public_key)}"
+        )
 
 
 def negotiate(min_version: int, max_version: int) -> int:
