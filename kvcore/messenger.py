@@ -503,11 +503,14 @@ class Messenger:
             ):
                 # The peer did not prove the expected server key, or refused ours: no socket is kept for it.
                 self.counters["peer_auth_failed"] += 1
-                reason = {
+                reasons: dict[int, str] = {
                     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the peer refused our key",
                     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake protocol error",
                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "CURVE handshake failed",
-                }.get(event, "disconnected before the CURVE handshake completed (wrong server key?)")
+                }
+                reason = reasons.get(
+                    int(event), "disconnected before the CURVE handshake completed (wrong server key?)"
+                )
                 self._rlog(
                     logging.WARNING,
                     "peer-auth",
