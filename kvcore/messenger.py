@@ -10,9 +10,9 @@ Nothing a peer sends can stop the I/O thread: a frame that fails to decode is
 answered with an ``ErrorReply`` and counted; an exception from a handler, a
 monitor or a send is counted and logged (rate-limited) and the loop goes on.
 
-Each messenger has its own ``zmq.Context``, so its ZAP handler (authentication,
-see ``kvcore.auth``) serves only its own ROUTER: several messengers with
-different allow-lists in one process never see each other's requests.
+With authentication each messenger has its own ``zmq.Context``, so its ZAP
+handler (see ``kvcore.auth``) serves only its own ROUTER: several messengers
+with different allow-lists in one process never see each other's requests.
 """
 
 from __future__ import annotations
@@ -154,8 +154,10 @@ class Messenger:
         self.name = name
         self.counters = collections.Counter[str]()
         self._rlog = _RateLimitedLog()
-        # A context of our own: its ZAP endpoint (one per context) then belongs to this messenger alone.
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # With authentication, a context of our own: its ZAP endpoint (one per context) then belongs to this
+        # messenger's allow-list alone. Without, the process-wide context (one I/O thread for every messenger).
+        self._own_ctx = auth is not None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if self._own_ctx else zmq.Context.instance()
         self._zap: zmq.Socket[bytes] | None = None
         try:
             if auth is not None:
@@ -182,14 +184,18 @@ class Messenger:
                 self._router.bind_to_random_port(f"tcp://{bind_host}")
             last = self._router.getsockopt(zmq.LAST_ENDPOINT)
             self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
-            self._wake_addr = f"inproc://kvcore-wake-{next(_WAKE_IDS)}"
+            self._wake_addr = f"inproc://kvcore-wake-{next(_WAKE_IDS)}-{id(self):x}"
             self._wake_rx = self._ctx.socket(zmq.PAIR)
             self._wake_rx.bind(self._wake_addr)
             self._wake_tx = self._ctx.socket(zmq.PAIR)
             self._wake_tx.setsockopt(zmq.LINGER, 0)
             self._wake_tx.connect(self._wake_addr)
         except BaseException:
-            self._ctx.destroy(0)
+            for sock in [getattr(self, n, None) for n in ("_zap", "_router", "_wake_rx", "_wake_tx")]:
+                if sock is not None:
+                    sock.close(0)
+            if self._own_ctx:
+                self._ctx.term()
             raise
         self._wake_lock = threading.Lock()
         self._keys_lock = threading.Lock()
@@ -456,26 +462,42 @@ class Messenger:
                 self._zap.send_multipart([b"1.0", request_id, b"400", b"client key not allowed", b"", b""])
 
     def _drain_router(self) -> None:
+        if self._auth is not None:
+            self._drain_router_authenticated()
+            return
+        for _ in range(10_000):
+            try:
+                raw = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(raw) != 2:
+                self._bad_multipart(len(raw))
+                continue
+            self._dispatch(Source(identity=raw[0]), raw[1])
+
+    def _drain_router_authenticated(self) -> None:
+        # Frames (copy=False) carry the "User-Id" ZAP set: the client key the handshake proved.
         for _ in range(10_000):
             try:
                 parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(parts) != 2:
-                self.counters["bad_frames"] += 1
-                self._rlog(
-                    logging.WARNING,
-                    "frames",
-                    "messenger %s: dropped a message with %d frames (expected 1)",
-                    self.name,
-                    len(parts) - 1,
-                )
+                self._bad_multipart(len(parts))
                 continue
-            key = None
-            if self._auth is not None:
-                user = parts[1].get("User-Id")
-                key = user.encode() if isinstance(user, str) and user else None
+            user = parts[1].get("User-Id")
+            key = user.encode() if isinstance(user, str) and user else None
             self._dispatch(Source(identity=parts[0].bytes, peer_key=key), parts[1].bytes)
+
+    def _bad_multipart(self, parts: int) -> None:
+        self.counters["bad_frames"] += 1
+        self._rlog(
+            logging.WARNING,
+            "frames",
+            "messenger %s: dropped a message with %d frames (expected 1)",
+            self.name,
+            parts - 1,
+        )
 
     def _drain_dealer(self, d: _Dealer) -> None:
         for _ in range(10_000):
@@ -593,4 +615,5 @@ class Messenger:
         self._wake_tx.close(0)
         if self._zap is not None:
             self._zap.close(0)
-        self._ctx.term()  # every socket is closed with linger 0: returns at once
+        if self._own_ctx:
+            self._ctx.term()  # every socket of it is closed, with linger 0: returns at once
