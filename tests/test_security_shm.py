@@ -282,3 +282,26 @@ def test_a_dead_owner_is_peer_lost_not_a_crash(writer: ShmAgent, attacker: Attac
     attacker.proc.wait()
     with pytest.raises(PeerLostError):
         _write(writer, peer, src, dst, MiB)
+
+
+def test_a_connection_flood_does_not_lock_out_a_loaded_peer(writer: ShmAgent, victim: PeerProcess) -> None:
+    """1100 idle connections to the victim's fd socket (over its cap of 1024): a loaded writer is still served."""
+    import socket
+
+    dst = victim.call("alloc", key="v", nbytes=MiB)["address"]
+    victim.call("load", descriptor=writer.descriptor())
+    real = victim.call("descriptor")["descriptor"]
+    name = b"\0" + _payload(real)["fds"].encode()
+    flood = []
+    try:
+        for _ in range(1100):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(name)
+            flood.append(s)
+        src = _source(writer, 18, MiB)
+        _write(writer, writer.load_remote_agent(real), src, dst, MiB)
+        assert np.array_equal(_victim_bytes(victim, "v"), pattern(18, MiB))
+        assert victim.call("resources")["resources"]["served_connections"] <= 1024
+    finally:
+        for s in flood:
+            s.close()

@@ -368,7 +368,7 @@ class ShmAgent(TransferAgent):
         self._listener.bind(b"\0" + self._fds_name.encode())
         self._listener.listen(64)
         self._listener.setblocking(False)
-        self._conns: list[socket.socket] = []  # accepted by the serving thread, touched by it only
+        self._conns: dict[socket.socket, bool] = {}  # accepted -> served once; touched by the serving thread only
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._serve_loop, name=f"kvcore-shm-{name}", daemon=True)
         self._thread.start()
@@ -671,11 +671,16 @@ class ShmAgent(TransferAgent):
             except OSError:  # BlockingIOError: none pending; anything else: closing
                 return
             if len(self._conns) >= _MAX_SERVER_CONNECTIONS:
-                self.refused += 1
-                conn.close()
-                continue
+                # Make room by dropping the oldest connection that was never served (a stranger can open many,
+                # but only loaded agents get served); when every one was served, refuse the newcomer.
+                idle = next((c for c, served in self._conns.items() if not served), None)
+                if idle is None:
+                    self.refused += 1
+                    conn.close()
+                    continue
+                self._drop_conn(idle)
             conn.setblocking(False)
-            self._conns.append(conn)
+            self._conns[conn] = False
 
     def _serve(self, conn: socket.socket) -> None:
         """Answer one fd request on ``conn``; a refused or broken connection is closed."""
@@ -711,6 +716,7 @@ class ShmAgent(TransferAgent):
                 socket.send_fds(conn, [head], fds[:_FDS_PER_MESSAGE])
                 for i in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):
                     socket.send_fds(conn, [b"+"], fds[i : i + _FDS_PER_MESSAGE])
+            self._conns[conn] = True
         except OSError:
             self._drop_conn(conn)
 
@@ -729,8 +735,7 @@ class ShmAgent(TransferAgent):
         return ""
 
     def _drop_conn(self, conn: socket.socket) -> None:
-        if conn in self._conns:
-            self._conns.remove(conn)
+        self._conns.pop(conn, None)
         conn.close()
 
     # --- transfers ---------------------------------------------------------------------------
@@ -822,16 +827,21 @@ class ShmAgent(TransferAgent):
     # --- the serving thread: notifications and fd requests ------------------------------------------
 
     def _serve_loop(self) -> None:
+        fixed = (self._rx.fileno(), self._wake_r.fileno(), self._listener.fileno())
         while not self._stop.is_set():
             try:
-                ready, _, _ = select.select([self._rx, self._wake_r, self._listener, *self._conns], [], [], 1.0)
-                if self._rx in ready:
+                # poll, not select: the fd numbers of up to 1024 connections may exceed FD_SETSIZE.
+                poller = select.poll()
+                conns = {c.fileno(): c for c in self._conns}
+                for fd in (*fixed, *conns):
+                    poller.register(fd, select.POLLIN)
+                ready = {fd for fd, _ in poller.poll(1000)}
+                if fixed[0] in ready:
                     self._drain_socket()
-                if self._listener in ready:
+                if fixed[2] in ready:
                     self._accept()
-                for conn in ready:
-                    if conn in self._conns:
-                        self._serve(conn)
+                for fd in ready & conns.keys():
+                    self._serve(conns[fd])
             except Exception:  # pragma: no cover - nothing may stop this thread
                 if not self._stop.is_set():
                     log.exception("kvcore shm agent %r: serving thread error (kept serving)", self.name)
