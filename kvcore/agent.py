@@ -390,7 +390,9 @@ class TransferAgent(ABC):
             raise RemoteAgentError(f"agent descriptor must be bytes, got {type(data).__name__}")
         if len(data) > _MAX_DESCRIPTOR_BYTES:
             raise RemoteAgentError(f"agent descriptor is {len(data)} bytes, over the {_MAX_DESCRIPTOR_BYTES} limit")
-        check_msgpack_bounds(data, error=RemoteAgentError)  # before msgspec: no RecursionError, bounded memory
+        check_msgpack_bounds(
+            data, error=RemoteAgentError, what="malformed agent descriptor"
+        )  # before msgspec: no RecursionError, bounded memory
         try:
             desc = _decoder.decode(data)
         except msgspec.DecodeError as exc:

@@ -47,18 +47,31 @@ def check_msgpack_bounds(
     max_entries: int = MAX_CONTAINER_ENTRIES,
     max_items: int = MAX_ITEMS,
     error: type[KvcoreError] = ProtocolError,
+    what: str = "",
 ) -> None:
     """Walk msgpack bytes without building objects; ``error`` unless they hold one bounded object.
 
     Checked, in one pass with an explicit stack (no recursion): nesting depth
     <= ``max_depth``, entries of one array or map <= ``max_entries``, objects
     in all <= ``max_items``, every declared length inside the data, no
-    reserved byte (0xc1) and nothing after the object.
+    reserved byte (0xc1) and nothing after the object. ``what`` (e.g. "nixl
+    payload of peer 'x'") starts the error message.
     """
+    try:
+        _walk(data, max_depth, max_entries, max_items)
+    except _Invalid as exc:
+        raise error(f"{what}: {exc}" if what else str(exc)) from None
+
+
+class _Invalid(ValueError):
+    """Internal: why the walk stopped."""
+
+
+def _walk(data: bytes | bytearray | memoryview, max_depth: int, max_entries: int, max_items: int) -> None:
     buf = bytes(data) if not isinstance(data, bytes) else data
     end = len(buf)
     if end == 0:
-        raise error("empty msgpack data")
+        raise _Invalid("empty msgpack data")
     pos = 0
     items = 0
     stack = [1]  # objects still expected at each open level; the bottom is the top-level object
@@ -68,7 +81,7 @@ def check_msgpack_bounds(
             continue
         stack[-1] -= 1
         if pos >= end:
-            raise error(f"msgpack data truncated at byte {pos}: an object was expected")
+            raise _Invalid(f"msgpack data truncated at byte {pos}: an object was expected")
         b = buf[pos]
         pos += 1
         count = -1
@@ -85,30 +98,30 @@ def check_msgpack_bounds(
         elif b in _SIZED:
             width, extra = _SIZED[b]
             if pos + width > end:
-                raise error(f"msgpack data truncated at byte {pos}: a length field was expected")
+                raise _Invalid(f"msgpack data truncated at byte {pos}: a length field was expected")
             pos += width + extra + int.from_bytes(buf[pos : pos + width], "big")
         elif b in _CONTAINERS:
             width, per = _CONTAINERS[b]
             if pos + width > end:
-                raise error(f"msgpack data truncated at byte {pos}: a length field was expected")
+                raise _Invalid(f"msgpack data truncated at byte {pos}: a length field was expected")
             count = per * int.from_bytes(buf[pos : pos + width], "big")
             pos += width
         else:
-            raise error(f"msgpack byte {b:#04x} at offset {pos - 1} is reserved (never valid)")
+            raise _Invalid(f"msgpack byte {b:#04x} at offset {pos - 1} is reserved (never valid)")
         if pos > end:
-            raise error(f"msgpack object at offset {pos} declares more bytes than the {end} present")
+            raise _Invalid(f"msgpack object at offset {pos} declares more bytes than the {end} present")
         if count >= 0:
             entries = count // 2 if b in (0xDE, 0xDF) or 0x80 <= b <= 0x8F else count
             if entries > max_entries:
-                raise error(f"msgpack container of {entries} entries exceeds the bound of {max_entries}")
+                raise _Invalid(f"msgpack container of {entries} entries exceeds the bound of {max_entries}")
             if count > end - pos:  # every object takes at least one byte
-                raise error(f"msgpack container declares {count} objects but only {end - pos} bytes follow")
+                raise _Invalid(f"msgpack container declares {count} objects but only {end - pos} bytes follow")
             items += count
             if items > max_items:
-                raise error(f"msgpack data holds more than {max_items} objects")
+                raise _Invalid(f"msgpack data holds more than {max_items} objects")
             if count:
                 if len(stack) >= max_depth:
-                    raise error(f"msgpack nesting deeper than {max_depth} levels")
+                    raise _Invalid(f"msgpack nesting deeper than {max_depth} levels")
                 stack.append(count)
     if pos != end:
-        raise error(f"{end - pos} trailing byte(s) after the msgpack object")
+        raise _Invalid(f"{end - pos} trailing byte(s) after the msgpack object")

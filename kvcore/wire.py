@@ -207,7 +207,7 @@ def decode(frame: bytes, max_bytes: int = 16 * 1024 * 1024) -> Message:
         raise MessageDecodeError(f"control frame must be bytes, got {type(frame).__name__}")
     if len(frame) > max_bytes:
         raise MessageTooLargeError(f"control frame of {len(frame)} bytes exceeds the {max_bytes}-byte bound")
-    check_msgpack_bounds(frame, error=MessageDecodeError)
+    check_msgpack_bounds(frame, error=MessageDecodeError, what=f"malformed control frame ({len(frame)} bytes)")
     try:
         msg = _decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -528,7 +528,9 @@ class ShmAgent(TransferAgent):
     def _decode_payload(self, descriptor: AgentDescriptor) -> _Payload:
         """Decode and bound-check a peer's payload; every problem is a ``RemoteAgentError`` naming the field."""
         who = f"peer {descriptor.name!r}"
-        check_msgpack_bounds(descriptor.payload, error=RemoteAgentError)
+        check_msgpack_bounds(
+            descriptor.payload, error=RemoteAgentError, what=f"{who}: malformed shm descriptor payload"
+        )
         try:
             payload = _payload_decoder.decode(descriptor.payload)
         except msgspec.DecodeError as exc:

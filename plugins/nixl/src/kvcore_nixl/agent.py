@@ -192,7 +192,9 @@ def decode_payload(descriptor: bytes) -> NixlPayload:
 
 
 def _decode_nixl_payload(peer: str, payload: bytes) -> NixlPayload:
-    check_msgpack_bounds(payload, error=RemoteAgentError)  # no RecursionError from nested junk
+    check_msgpack_bounds(
+        payload, error=RemoteAgentError, what=f"nixl payload of peer {peer!r} is malformed"
+    )  # no RecursionError from nested junk
     try:
         return _payload_decoder.decode(payload)
     except msgspec.DecodeError as exc:

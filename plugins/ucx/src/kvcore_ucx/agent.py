@@ -433,7 +433,9 @@ class UcxAgent(TransferAgent):
         return _payload_encoder.encode(payload)
 
     def _decode_payload(self, desc: AgentDescriptor) -> _Payload:
-        check_msgpack_bounds(desc.payload, error=RemoteAgentError)  # no RecursionError from nested junk
+        check_msgpack_bounds(
+            desc.payload, error=RemoteAgentError, what=f"peer {desc.name!r}: malformed ucx descriptor payload"
+        )  # no RecursionError from nested junk
         try:
             payload = _payload_decoder.decode(desc.payload)
         except msgspec.DecodeError as exc:
