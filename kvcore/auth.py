@@ -33,6 +33,7 @@ __all__ = [
     "raw_key",
     "load_public_keys",
     "write_key_pair",
+    "keys_equal",
 ]
 
 #: A CurveZMQ key: 32 raw bytes, 40 characters in Z85.
@@ -72,6 +73,20 @@ def raw_key(key: bytes | str, what: str = "key") -> bytes:
     from zmq.utils import z85
 
     return bytes(z85.decode(z85_key(key, what)))
+
+
+def keys_equal(a: bytes | str | None, b: bytes | str | None) -> bool:
+    """Whether two CurveZMQ keys (raw or Z85, either form) are the same key; False if either is missing or malformed.
+
+    For the transceiver: a ``RankInfo.curve_public_key`` (raw) claimed in a
+    registration must equal ``Source.peer_key`` (Z85), the key the handshake proved.
+    """
+    if not a or not b:
+        return False
+    try:
+        return z85_key(a) == z85_key(b)
+    except ConfigError:
+        return False
 
 
 def _load_certificate(path: Path) -> tuple[bytes, bytes | None]:

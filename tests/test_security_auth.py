@@ -231,3 +231,40 @@ def test_keygen_cli_writes_a_pair_and_prints_the_config(tmp_path: Path, capsys: 
     assert f'auth_key_file = "{sec}"' in out and public.decode() in out
     assert secret.decode() not in out  # the secret never goes to the terminal
     assert main(["keygen", "--dir", str(tmp_path), "--name", "rank0"]) == 1  # never overwrites
+
+
+def test_the_proven_key_can_be_checked_against_a_claimed_rank_info_key(nodes: Callable[..., _Node]) -> None:
+    from kvcore.auth import keys_equal
+
+    shared = AuthConfig.generate()
+    a, b = nodes("a", shared), nodes("b", shared)
+    a.m.send(b.m.endpoint, _cancel())
+    src, _ = b.got.get(timeout=10)
+    assert keys_equal(src.peer_key, shared.public_key_raw)  # raw (RankInfo) against Z85 (Source)
+    assert not keys_equal(src.peer_key, AuthConfig.generate().public_key_raw)
+    assert not keys_equal(None, shared.public_key) and not keys_equal(b"junk", b"junk")
+
+
+def test_callbacks_that_raise_do_not_stop_the_io_thread(nodes: Callable[..., _Node]) -> None:
+    """on_disconnect and on_auth_failed run on the I/O thread: their exceptions are counted and the loop goes on."""
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("callback bug")
+
+    shared = AuthConfig.generate()
+    server = nodes("server", shared)
+    client = Messenger(lambda s, m: None, name="client", auth=shared, on_disconnect=boom, on_auth_failed=boom)
+    client.start()
+    try:
+        client.send(server.m.endpoint, _cancel(), server_key=AuthConfig.generate().public_key)  # fails auth
+        assert _wait(lambda: client.counters["monitor_errors"] >= 1)
+        other = nodes("other", shared)
+        client.send(other.m.endpoint, _cancel(1))
+        assert other.got.get(timeout=10)[1] == _cancel(1)
+        other.m.close()  # the peer goes away: on_disconnect raises too
+        assert _wait(lambda: client.counters["monitor_errors"] >= 2)
+        client.send(server.m.endpoint, _cancel(2), server_key=shared.public_key)
+        assert server.got.get(timeout=10)[1] == _cancel(2)
+        assert client.alive and client.counters["io_errors"] == 0
+    finally:
+        client.close()
