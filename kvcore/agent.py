@@ -43,6 +43,7 @@ from kvcore.errors import (
     TransferTimeoutError,
     UnsupportedOperationError,
 )
+from kvcore.msgbounds import check_msgpack_bounds
 
 if TYPE_CHECKING:
     import torch
@@ -389,10 +390,15 @@ class TransferAgent(ABC):
             raise RemoteAgentError(f"agent descriptor must be bytes, got {type(data).__name__}")
         if len(data) > _MAX_DESCRIPTOR_BYTES:
             raise RemoteAgentError(f"agent descriptor is {len(data)} bytes, over the {_MAX_DESCRIPTOR_BYTES} limit")
+        check_msgpack_bounds(
+            data, error=RemoteAgentError, what="malformed agent descriptor"
+        )  # before msgspec: no RecursionError, bounded memory
         try:
             desc = _decoder.decode(data)
         except msgspec.DecodeError as exc:
             raise RemoteAgentError(f"malformed agent descriptor: {exc}") from exc
+        except Exception as exc:  # nothing a peer sends may escape as an untyped error
+            raise RemoteAgentError(f"agent descriptor could not be decoded: {type(exc).__name__}: {exc}") from exc
         if desc.version != DESCRIPTOR_VERSION:
             raise RemoteAgentError(
                 f"agent descriptor version: expected {DESCRIPTOR_VERSION}, got {desc.version} (peer {desc.name!r})"

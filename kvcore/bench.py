@@ -483,6 +483,7 @@ class _Rank:
             ag.register_memory(MemoryRegion(pool_base, pool_bytes))
             state["agent"] = ag
             state["peer"] = ag.load_remote_agent(self.gen_info.agent_descriptor)
+            state["descriptor"] = ag.descriptor()  # the generation side must load it first (see op_admit)
         elif mode in ("nixl_initialize", "nixl_prepped"):
             state.update(self._nixl_native(src, dst, sizes, pool_base, pool_bytes, prepped=mode == "nixl_prepped"))
         elif mode == "memcpy":
@@ -502,6 +503,7 @@ class _Rank:
         self.bare[mode] = state
         return {
             "setup_ms": (time.perf_counter() - t0) * 1e3,
+            "descriptor": state.get("descriptor", b""),
             "fragments": int(plan.count),
             "bytes": int(plan.nbytes),
             "fragment_bytes": int(sizes.max()) if plan.count else 0,
@@ -647,6 +649,16 @@ class _Rank:
         return {}
 
     # --- generation ----------------------------------------------------------------------------
+
+    def op_admit(self, descriptor: bytes) -> dict[str, Any]:
+        """Load the context's bare agent, as a transceiver loads its writers: transports such as shm hand out
+        memory only to agents the owner loaded."""
+        return {"name": self.agent.load_remote_agent(descriptor)}
+
+    def op_dismiss(self, name: str) -> dict[str, Any]:
+        if name in self.agent.remote_agents:
+            self.agent.unload_remote_agent(name)
+        return {}
 
     def op_zero(self, region: str) -> dict[str, Any]:
         assert self.shape is not None
@@ -1109,6 +1121,8 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
     try:
         for m in modes[1:]:
             setup[m] = run.ctx.call("prepare", mode=m, region="big")
+            if setup[m]["descriptor"]:
+                setup[m]["admitted"] = run.gen.call("admit", descriptor=setup[m]["descriptor"])["name"]
         plan = setup["agent"]
         out.update(fragments=plan["fragments"], fragment_bytes=plan["fragment_bytes"], plan_bytes=plan["bytes"])
         # Round-robin over the modes so that load from other processes hits every mode alike; the first
@@ -1137,6 +1151,8 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
     finally:
         for m in setup:
             run.ctx.call("unprepare", mode=m)
+            if "admitted" in setup[m]:
+                run.gen.call("dismiss", name=setup[m]["admitted"])
         shape_checks = run.close_shape()
     run.tick()
     out["modes"] = {}
@@ -1261,11 +1277,13 @@ def case_small(run: BackendRun) -> dict[str, Any]:
         lat_ms = [x * 1e3 for x in r["latency_s"]]
         not_done = list(r["not_done"])
         # the transport alone on the same one-block plan
-        run.ctx.call("prepare", mode="agent", region="small", count=1)
+        bare = run.ctx.call("prepare", mode="agent", region="small", count=1)
+        admitted = run.gen.call("admit", descriptor=bare["descriptor"])["name"]
         try:
             a = run.ctx.call("xfer", mode="agent", repeat=spec.latency_requests + warm)
         finally:
             run.ctx.call("unprepare", mode="agent")
+            run.gen.call("dismiss", name=admitted)
         agent_ms = [x * 1e3 for x in a["seconds"][warm:]]
         # throughput: every request in flight together
         run.say(f"{run.backend} small: {spec.small_requests} requests in flight")

@@ -1,4 +1,4 @@
-"""The ``kvcore`` command: ``plugins``, ``demo``, ``bench`` and ``--version``.
+"""The ``kvcore`` command: ``plugins``, ``demo``, ``bench``, ``keygen`` and ``--version``.
 
 Nothing plugin-related runs at import time; ``kvcore plugins`` works even when
 a plugin is broken (it reports the error instead of crashing).
@@ -69,6 +69,34 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """Write a CurveZMQ key pair for one rank (or a whole deployment) and print the configuration that uses it."""
+    from kvcore.auth import write_key_pair
+    from kvcore.errors import ConfigError
+
+    try:
+        pub, sec = write_key_pair(args.dir, args.name)
+    except (ConfigError, OSError) as exc:
+        print(f"kvcore keygen: {exc}", file=sys.stderr)
+        return 1
+    import zmq.auth
+
+    public, _ = zmq.auth.load_certificate(pub)
+    print(f"wrote {sec} (secret, mode 0600: keep it on this host only)")
+    print(f"wrote {pub} (public: copy it into the allowed-keys directory of every peer that must accept this rank)")
+    print(f"public key: {public.decode()}")
+    print()
+    print("TOML ([kvcore] table of the configuration file):")
+    print(f'  auth_key_file = "{sec}"')
+    print('  auth_allowed_keys_dir = "/path/to/allowed"   # *.key files of the peers this rank accepts')
+    print(f'  # auth_server_key = "{public.decode()}"  # what peers put here when this key pair is shared')
+    print("environment:")
+    print(f"  KVCORE_AUTH_KEY_FILE={sec}")
+    print("  KVCORE_AUTH_ALLOWED_KEYS_DIR=/path/to/allowed")
+    print("One key pair shared by every rank needs no allow-list: a rank always accepts its own public key.")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvcore", description="KV-cache transfer for disaggregated LLM serving (prefill -> decode)."
@@ -81,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 1 when a plugin failed to load")
     p.add_argument("--all", action="store_true", help="(kept for compatibility; built-ins are always listed)")
     p.set_defaults(func=cmd_plugins)
+
+    k = sub.add_parser("keygen", help="write a CurveZMQ key pair for control-plane authentication")
+    k.add_argument("--dir", default=".", help="directory to write NAME.key and NAME.key_secret into (default: .)")
+    k.add_argument("--name", default="kvcore", help="file name stem (default: kvcore)")
+    k.set_defaults(func=cmd_keygen)
 
     try:
         from kvcore import demo

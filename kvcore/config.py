@@ -59,6 +59,13 @@ class TransceiverConfig:
     bounce_enabled: bool = True
     bounce_buffer_bytes: int = 64 * 1024 * 1024  # receiver arena and sender staging buffer, per rank
     required_plugins: list[str] = field(default_factory=list)
+    # --- control-plane authentication (docs/security.md); no own key configured: no authentication ---
+    auth_key_file: str = ""  # this rank's secret CurveZMQ certificate (*.key_secret, from `kvcore keygen`)
+    auth_secret_key: str = field(default="", repr=False)  # or its Z85 secret key itself (KVCORE_AUTH_SECRET_KEY)
+    auth_allowed_keys_dir: str = ""  # directory of public certificates (*.key) of the clients admitted
+    auth_allowed_keys: list[str] = field(default_factory=list)  # and/or their Z85 public keys
+    auth_server_key: str = ""  # Z85 public key peers' control sockets serve with; empty: our own (one shared pair)
+    allow_insecure_bind: bool = False  # True: a non-loopback host without authentication is accepted (warned)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +103,19 @@ class TransceiverConfig:
         ):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.auth_allowed_keys, list):
+            raise ConfigError(
+                f"auth_allowed_keys must be a list of Z85 keys, got {type(self.auth_allowed_keys).__name__}"
+            )
+        from kvcore.auth import is_loopback_host
+
+        authenticated = bool(self.auth_key_file or self.auth_secret_key)
+        if not is_loopback_host(str(self.host)) and not authenticated and not self.allow_insecure_bind:
+            raise ConfigError(
+                f"host {self.host!r} is not a loopback address and no authentication is configured: anyone who can "
+                "reach the port could drive this rank. Set auth_key_file (see `kvcore keygen`, docs/security.md) "
+                "or, on an isolated network, allow_insecure_bind=True (KVCORE_ALLOW_INSECURE_BIND=1)"
+            )
 
     # --- loading -------------------------------------------------------------------------------
 
@@ -162,7 +182,7 @@ class TransceiverConfig:
             try:
                 if f.name == "agent_options":
                     out[f.name] = json.loads(raw)
-                elif f.name == "required_plugins":
+                elif f.name in ("required_plugins", "auth_allowed_keys"):
                     out[f.name] = [p.strip() for p in raw.split(",") if p.strip()]
                 elif f.type in ("int", int):
                     out[f.name] = int(raw)

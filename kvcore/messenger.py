@@ -1,62 +1,115 @@
 """ZeroMQ control plane: one ROUTER socket for incoming traffic, one DEALER per peer for outgoing.
 
 ZeroMQ sockets must stay on the thread that uses them, so one I/O thread owns
-every socket of a messenger: it polls the ROUTER, the DEALERs and a wake-up
-pipe, decodes frames and hands messages to the handler. Handlers only mutate
-state and enqueue work; they never block on a transfer. Other threads send by
-enqueueing (``send``/``reply`` are thread-safe).
+every socket of a messenger: it polls the ROUTER, the DEALERs, their monitors,
+the ZAP socket and a wake-up pipe, decodes frames and hands messages to the
+handler. Handlers only mutate state and enqueue work; they never block on a
+transfer. Other threads send by enqueueing (``send``/``reply`` are thread-safe).
 
-A frame that fails to decode is answered with an ``ErrorReply`` naming the
-problem and logged; the listener keeps serving everyone else.
+Nothing a peer sends can stop the I/O thread: a frame that fails to decode is
+answered with an ``ErrorReply`` and counted; an exception from a handler, a
+monitor or a send is counted and logged (rate-limited) and the loop goes on.
+
+With authentication each messenger has its own ``zmq.Context``, so its ZAP
+handler (see ``kvcore.auth``) serves only its own ROUTER: several messengers
+with different allow-lists in one process never see each other's requests.
 """
 
 from __future__ import annotations
 
 import collections
-import ipaddress
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
 from kvcore import wire
-from kvcore.errors import KvcoreError, ProtocolError
+from kvcore.auth import AuthConfig, is_loopback_host, z85_key
+from kvcore.errors import ConfigError, KvcoreError, ProtocolError
 
 __all__ = ["Messenger", "Source"]
 
 _WAKE_IDS = itertools.count()
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: one handler per context
+_ZAP_DOMAIN = b"kvcore"
+#: Default bound on DEALER sockets (one per peer endpoint) a messenger keeps open.
+DEFAULT_MAX_PEER_SOCKETS = 1024
 
 log = logging.getLogger("kvcore.messenger")
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 @dataclass(frozen=True)
 class Source:
-    """Where a message came from: a peer's DEALER (``identity`` on our ROUTER) or our DEALER to ``endpoint``."""
+    """Where a message came from: a peer's DEALER (``identity`` on our ROUTER) or our DEALER to ``endpoint``.
+
+    ``peer_key`` is the peer's CurveZMQ public key (Z85) as proven by the
+    handshake: the client key ZAP admitted on the ROUTER, or the server key
+    our DEALER verified. ``None`` without authentication.
+    """
 
     identity: bytes | None = None
     endpoint: str | None = None
+    peer_key: bytes | None = None
 
 
 Handler = Callable[[Source, wire.Message], None]
 ErrorHandler = Callable[[Source, KvcoreError], None]
 DisconnectHandler = Callable[[str], None]
 ConnectHandler = Callable[[str], None]
+AuthFailedHandler = Callable[[str, str], None]
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+class _RateLimitedLog:
+    """At most one line per key per interval; the next line says how many were suppressed."""
+
+    def __init__(self, interval_s: float = 5.0) -> None:
+        self._interval = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: collections.Counter[str] = collections.Counter()
+
+    def __call__(self, level: int, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) < self._interval:
+            self._suppressed[key] += 1
+            return
+        if len(self._last) > 256:  # keys are few and fixed; bound the table anyway
+            self._last.clear()
+        self._last[key] = now
+        n = self._suppressed.pop(key, 0)
+        log.log(level, msg + (f" ({n} similar suppressed)" if n else ""), *args, exc_info=exc_info)
+
+
+@dataclass(eq=False)
+class _Dealer:
+    """One outgoing socket to a peer endpoint, its monitor, and what the monitor told us."""
+
+    endpoint: str
+    sock: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]
+    server_key: bytes | None
+    connected: bool = False
+    authenticated: bool = False
+    last_used: float = 0.0
 
 
 class Messenger:
-    """The control-plane sockets of one rank. Bind loopback by default; other addresses log a warning."""
+    """The control-plane sockets of one rank. Binds loopback by default.
+
+    ``auth``: an ``AuthConfig`` makes the ROUTER a CURVE server that admits
+    only allow-listed client keys (refused in the handshake, before any frame
+    is decoded) and every DEALER a CURVE client; the server key of a peer
+    endpoint is the one given to ``set_peer_key``/``send(server_key=...)``, else
+    ``auth.server_key``. Without ``auth`` a non-loopback ``host`` needs
+    ``allow_insecure_bind=True`` (``ConfigError`` otherwise) and logs a warning.
+    """
 
     def __init__(
         self,
@@ -68,58 +121,127 @@ class Messenger:
         on_error: ErrorHandler | None = None,
         on_disconnect: DisconnectHandler | None = None,
         on_connect: ConnectHandler | None = None,
+        on_auth_failed: AuthFailedHandler | None = None,
         heartbeat_ms: int = 1000,
         name: str = "kvcore",
+        auth: AuthConfig | None = None,
+        allow_insecure_bind: bool = False,
+        max_peer_sockets: int = DEFAULT_MAX_PEER_SOCKETS,
     ) -> None:
+        if not is_loopback_host(host):
+            if auth is None and not allow_insecure_bind:
+                raise ConfigError(
+                    f"messenger {name}: host {host!r} is not a loopback address and no authentication is configured; "
+                    "pass auth=AuthConfig(...) (config auth_key_file, see `kvcore keygen`) or, on an isolated "
+                    "network, allow_insecure_bind=True (config allow_insecure_bind / KVCORE_ALLOW_INSECURE_BIND=1)"
+                )
+            if auth is None:
+                log.warning(
+                    "kvcore control plane binding to non-loopback address %s WITHOUT authentication: anyone who can "
+                    "reach it can drive this rank (allow_insecure_bind is set)",
+                    host,
+                )
+            else:
+                log.info("kvcore control plane binding to non-loopback address %s with CURVE authentication", host)
+        if max_peer_sockets < 1:
+            raise ConfigError(f"max_peer_sockets must be >= 1, got {max_peer_sockets}")
         self._handler = handler
         self._on_error = on_error
         self._on_disconnect = on_disconnect
         self._on_connect = on_connect
+        self._on_auth_failed = on_auth_failed
         self._max = max_message_bytes
         self._heartbeat_ms = heartbeat_ms
+        self._auth = auth
+        self._max_dealers = max_peer_sockets
         self.name = name
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
-        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms * 3)
-        if not _is_loopback(host):
-            log.warning("kvcore control plane binding to non-loopback address %s: reachable from the network", host)
-        bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        if ":" in host:
-            self._router.setsockopt(zmq.IPV6, 1)
-        if port:
-            self._router.bind(f"tcp://{bind_host}:{port}")
-        else:
-            self._router.bind_to_random_port(f"tcp://{bind_host}")
-        last = self._router.getsockopt(zmq.LAST_ENDPOINT)
-        self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
-        # Unique per messenger for the life of the process: id(self) is reused once a closed messenger is freed,
-        # while libzmq unbinds a closed inproc endpoint asynchronously ("Address already in use").
-        self._wake_addr = f"inproc://kvcore-wake-{next(_WAKE_IDS)}"
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(self._wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.connect(self._wake_addr)
+        self.counters = collections.Counter[str]()
+        self._rlog = _RateLimitedLog()
+        # With authentication, a context of our own: its ZAP endpoint (one per context) then belongs to this
+        # messenger's allow-list alone. Without, the process-wide context (one I/O thread for every messenger).
+        self._own_ctx = auth is not None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if self._own_ctx else zmq.Context.instance()
+        self._zap: zmq.Socket[bytes] | None = None
+        try:
+            if auth is not None:
+                self._zap = self._ctx.socket(zmq.REP)
+                self._zap.setsockopt(zmq.LINGER, 0)
+                self._zap.bind(_ZAP_ENDPOINT)  # before the ROUTER binds: no connection can skip the handler
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+            self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms * 3)
+            self._router.setsockopt(zmq.HANDSHAKE_IVL, 10_000)  # a silent half-open connection is dropped
+            if auth is not None:
+                self._router.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+                self._router.setsockopt(zmq.CURVE_SERVER, 1)
+                self._router.setsockopt(zmq.CURVE_SECRETKEY, auth.secret_key)
+            bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+            if ":" in host:
+                self._router.setsockopt(zmq.IPV6, 1)
+            if port:
+                self._router.bind(f"tcp://{bind_host}:{port}")
+            else:
+                self._router.bind_to_random_port(f"tcp://{bind_host}")
+            last = self._router.getsockopt(zmq.LAST_ENDPOINT)
+            self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
+            self._wake_addr = f"inproc://kvcore-wake-{next(_WAKE_IDS)}-{id(self):x}"
+            self._wake_rx = self._ctx.socket(zmq.PAIR)
+            self._wake_rx.bind(self._wake_addr)
+            self._wake_tx = self._ctx.socket(zmq.PAIR)
+            self._wake_tx.setsockopt(zmq.LINGER, 0)
+            self._wake_tx.connect(self._wake_addr)
+        except BaseException:
+            for sock in [getattr(self, n, None) for n in ("_zap", "_router", "_wake_rx", "_wake_tx")]:
+                if sock is not None:
+                    sock.close(0)
+            if self._own_ctx:
+                self._ctx.term()
+            raise
         self._wake_lock = threading.Lock()
+        self._keys_lock = threading.Lock()
+        self._peer_keys: dict[str, bytes] = {}  # endpoint -> Z85 server key (set_peer_key)
         self._outbox: collections.deque[tuple[str, object, bytes]] = collections.deque()
-        self._dealers: dict[str, zmq.Socket[bytes]] = {}
-        self._monitors: dict[zmq.Socket[bytes], str] = {}
+        self._dealers: dict[str, _Dealer] = {}
+        self._by_sock: dict[zmq.Socket[bytes], _Dealer] = {}
+        self._by_monitor: dict[zmq.Socket[bytes], _Dealer] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-messenger", daemon=True)
-        self.counters = collections.Counter[str]()
 
     # --- public, thread-safe ----------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
 
-    def send(self, endpoint: str, msg: wire.Message) -> None:
-        """Send ``msg`` to the ROUTER at ``endpoint`` (connecting a DEALER on first use)."""
+    @property
+    def public_key(self) -> bytes | None:
+        """This messenger's CurveZMQ public key (Z85), or None without authentication."""
+        return None if self._auth is None else self._auth.public_key
+
+    def set_peer_key(self, endpoint: str, server_key: bytes | str) -> None:
+        """Expect ``server_key`` (Z85 or 32 raw bytes) from the ROUTER at ``endpoint`` from now on.
+
+        A DEALER already open to ``endpoint`` with another key is closed and
+        reopened with this one at the next send.
+        """
         wire.parse_endpoint(endpoint)
+        key = z85_key(server_key, f"server key of {endpoint}")
+        with self._keys_lock:
+            if len(self._peer_keys) >= 4 * self._max_dealers and endpoint not in self._peer_keys:
+                self._peer_keys.pop(next(iter(self._peer_keys)))  # bounded: forget the oldest
+            self._peer_keys[endpoint] = key
+
+    def send(self, endpoint: str, msg: wire.Message, *, server_key: bytes | str | None = None) -> None:
+        """Send ``msg`` to the ROUTER at ``endpoint`` (connecting a DEALER on first use).
+
+        ``server_key`` (authentication only): the CURVE key the peer must
+        prove, remembered for the endpoint as ``set_peer_key`` does.
+        """
+        wire.parse_endpoint(endpoint)
+        if server_key is not None:
+            self.set_peer_key(endpoint, server_key)
         self._enqueue(("dealer", endpoint, wire.encode(msg)))
 
     def reply(self, source: Source, msg: wire.Message) -> None:
@@ -152,7 +274,13 @@ class Messenger:
 
     @property
     def peer_count(self) -> int:
+        """DEALER sockets open (one per peer endpoint)."""
         return len(self._dealers)
+
+    @property
+    def alive(self) -> bool:
+        """True while the I/O thread runs."""
+        return self._thread.is_alive()
 
     # --- I/O thread -------------------------------------------------------------------------
 
@@ -169,51 +297,124 @@ class Messenger:
             except zmq.ZMQError:
                 pass  # a wake-up is already pending
 
-    def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
-        sock = self._dealers.get(endpoint)
-        if sock is None:
+    def _server_key_for(self, endpoint: str) -> bytes | None:
+        if self._auth is None:
+            return None
+        with self._keys_lock:
+            return self._peer_keys.get(endpoint, self._auth.server_key)
+
+    def _dealer(self, endpoint: str) -> _Dealer:
+        key = self._server_key_for(endpoint)
+        d = self._dealers.get(endpoint)
+        if d is not None and d.server_key != key:
+            self._drop_dealer(d, "its server key changed")
+            d = None
+        if d is None:
+            if len(self._dealers) >= self._max_dealers:
+                self._evict_one()
             sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_ms * 3)
-            if endpoint.startswith("tcp://["):
-                sock.setsockopt(zmq.IPV6, 1)
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, self._max)
+                sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_ms * 3)
+                sock.setsockopt(zmq.HANDSHAKE_IVL, 10_000)
+                if self._auth is not None and key is not None:
+                    sock.setsockopt(zmq.CURVE_SERVERKEY, key)
+                    sock.setsockopt(zmq.CURVE_PUBLICKEY, self._auth.public_key)
+                    sock.setsockopt(zmq.CURVE_SECRETKEY, self._auth.secret_key)
+                if endpoint.startswith("tcp://["):
+                    sock.setsockopt(zmq.IPV6, 1)
+                mon = sock.get_monitor_socket(
+                    zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
+                )
+            except BaseException:
+                sock.close(0)
+                raise
             sock.connect(endpoint)
-            self._dealers[endpoint] = sock
-            self._monitors[mon] = endpoint
+            d = _Dealer(endpoint, sock, mon, key)
+            self._dealers[endpoint] = d
+            self._by_sock[sock] = d
+            self._by_monitor[mon] = d
             self._poller.register(sock, zmq.POLLIN)
             self._poller.register(mon, zmq.POLLIN)
-        return sock
+        d.last_used = time.monotonic()
+        return d
+
+    def _evict_one(self) -> None:
+        """Make room for one DEALER: the least recently used that never authenticated/connected, else the LRU."""
+        idle = [d for d in self._dealers.values() if not (d.authenticated or (self._auth is None and d.connected))]
+        victim = min(idle or self._dealers.values(), key=lambda d: d.last_used)
+        self.counters["peer_sockets_evicted"] += 1
+        self._drop_dealer(victim, f"the bound of {self._max_dealers} peer sockets was reached")
+
+    def _drop_dealer(self, d: _Dealer, why: str) -> None:
+        """Close one DEALER and its monitor (queued messages to it are dropped)."""
+        self._dealers.pop(d.endpoint, None)
+        self._by_sock.pop(d.sock, None)
+        self._by_monitor.pop(d.monitor, None)
+        for s in (d.sock, d.monitor):
+            try:
+                self._poller.unregister(s)
+            except KeyError:
+                pass
+        try:
+            d.sock.disable_monitor()  # see _close_sockets: stop the monitor before closing its PAIR end
+        except zmq.ZMQError:
+            pass
+        d.monitor.close(0)
+        d.sock.close(0)
+        self._rlog(logging.INFO, "drop", "messenger %s: closed the socket to %s: %s", self.name, d.endpoint, why)
 
     def _run(self) -> None:
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
-        connected: set[str] = set()
+        if self._zap is not None:
+            self._poller.register(self._zap, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                events = dict(self._poller.poll(100))
-            except zmq.ZMQError:  # pragma: no cover
-                break
-            if self._wake_rx in events:
-                while True:
-                    try:
-                        self._wake_rx.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-            self._flush_outbox()
-            if self._router in events:
-                self._drain_router()
-            for sock in list(events):
-                if sock.closed:
-                    continue  # dropped by this turn's outbox
-                ep = self._monitors.get(sock)
-                if ep is not None:
-                    self._drain_monitor(sock, ep, connected)
-                elif sock is not self._router and sock is not self._wake_rx:
-                    self._drain_dealer(sock)
+                self._turn()
+            except Exception:
+                # Nothing may stop this thread: count, log (rate-limited) and go on serving.
+                self.counters["io_errors"] += 1
+                self._rlog(logging.ERROR, "io", "messenger %s: I/O loop error (kept serving)", self.name, exc_info=True)
+                time.sleep(0.001)  # never spin hot on a persistent failure
+
+    def _turn(self) -> None:
+        try:
+            events = dict(self._poller.poll(100))
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.ETERM:  # pragma: no cover - the context is gone
+                self._stop.set()
+                return
+            raise
+        if self._wake_rx in events:
+            while True:
+                try:
+                    self._wake_rx.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+        if self._zap is not None and self._zap in events:
+            self._guarded("zap", self._drain_zap)
+        self._flush_outbox()
+        if self._router in events:
+            self._guarded("router", self._drain_router)
+        for sock in list(events):
+            mon = self._by_monitor.get(sock)
+            if mon is not None:
+                self._guarded("monitor", self._drain_monitor, mon)
+                continue
+            d = self._by_sock.get(sock)
+            if d is not None:
+                self._guarded("dealer", self._drain_dealer, d)
+
+    def _guarded(self, what: str, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            self.counters[f"{what}_errors"] += 1
+            self._rlog(logging.ERROR, what, "messenger %s: %s error (kept serving)", self.name, what, exc_info=True)
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -222,78 +423,147 @@ class Messenger:
                 if kind == "router":
                     self._router.send_multipart([dest, frame], zmq.NOBLOCK)  # type: ignore[list-item]
                 elif kind == "drop":
-                    self._close_dealer(dest)  # type: ignore[arg-type]
+                    d = self._dealers.get(str(dest))
+                    if d is not None:
+                        self._drop_dealer(d, "the peer is gone")
                     continue
                 else:
-                    self._dealer(dest).send(frame, zmq.NOBLOCK)  # type: ignore[arg-type]
+                    self._dealer(str(dest)).sock.send(frame, zmq.NOBLOCK)
                 self.counters["sent"] += 1
             except zmq.ZMQError as exc:
                 self.counters["send_failed"] += 1
-                log.warning("messenger %s: could not send to %r: %s", self.name, dest, exc)
+                self._rlog(logging.WARNING, "send", "messenger %s: could not send to %r: %s", self.name, dest, exc)
+            except Exception:
+                self.counters["send_failed"] += 1
+                self._rlog(logging.ERROR, "send-bug", "messenger %s: send to %r failed", self.name, dest, exc_info=True)
 
-    def _close_dealer(self, endpoint: str) -> None:
-        sock = self._dealers.pop(endpoint, None)
-        if sock is None:
-            return
-        mon = next((m for m, ep in self._monitors.items() if ep == endpoint), None)
-        try:
-            sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        for s in (mon, sock):
-            if s is not None:
-                try:
-                    self._poller.unregister(s)
-                except KeyError:
-                    pass
-                s.close(0)
-        if mon is not None:
-            self._monitors.pop(mon, None)
+    def _drain_zap(self) -> None:
+        """Answer ZAP requests (RFC 27): admit CURVE clients whose public key is allow-listed, refuse the rest."""
+        assert self._zap is not None and self._auth is not None
+        for _ in range(1000):  # bounded per turn: other sockets get their share under a flood
+            try:
+                parts = self._zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(parts) < 6:  # not a ZAP request; a REP socket must still answer something
+                self._zap.send_multipart([b"1.0", b"", b"500", b"malformed ZAP request", b"", b""])
+                continue
+            version, request_id, domain, address, _identity, mechanism = parts[:6]
+            credentials = parts[6:]
+            ok = (
+                version == b"1.0"
+                and domain == _ZAP_DOMAIN
+                and mechanism == b"CURVE"
+                and len(credentials) == 1
+                and self._auth.allows(credentials[0])
+            )
+            if ok:
+                user = z85_key(credentials[0])
+                self.counters["auth_accepted"] += 1
+                self._zap.send_multipart([b"1.0", request_id, b"200", b"OK", user, b""])
+            else:
+                self.counters["auth_denied"] += 1
+                self._rlog(
+                    logging.WARNING,
+                    "zap",
+                    "messenger %s: refused a %s connection from %s (client key not on the allow-list)",
+                    self.name,
+                    mechanism.decode("ascii", "replace")[:16],
+                    address.decode("ascii", "replace")[:64],
+                )
+                self._zap.send_multipart([b"1.0", request_id, b"400", b"client key not allowed", b"", b""])
 
     def _drain_router(self) -> None:
-        while True:
+        if self._auth is not None:
+            self._drain_router_authenticated()
+            return
+        for _ in range(10_000):
             try:
-                parts = self._router.recv_multipart(zmq.NOBLOCK)
+                raw = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(raw) != 2:
+                self._bad_multipart(len(raw))
+                continue
+            self._dispatch(Source(identity=raw[0]), raw[1])
+
+    def _drain_router_authenticated(self) -> None:
+        # Frames (copy=False) carry the "User-Id" ZAP set: the client key the handshake proved.
+        for _ in range(10_000):
+            try:
+                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(parts) != 2:
-                self.counters["bad_frames"] += 1
-                log.warning("messenger %s: dropped a message with %d frames (expected 1)", self.name, len(parts) - 1)
+                self._bad_multipart(len(parts))
                 continue
-            self._dispatch(Source(identity=parts[0]), parts[1])
+            user = parts[1].get("User-Id")
+            key = user.encode() if isinstance(user, str) and user else None
+            self._dispatch(Source(identity=parts[0].bytes, peer_key=key), parts[1].bytes)
 
-    def _drain_dealer(self, sock: zmq.Socket[bytes]) -> None:
-        endpoint = next((ep for ep, s in self._dealers.items() if s is sock), None)
-        while True:
+    def _bad_multipart(self, parts: int) -> None:
+        self.counters["bad_frames"] += 1
+        self._rlog(
+            logging.WARNING,
+            "frames",
+            "messenger %s: dropped a message with %d frames (expected 1)",
+            self.name,
+            parts - 1,
+        )
+
+    def _drain_dealer(self, d: _Dealer) -> None:
+        for _ in range(10_000):
             try:
-                frame = sock.recv(zmq.NOBLOCK)
+                frame = d.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._dispatch(Source(endpoint=endpoint), frame)
+            self._dispatch(Source(endpoint=d.endpoint, peer_key=d.server_key), frame)
 
-    def _drain_monitor(self, mon: zmq.Socket[bytes], endpoint: str, connected: set[str]) -> None:
+    def _drain_monitor(self, d: _Dealer) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
-        while True:
+        while d.endpoint in self._dealers and self._dealers[d.endpoint] is d:
             try:
-                evt = recv_monitor_message(mon, zmq.NOBLOCK)
+                evt = recv_monitor_message(d.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if evt["event"] == zmq.EVENT_CONNECTED:
-                connected.add(endpoint)
+            event = evt["event"]
+            if event == zmq.EVENT_CONNECTED:
+                d.connected = True
                 if self._on_connect is not None:
-                    try:
-                        self._on_connect(endpoint)
-                    except Exception:  # pragma: no cover
-                        log.exception("connect handler failed")
-            elif evt["event"] == zmq.EVENT_DISCONNECTED and endpoint in connected:
-                connected.discard(endpoint)
-                log.info("messenger %s: peer %s disconnected", self.name, endpoint)
+                    self._on_connect(d.endpoint)
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                d.authenticated = True
+            elif event & _HANDSHAKE_FAILED or (
+                event == zmq.EVENT_DISCONNECTED and self._auth is not None and not d.authenticated
+            ):
+                # The peer did not prove the expected server key, or refused ours: no socket is kept for it.
+                self.counters["peer_auth_failed"] += 1
+                reasons: dict[int, str] = {
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the peer refused our key",
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake protocol error",
+                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "CURVE handshake failed",
+                }
+                reason = reasons.get(
+                    int(event), "disconnected before the CURVE handshake completed (wrong server key?)"
+                )
+                self._rlog(
+                    logging.WARNING,
+                    "peer-auth",
+                    "messenger %s: authentication with %s failed: %s",
+                    self.name,
+                    d.endpoint,
+                    reason,
+                )
+                self._drop_dealer(d, reason)
+                if self._on_auth_failed is not None:
+                    self._on_auth_failed(d.endpoint, reason)
+                return
+            elif event == zmq.EVENT_DISCONNECTED and d.connected:
+                d.connected = d.authenticated = False
+                log.info("messenger %s: peer %s disconnected", self.name, d.endpoint)
                 if self._on_disconnect is not None:
-                    try:
-                        self._on_disconnect(endpoint)
-                    except Exception:  # pragma: no cover
-                        log.exception("disconnect handler failed")
+                    self._on_disconnect(d.endpoint)
 
     def _dispatch(self, source: Source, frame: bytes) -> None:
         self.counters["received"] += 1
@@ -301,38 +571,63 @@ class Messenger:
             msg = wire.decode(frame, self._max)
         except KvcoreError as exc:
             self.counters["bad_frames"] += 1
-            log.warning("messenger %s: rejected a frame from %s: %s", self.name, source.endpoint or "a peer", exc)
+            self._rlog(
+                logging.WARNING,
+                "decode",
+                "messenger %s: rejected a frame from %s: %s",
+                self.name,
+                source.endpoint or "a peer",
+                exc,
+            )
             if source.identity is not None:
-                err = wire.ErrorReply(v=wire.PROTOCOL_VERSION, kind=type(exc).__name__, error=str(exc))
+                err = wire.ErrorReply(v=wire.PROTOCOL_VERSION, kind=type(exc).__name__, error=str(exc)[:4096])
                 try:
                     self._router.send_multipart([source.identity, wire.encode(err)], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
             if self._on_error is not None:
-                self._on_error(source, exc)
+                try:
+                    self._on_error(source, exc)
+                except Exception:
+                    self.counters["handler_errors"] += 1
+                    self._rlog(
+                        logging.ERROR, "on_error", "messenger %s: error handler failed", self.name, exc_info=True
+                    )
             return
         try:
             self._handler(source, msg)
         except Exception:
             self.counters["handler_errors"] += 1
-            log.exception("messenger %s: handler failed on %s", self.name, type(msg).__name__)
+            self._rlog(
+                logging.ERROR,
+                "handler",
+                "messenger %s: handler failed on %s",
+                self.name,
+                type(msg).__name__,
+                exc_info=True,
+            )
 
     def _close_sockets(self) -> None:
         # Stop every monitor while its PAIR end is still open, and only then close that end. libzmq emits
         # monitor events with a blocking send under the monitored socket's monitor lock: an event raised after
         # our PAIR end closed (a peer disconnecting while both sides shut down) blocks that send for good, and
         # disable_monitor() then waits on the lock forever (seen as a ~1-in-12 hang in Transceiver.close).
-        for sock in self._dealers.values():
+        for d in self._dealers.values():
             try:
-                sock.disable_monitor()
+                d.sock.disable_monitor()
             except zmq.ZMQError:
                 pass
-        for sock in list(self._monitors):
-            sock.close(0)
-        for sock in self._dealers.values():
-            sock.close(0)
+        for d in self._dealers.values():
+            d.monitor.close(0)
+        for d in self._dealers.values():
+            d.sock.close(0)
         self._dealers.clear()
-        self._monitors.clear()
+        self._by_sock.clear()
+        self._by_monitor.clear()
         self._router.close(0)
         self._wake_rx.close(0)
         self._wake_tx.close(0)
+        if self._zap is not None:
+            self._zap.close(0)
+        if self._own_ctx:
+            self._ctx.term()  # every socket of it is closed, with linger 0: returns at once

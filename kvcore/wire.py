@@ -9,12 +9,13 @@ wire are relative (milliseconds), never absolute clock readings.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from kvcore.errors import MessageDecodeError, MessageTooLargeError, ProtocolError, ProtocolVersionError
 from kvcore.mapping import RankLayout
+from kvcore.msgbounds import MAX_CONTAINER_ENTRIES, MAX_DEPTH, MAX_ITEMS, check_msgpack_bounds
 from kvcore.page import PageTable
 from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
 
@@ -35,6 +36,10 @@ __all__ = [
     "decode",
     "parse_endpoint",
     "negotiate",
+    "check_msgpack_bounds",
+    "MAX_DEPTH",
+    "MAX_CONTAINER_ENTRIES",
+    "MAX_ITEMS",
 ]
 
 #: The protocol version this build speaks, and the oldest it still accepts.
@@ -45,25 +50,39 @@ MIN_PROTOCOL_VERSION = 1
 MAX_BLOCKS_PER_REQUEST = 65536
 MAX_U64 = 2**64 - 1
 
+#: Ranks in one instance, and the longest name or endpoint string a peer may send.
+MAX_RANKS = 65536
+MAX_NAME_CHARS = 1024
+MAX_ERROR_CHARS = 64 * 1024
+#: A CURVE public key: 32 raw bytes (or empty: the peer runs without authentication).
+CURVE_KEY_BYTES = 32
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+ErrorText = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)]
+Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
+
 
 class RankInfo(msgspec.Struct, frozen=True):
     """One rank's identity, geometry, page table, agent descriptor and endpoint; cached per peer."""
 
-    instance_name: str
+    instance_name: Name
     rank: int
-    incarnation: str
+    incarnation: Name
     protocol_version: int
-    backend: str
-    endpoint: str
+    backend: Name
+    endpoint: Name
     topology: Topology
     geometry: AttentionGeometry
     page_table: PageTable
     agent_descriptor: bytes
     pid: int = 0  # with host_id and start_time: lets a same-host peer prove a writer is dead (fenced)
-    hostname: str = ""  # for people reading logs; never used as a proof
-    host_id: str = ""  # kvcore.hostinfo.host_identity(): equal only where pids can be checked
+    hostname: Name = ""  # for people reading logs; never used as a proof
+    host_id: Name = ""  # kvcore.hostinfo.host_identity(): equal only where pids can be checked
     start_time: int = 0  # the process's start time in clock ticks since boot (pid reuse guard)
     mamba: MambaGeometry | None = None
+    #: The CURVE public key (32 raw bytes) this rank's control socket serves with; empty without authentication.
+    #: Learnt from an authenticated peer, it tells the other ranks of an instance which server key to expect.
+    curve_public_key: Annotated[bytes, msgspec.Meta(max_length=CURVE_KEY_BYTES)] = b""
 
     @property
     def layout(self) -> RankLayout:
@@ -79,15 +98,15 @@ class InstanceInfoRequest(_Msg, tag="instance_info_request", frozen=True):
 
     min_version: int
     max_version: int
-    asker: str  # "instance/rank" of the generation rank, for logs
+    asker: Name  # "instance/rank" of the generation rank, for logs
 
 
 class InstanceInfo(_Msg, tag="instance_info", frozen=True):
     """ctx rank 0 -> gen: every context rank's RankInfo (or an error explaining the refusal)."""
 
-    instance_name: str
-    ranks: list[RankInfo]
-    error: str = ""
+    instance_name: Name
+    ranks: Annotated[list[RankInfo], msgspec.Meta(max_length=MAX_RANKS)]
+    error: ErrorText = ""
 
 
 class RegisterRankInfo(_Msg, tag="register_rank_info", frozen=True):
@@ -101,17 +120,17 @@ class RegisterResult(_Msg, tag="register_result", frozen=True):
 
     ctx_rank: int
     ok: bool
-    error_kind: str = ""
-    error: str = ""
+    error_kind: Name = ""
+    error: ErrorText = ""
 
 
 class RequestData(_Msg, tag="request_data", frozen=True):
     """gen -> ctx rank: write request ``request_id`` into these destination blocks."""
 
     request_id: int
-    gen_instance: str
+    gen_instance: Name
     gen_rank: int
-    gen_incarnation: str
+    gen_incarnation: Name
     block_ids: bytes  # little-endian int64
     state_slot: int = -1  # one slot per request for state pools (Mamba); -1: none
     prompt_len: int = -1
@@ -119,8 +138,8 @@ class RequestData(_Msg, tag="request_data", frozen=True):
     bounce_addr: int = 0  # nonzero: write the packed fragments here (a lease in the receiver's arena)
     bounce_bytes: int = 0
     bounce_digest: bytes = b""  # kvcore.bounce.plan_digest of the receiver's view of the unmerged plan
-    ctx_incarnation: str = ""  # the context incarnation the receiver believes it asks
-    nonce: bytes = b""  # the receiver's secret for this request: every answer echoes it, its cancels carry it
+    ctx_incarnation: Name = ""  # the context incarnation the receiver believes it asks
+    nonce: Nonce = b""  # the receiver's secret for this request: every answer echoes it, its cancels carry it
 
 
 class TransferResult(_Msg, tag="transfer_result", frozen=True):
@@ -128,14 +147,14 @@ class TransferResult(_Msg, tag="transfer_result", frozen=True):
 
     request_id: int
     ctx_rank: int
-    ctx_incarnation: str
+    ctx_incarnation: Name
     status: Literal["ok", "failed", "cancelled"]
     nbytes: int = 0
     fragments: int = 0
-    error_kind: str = ""
-    error: str = ""
+    error_kind: Name = ""
+    error: ErrorText = ""
     bounced: bool = False  # the bytes sit packed in the bounce lease; the receiver must scatter them
-    nonce: bytes = b""  # echo of RequestData.nonce: the receiver ignores answers without it
+    nonce: Nonce = b""  # echo of RequestData.nonce: the receiver ignores answers without it
     in_doubt: bool = False  # "failed" at the writer's deadline while the write may still land; a final result follows
 
 
@@ -143,17 +162,17 @@ class Cancel(_Msg, tag="cancel", frozen=True):
     """Either direction: the sender cancelled ``request_id``."""
 
     request_id: int
-    instance: str
+    instance: Name
     rank: int
-    reason: str = ""
-    nonce: bytes = b""  # the RequestData.nonce of the request being cancelled (generation -> context)
+    reason: ErrorText = ""
+    nonce: Nonce = b""  # the RequestData.nonce of the request being cancelled (generation -> context)
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):
     """Answer to a frame that could not be processed; ``kind`` is the kvcore error class name."""
 
-    kind: str
-    error: str
+    kind: Name
+    error: ErrorText
     request_id: int = -1
 
 
@@ -168,9 +187,16 @@ Message = (
     | ErrorReply
 )
 
+
+class _VersionProbe(msgspec.Struct):
+    """Only the ``v`` of a frame that did not decode as any known message (unknown fields are skipped)."""
+
+    v: int
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
-_probe = msgspec.msgpack.Decoder(dict[str, Any])
+_probe = msgspec.msgpack.Decoder(_VersionProbe)
 
 
 def encode(msg: Message) -> bytes:
@@ -179,9 +205,18 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(frame: bytes, max_bytes: int = 16 * 1024 * 1024) -> Message:
-    """Decode one frame; typed errors for oversize, malformed, unknown or wrong-version frames."""
+    """Decode one frame; any input raises only ``ProtocolError`` subclasses (oversize, malformed, unknown, version).
+
+    The raw bytes are walked first (``check_msgpack_bounds``): nesting depth,
+    entries per container, objects per frame and every declared length are
+    bounded before msgspec allocates anything, so no frame can exhaust the
+    stack (a RecursionError used to escape here) or memory.
+    """
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise MessageDecodeError(f"control frame must be bytes, got {type(frame).__name__}")
     if len(frame) > max_bytes:
         raise MessageTooLargeError(f"control frame of {len(frame)} bytes exceeds the {max_bytes}-byte bound")
+    check_msgpack_bounds(frame, error=MessageDecodeError, what=f"malformed control frame ({len(frame)} bytes)")
     try:
         msg = _decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -191,20 +226,28 @@ def decode(frame: bytes, max_bytes: int = 16 * 1024 * 1024) -> Message:
                 f"peer speaks protocol version {version}; this kvcore speaks {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}"
             ) from exc
         raise MessageDecodeError(f"malformed control frame ({len(frame)} bytes): {exc}") from exc
+    except Exception as exc:  # a bug in a __post_init__ or in msgspec must still be this peer's error
+        raise MessageDecodeError(
+            f"control frame ({len(frame)} bytes) could not be decoded: {type(exc).__name__}: {exc}"
+        ) from exc
     if not (MIN_PROTOCOL_VERSION <= msg.v <= PROTOCOL_VERSION):
         raise ProtocolVersionError(
             f"{type(msg).__name__} has protocol version {msg.v}; this kvcore speaks {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}"
         )
-    _validate(msg)
+    try:
+        _validate(msg)
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise MessageDecodeError(f"{type(msg).__name__} failed validation: {type(exc).__name__}: {exc}") from exc
     return msg
 
 
 def _peek_version(frame: bytes) -> int | None:
     try:
-        v = _probe.decode(frame).get("v")
+        return _probe.decode(frame).v
     except Exception:
         return None
-    return v if isinstance(v, int) else None
 
 
 def _validate(msg: Message) -> None:
@@ -220,13 +263,19 @@ def _validate(msg: Message) -> None:
             raise MessageDecodeError(f"timeout_ms must be > 0, got {msg.timeout_ms}")
         if msg.bounce_addr < 0 or msg.bounce_bytes < 0 or len(msg.bounce_digest) > 64:
             raise MessageDecodeError("bounce_addr/bounce_bytes must be >= 0 and bounce_digest at most 64 bytes")
-        if len(msg.nonce) > 64 or len(msg.ctx_incarnation) > 64:
-            raise MessageDecodeError("nonce and ctx_incarnation must be at most 64 bytes")
     elif isinstance(msg, RegisterRankInfo):
-        parse_endpoint(msg.info.endpoint)
+        _validate_rank_info(msg.info)
     elif isinstance(msg, InstanceInfo):
         for info in msg.ranks:
-            parse_endpoint(info.endpoint)
+            _validate_rank_info(info)
+
+
+def _validate_rank_info(info: RankInfo) -> None:
+    parse_endpoint(info.endpoint)
+    if len(info.curve_public_key) not in (0, CURVE_KEY_BYTES):
+        raise MessageDecodeError(
+            f"RankInfo.curve_public_key: expected 0 or {CURVE_KEY_BYTES} bytes, got {len(info.curve_public_key)}"
+        )
 
 
 def negotiate(min_version: int, max_version: int) -> int:

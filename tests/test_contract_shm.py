@@ -1,4 +1,8 @@
-"""The transfer-agent contract suite against the built-in shm agent, plus the shm-specific guarantees."""
+"""The transfer-agent contract suite against the built-in shm agent, plus the shm-specific guarantees.
+
+The attacks on the shm agent (forged descriptors, truncation, fd theft,
+name squatting) are in ``test_security_shm.py``.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import pytest
 import torch
 
 from kvcore.agent import TransferAgent, TransferOp
-from kvcore.builtin.shm import SHM_DIR, ShmAgent
+from kvcore.builtin.shm import ShmAgent
 from kvcore.errors import PeerLostError, RemoteAgentError, RemoteRangeError
 from kvcore.testing.contract import *  # noqa: F403
 from kvcore.testing.harness import PeerProcess, digest, pattern
@@ -24,7 +28,20 @@ MiB = 1024 * 1024
 
 
 def _files_of(pid: int) -> list[str]:
-    return [f for f in os.listdir(SHM_DIR) if f.startswith(f"kvcore-shm-{pid}-")]
+    """Files of agents of ``pid`` in /dev/shm: there must never be any (segments are memfds)."""
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"kvcore-shm-{pid}-")]
+
+
+def _mapped_from(pid: int) -> list[str]:
+    """This process's mappings of memfds created by the agents of process ``pid``."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if f"memfd:kvcore-shm-{pid}-" in line]
+
+
+def _connect(agent: ShmAgent, peer: PeerProcess) -> str:
+    """Load each other's descriptors, the peer first (it serves its memory only to agents it loaded)."""
+    peer.call("load", descriptor=agent.descriptor())
+    return agent.load_remote_agent(peer.call("descriptor")["descriptor"])
 
 
 @pytest.fixture
@@ -45,7 +62,7 @@ def test_stale_descriptor_refused_by_control_block(agent: ShmAgent, kvcore_peer:
     """A sender that never reloaded the descriptor is still refused once the receiver deregistered."""
     info = kvcore_peer.call("alloc", key="stale", nbytes=MiB, seed=21)
     src = _source(agent, pattern(22, MiB))
-    peer = agent.load_remote_agent(kvcore_peer.call("descriptor")["descriptor"])
+    peer = _connect(agent, kvcore_peer)
     kvcore_peer.call("deregister", key="stale")  # the new descriptor is deliberately not loaded
     with pytest.raises(RemoteRangeError, match="deregistered"):
         agent.submit(TransferOp.WRITE, peer, [src], [info["address"]], [MiB])
@@ -64,7 +81,7 @@ def test_plain_memory_is_local_only(agent: ShmAgent, kvcore_peer: PeerProcess) -
     regions = TransferAgent.decode_descriptor(agent.descriptor()).regions
     assert [(r.address, r.length) for r in regions] == [(shared.data_ptr(), 4096)]
     info = kvcore_peer.call("alloc", key="plain", nbytes=MiB)
-    peer = agent.load_remote_agent(kvcore_peer.call("descriptor")["descriptor"])
+    peer = _connect(agent, kvcore_peer)
     h = agent.submit(TransferOp.WRITE, peer, [plain.data_ptr()], [info["address"]], [MiB])
     agent.wait(h, timeout=10)
     agent.release(h)
@@ -77,7 +94,7 @@ def test_many_notifications_without_receiver_draining(agent: ShmAgent, kvcore_pe
     """More notifications than the kernel's datagram queue (10 here) all arrive, once each."""
     info = kvcore_peer.call("alloc", key="many", nbytes=4096)
     src = _source(agent, pattern(24, 4096))
-    peer = agent.load_remote_agent(kvcore_peer.call("descriptor")["descriptor"])
+    peer = _connect(agent, kvcore_peer)
     for i in range(200):
         h = agent.submit(TransferOp.WRITE, peer, [src], [info["address"]], [64], notification=b"n%d" % i)
         agent.wait(h, timeout=10)
@@ -88,56 +105,67 @@ def test_many_notifications_without_receiver_draining(agent: ShmAgent, kvcore_pe
 
 
 def test_closed_peer_agent_is_peer_lost(agent: ShmAgent) -> None:
-    """A peer that closed its agent (process alive) is reported as lost, and leaves no file behind."""
+    """A peer that closed its agent (process alive) is reported as lost, before and after we fetched its memory."""
     with PeerProcess("shm", name="closing") as p:
         info = p.call("alloc", key="k", nbytes=4096)
         src = _source(agent, pattern(25, 4096))
-        peer = agent.load_remote_agent(p.call("descriptor")["descriptor"])
+        peer = _connect(agent, p)
+        h = agent.submit(TransferOp.WRITE, peer, [src], [info["address"]], [4096])  # fetched and mapped
+        agent.wait(h, timeout=10)
+        agent.release(h)
         p.call("reopen")
         with pytest.raises(PeerLostError, match="closed"):
             agent.submit(TransferOp.WRITE, peer, [src], [info["address"]], [4096])
-        assert len(_files_of(p.pid)) == 1  # only the new agent's control block
-    assert _files_of(p.pid) == []
+    with PeerProcess("shm", name="closing-early") as p:
+        info = p.call("alloc", key="k", nbytes=4096)
+        peer = _connect(agent, p)
+        p.call("reopen")  # before our first transfer: its socket is gone
+        with pytest.raises(PeerLostError, match="closed or died"):
+            agent.submit(TransferOp.WRITE, peer, [src], [info["address"]], [4096])
 
 
-def test_crashed_peer_files_are_reclaimed(agent: ShmAgent) -> None:
-    """SIGKILL leaves the peer's segments behind; the first sender to notice unlinks them."""
+def test_crashed_peer_is_lost_and_its_memory_goes_with_the_last_mapping(agent: ShmAgent) -> None:
+    """SIGKILL: the next transfer is PeerLostError; once unloaded, nothing of the dead peer stays mapped here."""
     p = PeerProcess("shm", name="crashing")
     info = p.call("alloc", key="k", nbytes=MiB)
-    peer = agent.load_remote_agent(p.call("descriptor")["descriptor"])
-    p.kill()
-    assert len(_files_of(p.pid)) == 2  # control block + one segment, orphaned
     src = _source(agent, pattern(26, MiB))
+    peer = _connect(agent, p)
+    h = agent.submit(TransferOp.WRITE, peer, [src], [info["address"]], [MiB])
+    agent.wait(h, timeout=10)
+    agent.release(h)
+    assert len(_mapped_from(p.pid)) == 2  # its control block and its one segment
+    p.kill()
     with pytest.raises(PeerLostError, match="died"):
         agent.submit(TransferOp.WRITE, peer, [src], [info["address"]], [MiB])
-    assert _files_of(p.pid) == []
+    agent.unload_remote_agent(peer)
+    assert _mapped_from(p.pid) == [] and _files_of(p.pid) == []
 
 
-def test_hostile_payload_names_refused(agent: ShmAgent, kvcore_peer: PeerProcess) -> None:
-    """Segment names outside the kvcore shm namespace (path traversal) are refused before any open()."""
+def test_hostile_payload_fields_refused(agent: ShmAgent, kvcore_peer: PeerProcess) -> None:
+    """Socket names outside the kvcore namespace, and any extra field (a path), are refused at load."""
     kvcore_peer.call("alloc", key="hostile", nbytes=4096)
     desc = TransferAgent.decode_descriptor(kvcore_peer.call("descriptor")["descriptor"])
     payload = msgspec.msgpack.decode(desc.payload)
-    for field, value in (("ctl", "../../etc/passwd"), ("sock", "x" * 10)):
+    for field, value in (("fds", "../../etc/passwd"), ("notify", "x" * 10), ("fds", "kvcore-shm-1-abcdef01-1-notify")):
         bad = msgspec.structs.replace(desc, payload=msgspec.msgpack.encode({**payload, field: value}))
         with pytest.raises(RemoteAgentError, match="not a kvcore shm name"):
             agent.load_remote_agent(msgspec.msgpack.encode(bad))
-    segs = [["../../../tmp/x", s[1], s[2]] for s in payload["segments"]]
-    bad = msgspec.structs.replace(desc, payload=msgspec.msgpack.encode({**payload, "segments": segs}))
-    with pytest.raises(RemoteAgentError, match="segment name"):
+    bad = msgspec.structs.replace(desc, payload=msgspec.msgpack.encode({**payload, "ctl": "/dev/shm/victim"}))
+    with pytest.raises(RemoteAgentError, match="malformed"):
         agent.load_remote_agent(msgspec.msgpack.encode(bad))
+    assert agent.remote_agents == ()
     kvcore_peer.call("free", key="hostile")
 
 
-def test_no_files_left_after_close() -> None:
-    """A closed agent leaves nothing in /dev/shm and its resources() are zero."""
+def test_nothing_in_dev_shm_ever() -> None:
+    """Segments are memfds: no file is created in /dev/shm; a closed agent's resources() are zero."""
     a = ShmAgent("leak-check")
     t = a.allocate_tensor((3, 5), torch.float16)
     a.register_memory(t)
-    assert len(_files_of(os.getpid())) >= 2
+    assert _files_of(os.getpid()) == []
+    assert a.resources()["shm_segments"] == 1
     a.close()
     assert not any(a.resources().values())
-    assert not any(f for f in _files_of(os.getpid()) if "-leak-" in f)
     t += 1  # the tensor stays valid after close: the mapping lives as long as the tensor
 
 
@@ -147,7 +175,7 @@ def test_bandwidth(agent: ShmAgent, kvcore_peer: PeerProcess, layout: str) -> No
     n, frag = (1, 64 * MiB) if layout == "1x64MiB" else (4096, 16 * 1024)
     info = kvcore_peer.call("alloc", key="bw", nbytes=n * frag)
     src = _source(agent, pattern(27, n * frag))
-    peer = agent.load_remote_agent(kvcore_peer.call("descriptor")["descriptor"])
+    peer = _connect(agent, kvcore_peer)
     order = np.random.default_rng(27).permutation(n).astype(np.uint64)
     local = src + np.arange(n, dtype=np.uint64) * frag
     remote = info["address"] + order * frag
@@ -180,7 +208,7 @@ def test_no_fd_or_thread_leak(kvcore_peer: PeerProcess) -> None:
         a = ShmAgent("leaky")
         info = kvcore_peer.call("alloc", key="fd", nbytes=MiB)
         src = _source(a, pattern(28, MiB))
-        peer = a.load_remote_agent(kvcore_peer.call("descriptor")["descriptor"])
+        peer = _connect(a, kvcore_peer)
         h = a.submit(TransferOp.WRITE, peer, [src], [info["address"]], [MiB], notification=b"x")
         a.wait(h, timeout=10)
         a.close()

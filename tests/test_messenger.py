@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from kvcore import wire
+from kvcore.errors import ConfigError
 from kvcore.messenger import Messenger, Source
 
 V = wire.PROTOCOL_VERSION
@@ -33,11 +34,13 @@ def test_binds_loopback_by_default() -> None:
         m.close()
 
 
-def test_non_loopback_bind_warns(caplog: pytest.LogCaptureFixture) -> None:
+def test_non_loopback_bind_without_auth_needs_the_opt_in_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ConfigError, match="allow_insecure_bind"):
+        Messenger(lambda s, x: None, host="0.0.0.0", name="any")
     with caplog.at_level(logging.WARNING, logger="kvcore.messenger"):
-        m = Messenger(lambda s, x: None, host="0.0.0.0", name="any")
+        m = Messenger(lambda s, x: None, host="0.0.0.0", name="any", allow_insecure_bind=True)
     try:
-        assert "non-loopback" in caplog.text
+        assert "non-loopback" in caplog.text and "WITHOUT authentication" in caplog.text
     finally:
         m.close()
 

@@ -1,28 +1,43 @@
 """The built-in same-host shared-memory transfer agent (backend ``shm``): real cross-process copies, no native library.
 
-How it works:
+Memory travels as a capability, never as a name:
 
-* ``allocate_tensor`` puts tensors in POSIX shared-memory segments this agent
-  owns (files under ``/dev/shm`` opened and mapped directly, so Python's
-  ``resource_tracker`` is never involved). Registrations inside a segment are
-  *exported*: the descriptor names the segment, its base address in the owner
-  and a (slot, token) pair in the owner's control block. Registrations of
-  ordinary memory are allowed but stay local (a transfer source, or a READ
-  destination); they are not listed in the descriptor.
-* The initiator maps the peer's segments once per peer and copies every merged
-  run of fragments with ``memmove`` (glibc, the GIL released) after validating
-  every fragment against the peer's segments and its control block.
-* Each agent owns a control segment: a header (magic, alive flag, pid) and one
-  token per exported registration. Deregistering zeroes the token first, so a
-  sender still holding the old descriptor is refused with ``RemoteRangeError``.
-  The owner holds an exclusive ``flock`` on the control file for its whole
-  life; a sender that can take a shared lock knows the owner is dead
-  (``PeerLostError``) and unlinks the dead owner's segments so they do not
-  leak.
-* Notifications travel on a UNIX datagram socket in the abstract namespace
-  (nothing on disk to leak) and are sent only after the copy returned, so the
-  receiver never sees a notification before its data. A small thread drains
-  the socket so senders are never blocked by the kernel's short datagram queue.
+* ``allocate_tensor`` puts tensors in anonymous memory files (``memfd_create``)
+  sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW``, then
+  ``F_SEAL_SEAL``): nobody, the owner included, can truncate what a peer has
+  mapped, so a peer never takes a SIGBUS. Nothing is created in ``/dev/shm``;
+  the memory disappears with the last process that maps it.
+* The descriptor names no file: it lists segment ids with their base address
+  in the owner, the exported registrations, the owner's pid and two
+  abstract-namespace UNIX sockets (nothing on disk; per network namespace).
+* A peer gets the segments' file descriptors over the owner's ``SOCK_SEQPACKET``
+  socket with ``SCM_RIGHTS``, lazily, at the first transfer that needs them.
+  **Capability rule:** the owner serves its fds only to a connecting process
+  whose agent it has itself loaded (``load_remote_agent``) under the name and
+  incarnation the request states, with the pid that descriptor declared equal
+  to the kernel's ``SO_PEERCRED`` pid. The connecting side in turn checks that
+  the socket's ``SO_PEERCRED`` pid and the identity the owner states match the
+  descriptor it loaded, and that every fd is a memfd sealed against shrinking
+  and at least as large as declared, before mapping anything. kvcore never
+  opens, maps or unlinks a path a peer named.
+* Each agent owns a control block (one more sealed memfd, passed first): an
+  alive flag and one random 63-bit token per exported registration.
+  Deregistering zeroes the token first, so a sender still holding an old
+  descriptor is refused with ``RemoteRangeError``; a descriptor cannot invent
+  an export (its token would not match). The connection that carried the fds
+  stays open: when it hangs up the owner closed its agent or died
+  (``PeerLostError``).
+* Notifications travel on a UNIX datagram socket in the abstract namespace and
+  are sent only after the copy returned, so the receiver never sees one before
+  its data. The kernel attaches the sender's pid (``SO_PASSCRED``): a
+  notification is delivered only when its sender names an agent loaded here
+  with that pid. A small thread drains the socket (and serves fds).
+
+Agent names are unique per loading agent: a descriptor with the name of a
+loaded peer but another incarnation replaces it only once the loaded one is
+provably gone (its process or socket); while it lives, ``RemoteAgentError``.
+A refresh (same incarnation) must name the same pid and sockets. The agent
+refuses a descriptor of itself.
 """
 
 from __future__ import annotations
@@ -35,14 +50,16 @@ import math
 import mmap
 import os
 import re
+import secrets
 import select
 import socket
+import stat
+import struct
 import threading
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -62,6 +79,7 @@ from kvcore.agent import (
     process_incarnation,
 )
 from kvcore.errors import (
+    KvcoreError,
     PeerLostError,
     RegistrationError,
     RemoteAgentError,
@@ -70,6 +88,7 @@ from kvcore.errors import (
     TransferFailedError,
     UnsupportedOperationError,
 )
+from kvcore.msgbounds import check_msgpack_bounds
 
 if TYPE_CHECKING:
     import torch
@@ -78,16 +97,29 @@ __all__ = ["ShmAgent"]
 
 log = logging.getLogger("kvcore.shm")
 
-SHM_DIR = "/dev/shm"
 _PAGE = mmap.PAGESIZE
-_NAME_RE = re.compile(r"^kvcore-shm-[0-9]{1,10}-[0-9a-f]{8}-[0-9]{1,10}-(ctl|s[0-9]{1,10})$")
-_SOCK_RE = re.compile(r"^kvcore-shm-[0-9]{1,10}-[0-9a-f]{8}-[0-9]{1,10}-notify$")
+_SOCK_RE = re.compile(r"\Akvcore-shm-[0-9]{1,10}-[0-9a-f]{8}-[0-9]{1,10}-(fds|notify)\Z")
 _MAX_SEGMENT_BYTES = 1 << 40
+_MAX_SEGMENTS = 4096
 _MAX_NOTIFICATION_BYTES = 60 * 1024  # one datagram, well under the default socket buffer
+_MAX_REQUEST_BYTES = 4096
+_MAX_REPLY_BYTES = 1 << 20
+_FDS_PER_MESSAGE = 250  # the kernel passes at most SCM_MAX_FD (253) fds in one message
+_FETCH_TIMEOUT_S = 10.0
+_MAX_SERVER_CONNECTIONS = 1024
+
+# Sealing constants (Linux); Python 3.11's fcntl may lack them.
+F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1024 + 9)
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1024 + 10)
+F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 0x0001)
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
+F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
+_MFD_FLAGS = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 # Control block: uint64 words. The header is followed by one token per export slot.
 _MAGIC = 0x6B76636F72657368  # b"kvcoresh"
-_LAYOUT_VERSION = 1
+_LAYOUT_VERSION = 2
 _W_MAGIC, _W_VERSION, _W_ALIVE, _W_PID = 0, 1, 2, 3
 _HEADER_WORDS = 8
 _SLOTS = 4096
@@ -96,9 +128,11 @@ _CTL_BYTES = 8 * (_HEADER_WORDS + _SLOTS)
 _memmove = ctypes.memmove  # a CFUNCTYPE: releases the GIL while glibc copies
 _agent_seq = itertools.count(1)
 
+Name = Annotated[str, msgspec.Meta(max_length=1024)]
+
 
 class _SegmentInfo(msgspec.Struct, array_like=True, frozen=True):
-    name: str
+    id: int
     base: int  # address of the segment in the owner process
     size: int
 
@@ -111,85 +145,39 @@ class _ExportInfo(msgspec.Struct, array_like=True, frozen=True):
 
 
 class _Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The shm part of the descriptor: where the control block, notification socket and segments are."""
+    """The shm part of the descriptor: the owner's pid, its two sockets, its segments and exports (no file names)."""
 
-    ctl: str
-    sock: str
     pid: int
-    segments: list[_SegmentInfo]
-    exports: list[_ExportInfo]
+    fds: Name  # abstract SOCK_SEQPACKET socket serving the memfds
+    notify: Name  # abstract SOCK_DGRAM socket receiving notifications
+    segments: Annotated[list[_SegmentInfo], msgspec.Meta(max_length=_MAX_SEGMENTS)]
+    exports: Annotated[list[_ExportInfo], msgspec.Meta(max_length=_SLOTS)]
+
+
+class _FdRequest(msgspec.Struct, array_like=True, frozen=True):
+    """Client -> owner: I am agent ``client`` (``incarnation``); send me the memory of ``server``."""
+
+    client: Name
+    incarnation: Name
+    server: Name
+    server_incarnation: Name
+
+
+class _FdReply(msgspec.Struct, array_like=True, frozen=True):
+    """Owner -> client: who answers, and the segment behind each fd that follows the control block's fd."""
+
+    ok: bool
+    error: Annotated[str, msgspec.Meta(max_length=4096)]
+    server: Name
+    incarnation: Name
+    segments: Annotated[list[_SegmentInfo], msgspec.Meta(max_length=_MAX_SEGMENTS)]
 
 
 _payload_decoder = msgspec.msgpack.Decoder(_Payload)
+_request_decoder = msgspec.msgpack.Decoder(_FdRequest)
+_reply_decoder = msgspec.msgpack.Decoder(_FdReply)
 _notif_decoder = msgspec.msgpack.Decoder(tuple[str, bytes])
 _encoder = msgspec.msgpack.Encoder()
-
-
-_SWEPT_PID = 0
-_SWEEP_MIN_AGE_S = 30.0  # never touch files young enough to belong to an agent still being created
-
-
-def sweep_dead_segments(directory: str = SHM_DIR) -> list[str]:
-    """Unlink the files of shm agents whose process died without closing (SIGKILL, crash).
-
-    Proof of death is the owner's ``flock`` on its control file: if we can take
-    it, nobody holds it. Files younger than 30 s are left alone (the owner may be
-    between creating its control file and locking it). Segment files whose
-    control file is already gone are removed once their creator pid is gone.
-    Returns the unlinked paths. Called once per process by the first ``ShmAgent``.
-    """
-    import re
-    import time
-
-    now = time.time()
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    pattern = re.compile(r"\Akvcore-shm-(\d+)-[0-9a-f]+-\d+")
-    by_prefix: dict[str, list[str]] = {}
-    for n in names:
-        m = pattern.match(n)
-        if m:
-            by_prefix.setdefault(m.group(0), []).append(n)
-    for prefix, files in by_prefix.items():
-        paths = [os.path.join(directory, f) for f in files]
-        try:
-            if any(now - os.stat(p).st_mtime < _SWEEP_MIN_AGE_S for p in paths):
-                continue
-        except FileNotFoundError:
-            continue
-        ctl = os.path.join(directory, f"{prefix}-ctl")
-        if os.path.exists(ctl):
-            try:
-                fd = os.open(ctl, os.O_RDWR)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                continue  # alive: its owner holds the lock
-            try:
-                _unlink_quietly(paths)
-                removed.extend(paths)
-            finally:
-                os.close(fd)
-        else:
-            pid = int(prefix.split("-")[2])
-            try:
-                os.kill(pid, 0)
-                continue
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
-            _unlink_quietly(paths)
-            removed.extend(paths)
-    if removed:
-        log.info("kvcore shm: removed %d file(s) left by dead agents", len(removed))
-    return removed
 
 
 def _address_of(mm: mmap.mmap) -> int:
@@ -197,14 +185,33 @@ def _address_of(mm: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
-def _unlink_quietly(paths: Sequence[str]) -> None:
-    for path in paths:
+def _peer_pid(sock: socket.socket) -> int:
+    """The pid the kernel recorded for the other end of a connected UNIX socket (``SO_PEERCRED``)."""
+    pid, _uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return int(pid)
+
+
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
         try:
-            os.unlink(path)
-        except FileNotFoundError:
+            os.close(fd)
+        except OSError:  # pragma: no cover
             pass
-        except OSError as exc:  # pragma: no cover - permissions changed under us
-            log.warning("kvcore shm: could not unlink %s: %s", path, exc)
+
+
+def check_sealed_memfd(fd: int, min_size: int) -> None:
+    """``RemoteAgentError`` unless ``fd`` is a regular file sealed against shrinking, of at least ``min_size`` bytes."""
+    try:
+        seals = fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError as exc:
+        raise RemoteAgentError(f"the peer passed an fd that cannot be sealed (not a memfd): {exc}") from exc
+    if not seals & F_SEAL_SHRINK:
+        raise RemoteAgentError(
+            f"the peer passed a memfd not sealed against shrinking (seals {seals:#x}): it could truncate it under us"
+        )
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size < min_size:
+        raise RemoteAgentError(f"the peer passed a memfd of {st.st_size} bytes; its descriptor declares {min_size}")
 
 
 def _merge_runs(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> tuple[list[int], list[int], list[int]]:
@@ -220,16 +227,21 @@ def _merge_runs(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> tuple[li
 
 @dataclass(eq=False)
 class _Segment:
-    """A shared-memory file mapped in this process (one we own, or one of a peer's)."""
+    """A sealed memfd mapped in this process (one we own, with its fd; or one of a peer's, fd already closed)."""
 
-    name: str
+    id: int
     size: int
     mm: mmap.mmap
     local: int  # address of the mapping in this process
     base: int = 0  # address in the owner process (== local for our own)
+    fd: int = -1  # kept open for our own segments: it is what we pass to peers
+    exports: int = 0  # live exported registrations inside (our own segments)
 
     def close(self) -> bool:
-        """Unmap; False when tensors still hold the memory (it is then freed with the last tensor)."""
+        """Unmap (and close our fd); False when tensors still hold the memory (freed with the last tensor)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         try:
             self.mm.close()
         except BufferError:
@@ -245,33 +257,20 @@ class _Export:
 
 
 @dataclass(eq=False)
-class _Control:
-    """A peer's control block mapped here, with the fd we probe its owner's flock through; shared across refreshes."""
+class _Peer:
+    """What we keep per loaded peer: its identity, and once fetched its connection, control block and segments."""
 
     name: str
-    fd: int
-    mm: mmap.mmap
-    words: np.ndarray | None  # uint64 view; None once closed
-
-    def close(self) -> None:
-        if self.words is None:
-            return
-        self.words = None  # drop the buffer export before unmapping
-        try:
-            self.mm.close()
-        except BufferError:  # pragma: no cover - only if someone kept a view; GC unmaps it later
-            log.warning("kvcore shm: control block %s still in use; left to the garbage collector", self.name)
-        os.close(self.fd)
-
-
-@dataclass(eq=False)
-class _Peer:
-    """What a sender keeps per loaded peer: its control block, notification address and mapped segments."""
-
-    control: _Control
-    sock: bytes
+    incarnation: str
     pid: int
-    segments: dict[str, _Segment]
+    fds_name: str
+    notify: bytes
+    payload: _Payload
+    conn: socket.socket | None = None
+    ctl_mm: mmap.mmap | None = None
+    ctl_words: np.ndarray | None = None
+    segments: dict[int, _Segment] = field(default_factory=dict)
+    unshared: set[int] = field(default_factory=set)  # listed, but the owner no longer shares them (no live export)
     seg_base: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     seg_end: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     seg_local: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
@@ -281,9 +280,34 @@ class _Peer:
     reg_token: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
 
     @property
-    def ctl(self) -> np.ndarray:
-        assert self.control.words is not None, "peer control block already closed"
-        return self.control.words
+    def fetched(self) -> bool:
+        """True when every segment the current descriptor lists is mapped here."""
+        return self.ctl_words is not None and all(
+            s.id in self.segments or s.id in self.unshared for s in self.payload.segments
+        )
+
+    def hung_up(self) -> bool:
+        """True when the owner closed the connection that carried its fds (it never sends unsolicited data)."""
+        if self.conn is None:
+            return False
+        p = select.poll()
+        p.register(self.conn, select.POLLIN | select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0))
+        return bool(p.poll(0))
+
+    def close(self) -> None:
+        for seg in self.segments.values():
+            seg.close()
+        self.segments = {}
+        self.ctl_words = None  # drop the buffer export before unmapping
+        if self.ctl_mm is not None:
+            try:
+                self.ctl_mm.close()
+            except BufferError:  # pragma: no cover - a view escaped; the GC unmaps it
+                log.warning("kvcore shm: control block of %r still in use; left to the garbage collector", self.name)
+            self.ctl_mm = None
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
 
 @dataclass(eq=False)
@@ -295,11 +319,13 @@ class _Xfer:
 
 
 class ShmAgent(TransferAgent):
-    """Same-host agent over POSIX shared memory: WRITE and READ into peers' ``allocate_tensor`` memory.
+    """Same-host agent over sealed memfds: WRITE and READ into peers' ``allocate_tensor`` memory.
 
     Transfers complete inside ``submit`` (DONE at the first poll) unless the
     peer's notification queue is full; then the transfer stays PENDING and
     every poll retries, so ``wait(timeout)`` bounds it. Takes no options.
+    The peer must have loaded this agent's descriptor before our first
+    transfer to it (the capability rule in the module docstring).
     """
 
     backend: ClassVar[str] = "shm"
@@ -309,47 +335,59 @@ class ShmAgent(TransferAgent):
 
     def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
         super().__init__(name, options)
-        global _SWEPT_PID
-        if _SWEPT_PID != os.getpid():
-            _SWEPT_PID = os.getpid()
-            sweep_dead_segments()
         self._prefix = f"kvcore-shm-{os.getpid()}-{process_incarnation()[:8]}-{next(_agent_seq)}"
-        self._segments: dict[str, _Segment] = {}
-        self._seg_count = itertools.count()
+        self._segments: dict[int, _Segment] = {}
+        self._seg_ids = itertools.count(1)
+        self._seg_lock = threading.Lock()  # _segments is read by the serving thread
         self._free_slots = list(range(_SLOTS - 1, -1, -1))
-        self._tokens = itertools.count(1)
-        self._paths: list[str] = []  # files to unlink even if close() is never called
         self._notifications: deque[Notification] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.refused = 0  # fd requests and notifications refused (read by tests and operators)
 
-        ctl_name = f"{self._prefix}-ctl"
-        self._ctl_fd = os.open(os.path.join(SHM_DIR, ctl_name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        self._paths.append(os.path.join(SHM_DIR, ctl_name))
-        self._finalizer = weakref.finalize(self, _unlink_quietly, self._paths)
-        # Held for the agent's life: a peer that can take a shared lock knows we are gone.
-        fcntl.flock(self._ctl_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.ftruncate(self._ctl_fd, _CTL_BYTES)
-        self._ctl_name = ctl_name
-        self._ctl_mm = mmap.mmap(self._ctl_fd, _CTL_BYTES)
+        ctl_fd = self._new_memfd("ctl", _CTL_BYTES)
+        try:
+            self._ctl_mm = mmap.mmap(ctl_fd, _CTL_BYTES)
+        except BaseException:
+            os.close(ctl_fd)
+            raise
+        self._ctl_fd = ctl_fd
         self._ctl = np.frombuffer(self._ctl_mm, dtype=np.uint64)
         self._ctl[_W_VERSION], self._ctl[_W_PID], self._ctl[_W_ALIVE] = _LAYOUT_VERSION, os.getpid(), 1
         self._ctl[_W_MAGIC] = _MAGIC  # last: a reader that sees the magic sees a complete header
 
-        self._sock_name = f"{self._prefix}-notify"
-        self._rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._rx.bind(b"\0" + self._sock_name.encode())
+        self._notify_name = f"{self._prefix}-notify"
+        self._rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._rx.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the kernel tells us each sender's pid
+        self._rx.bind(b"\0" + self._notify_name.encode())
         self._rx.setblocking(False)
-        self._tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._tx.setblocking(False)
+        self._fds_name = f"{self._prefix}-fds"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._listener.bind(b"\0" + self._fds_name.encode())
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._conns: dict[socket.socket, bool] = {}  # accepted -> served once; touched by the serving thread only
         self._wake_r, self._wake_w = socket.socketpair()
-        self._thread = threading.Thread(target=self._drain_loop, name=f"kvcore-shm-notify-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._serve_loop, name=f"kvcore-shm-{name}", daemon=True)
         self._thread.start()
 
     # --- memory ------------------------------------------------------------------------------
 
+    def _new_memfd(self, what: str, size: int) -> int:
+        """A memfd of ``size`` bytes, sealed: it can never shrink or grow, and its seals never change again."""
+        fd = os.memfd_create(f"{self._prefix}-{what}", _MFD_FLAGS)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def allocate_tensor(self, shape: Sequence[int], dtype: Any, device: str = "cpu") -> torch.Tensor:
-        """A zeroed CPU tensor inside a new shared-memory segment of this agent (freed at ``close``)."""
+        """A zeroed CPU tensor inside a new sealed shared-memory segment of this agent."""
         import torch
 
         self._check_open()
@@ -359,21 +397,21 @@ class ShmAgent(TransferAgent):
         itemsize = torch.empty(0, dtype=dtype).element_size()
         nbytes = math.prod(shape) * itemsize
         size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
-        name = f"{self._prefix}-s{next(self._seg_count)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        self._paths.append(path)
+        if len(self._segments) >= _MAX_SEGMENTS:
+            raise RegistrationError(f"shm agent {self.name!r} already has {_MAX_SEGMENTS} segments")
+        seg_id = next(self._seg_ids)
         try:
-            os.ftruncate(fd, size)
+            fd = self._new_memfd(f"s{seg_id}", size)
+        except OSError as exc:
+            raise RegistrationError(f"shm agent could not allocate a {size}-byte memfd: {exc}") from exc
+        try:
             mm = mmap.mmap(fd, size)
         except OSError as exc:
-            _unlink_quietly([path])
-            self._paths.remove(path)
-            raise RegistrationError(f"shm agent could not allocate {size} bytes in {path}: {exc}") from exc
-        finally:
-            os.close(fd)  # mmap keeps its own duplicate
-        self._segments[name] = _Segment(name, size, mm, _address_of(mm))
-        self._segments[name].base = self._segments[name].local
+            os.close(fd)
+            raise RegistrationError(f"shm agent could not map a {size}-byte memfd: {exc}") from exc
+        local = _address_of(mm)
+        with self._seg_lock:
+            self._segments[seg_id] = _Segment(seg_id, size, mm, local, local, fd)
         # np.frombuffer holds a buffer export, so the mapping outlives close() while a tensor uses it.
         flat = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8, count=nbytes))
         return flat.view(dtype).reshape(shape)
@@ -386,8 +424,11 @@ class ShmAgent(TransferAgent):
             return None  # ordinary memory: usable locally, never offered to peers
         if not self._free_slots:
             raise RegistrationError(f"shm agent {self.name!r} has all {_SLOTS} export slots in use")
-        export = _Export(seg, self._free_slots.pop(), next(self._tokens))
+        # Random, so a descriptor can only name exports it was given, never guess one.
+        export = _Export(seg, self._free_slots.pop(), secrets.randbits(63) + 1)
         self._ctl[_HEADER_WORDS + export.slot] = export.token
+        with self._seg_lock:
+            seg.exports += 1
         return export
 
     def _deregister(self, registration: Registration) -> None:
@@ -396,6 +437,8 @@ class ShmAgent(TransferAgent):
             # Zeroed before anything else, so a sender holding the old descriptor is refused from now on.
             self._ctl[_HEADER_WORDS + export.slot] = 0
             self._free_slots.append(export.slot)
+            with self._seg_lock:
+                export.segment.exports -= 1
 
     def _exported(self, registration: Registration) -> bool:
         return registration.native is not None
@@ -404,73 +447,104 @@ class ShmAgent(TransferAgent):
 
     def _descriptor_payload(self) -> bytes:
         exports = [(r.region, r.native) for r in self._registrations.values() if r.native is not None]
-        used = {e.segment.name: e.segment for _, e in exports}
+        used = {e.segment.id: e.segment for _, e in exports}
         return _encoder.encode(
             _Payload(
-                ctl=self._ctl_name,
-                sock=self._sock_name,
                 pid=os.getpid(),
-                segments=[_SegmentInfo(s.name, s.base, s.size) for s in used.values()],
+                fds=self._fds_name,
+                notify=self._notify_name,
+                segments=[_SegmentInfo(s.id, s.base, s.size) for s in used.values()],
                 exports=[_ExportInfo(r.address, r.length, e.slot, e.token) for r, e in exports],
             )
         )
 
     def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> _Peer:
         payload = self._decode_payload(descriptor)
+        who = f"peer {descriptor.name!r}"
+        if payload.fds == self._fds_name or (payload.pid == os.getpid() and descriptor.name == self.name):
+            raise RemoteAgentError(
+                f"{who}: the descriptor is this agent's own (a replay?); an agent never loads itself"
+            )
         old: _Peer | None = previous.native if previous is not None else None
-        peer = self._open_control(descriptor.name, payload, old)
-        segments: dict[str, _Segment] = {}
-        try:
-            self._check_alive(descriptor.name, peer)
-            for info in payload.segments:
-                prior = old.segments.get(info.name) if old is not None else None
-                if prior is not None and prior.base == info.base and prior.size == info.size:
-                    segments[info.name] = prior
-                else:
-                    segments[info.name] = self._map_peer_segment(descriptor.name, info)
-        except BaseException:
-            for name, seg in segments.items():
-                if old is None or old.segments.get(name) is not seg:
-                    seg.close()
-            if old is None or peer.control is not old.control:
-                peer.control.close()
-            raise
+        owner = (payload.pid, payload.fds, payload.notify)
+        if old is not None and (old.incarnation, (old.pid, old.fds_name, old.payload.notify)) != (
+            descriptor.incarnation,
+            owner,
+        ):
+            # Another incarnation (or another agent object) under a loaded name: never a silent takeover.
+            if self._still_alive(old):
+                raise RemoteAgentError(
+                    f"{who}: an agent of that name is already loaded (incarnation {old.incarnation[:8]}, pid {old.pid}, "
+                    f"socket {old.fds_name!r}) and alive; a descriptor of incarnation {descriptor.incarnation[:8]} "
+                    f"(pid {payload.pid}, socket {payload.fds!r}) does not replace it. Unload the old peer first if it "
+                    "really restarted"
+                )
+            old.close()
+            old = None
+        peer = _Peer(
+            descriptor.name, descriptor.incarnation, payload.pid, payload.fds, b"\0" + payload.notify.encode(), payload
+        )
         if old is not None:
-            for name, seg in old.segments.items():
-                if segments.get(name) is not seg:
+            # Same owner: keep the connection, the control block and every segment it still lists unchanged.
+            peer.conn, peer.ctl_mm, peer.ctl_words = old.conn, old.ctl_mm, old.ctl_words
+            wanted = {(s.id, s.base, s.size) for s in payload.segments}
+            for sid, seg in old.segments.items():
+                if (sid, seg.base, seg.size) in wanted:
+                    peer.segments[sid] = seg
+                else:
                     seg.close()
-            if old.control is not peer.control:
-                old.control.close()
-        peer.segments = segments
-        segs = sorted(segments.values(), key=lambda s: s.base)
+            old.conn, old.ctl_mm, old.ctl_words, old.segments = None, None, None, {}
+        self._index(peer)
+        return peer
+
+    @staticmethod
+    def _still_alive(old: _Peer) -> bool:
+        """Whether a loaded peer may still be serving: its connection is up, or its socket still accepts."""
+        if old.conn is not None:
+            return not old.hung_up()
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(b"\0" + old.fds_name.encode())
+            return True
+        except OSError:
+            return False
+        finally:
+            probe.close()
+
+    @staticmethod
+    def _index(peer: _Peer) -> None:
+        """Rebuild the lookup arrays from the mapped segments and the descriptor's exports."""
+        segs = sorted(peer.segments.values(), key=lambda s: s.base)
         peer.seg_base = np.array([s.base for s in segs], dtype=np.uint64)
         peer.seg_end = np.array([s.base + s.size for s in segs], dtype=np.uint64)
         peer.seg_local = np.array([s.local for s in segs], dtype=np.uint64)
-        exports = sorted(payload.exports, key=lambda e: e.address)
+        exports = sorted(peer.payload.exports, key=lambda e: e.address)
         peer.reg_start = np.array([e.address for e in exports], dtype=np.uint64)
         peer.reg_end = np.array([e.address + e.length for e in exports], dtype=np.uint64)
         peer.reg_slot = np.array([e.slot for e in exports], dtype=np.int64)
         peer.reg_token = np.array([e.token for e in exports], dtype=np.uint64)
-        return peer
 
     def _decode_payload(self, descriptor: AgentDescriptor) -> _Payload:
         """Decode and bound-check a peer's payload; every problem is a ``RemoteAgentError`` naming the field."""
         who = f"peer {descriptor.name!r}"
+        check_msgpack_bounds(
+            descriptor.payload, error=RemoteAgentError, what=f"{who}: malformed shm descriptor payload"
+        )
         try:
             payload = _payload_decoder.decode(descriptor.payload)
         except msgspec.DecodeError as exc:
             raise RemoteAgentError(f"{who}: malformed shm descriptor payload: {exc}") from exc
-        if not _NAME_RE.match(payload.ctl) or not payload.ctl.endswith("-ctl"):
-            raise RemoteAgentError(f"{who}: shm control segment name {payload.ctl!r} is not a kvcore shm name")
-        if not _SOCK_RE.match(payload.sock):
-            raise RemoteAgentError(f"{who}: shm notification socket name {payload.sock!r} is not a kvcore shm name")
-        seg_by_name = {}
+        for what, sock in (("fds", payload.fds), ("notify", payload.notify)):
+            if not _SOCK_RE.match(sock) or not sock.endswith(f"-{what}"):
+                raise RemoteAgentError(f"{who}: shm {what} socket name {sock!r} is not a kvcore shm name")
+        if payload.pid <= 0:
+            raise RemoteAgentError(f"{who}: shm pid must be > 0, got {payload.pid}")
+        ids = set()
         for s in payload.segments:
-            if not _NAME_RE.match(s.name) or s.name.endswith("-ctl"):
-                raise RemoteAgentError(f"{who}: shm segment name {s.name!r} is not a kvcore shm segment name")
-            if not (0 < s.size <= _MAX_SEGMENT_BYTES) or s.base <= 0:
-                raise RemoteAgentError(f"{who}: shm segment {s.name!r} has base {s.base:#x} size {s.size}")
-            seg_by_name[s.name] = s
+            if not (0 < s.size <= _MAX_SEGMENT_BYTES) or s.base <= 0 or s.id <= 0 or s.id in ids:
+                raise RemoteAgentError(f"{who}: shm segment {s.id} has base {s.base:#x} size {s.size}")
+            ids.add(s.id)
         for e in payload.exports:
             if not 0 <= e.slot < _SLOTS or e.token <= 0:
                 raise RemoteAgentError(f"{who}: export slot {e.slot} token {e.token}: expected slot < {_SLOTS}")
@@ -486,85 +560,185 @@ class ShmAgent(TransferAgent):
             )
         return payload
 
-    def _open_control(self, peer_name: str, payload: _Payload, old: _Peer | None) -> _Peer:
-        sock = b"\0" + payload.sock.encode()
-        if old is not None and old.control.name == payload.ctl:
-            return _Peer(old.control, sock, payload.pid, {})
-        path = os.path.join(SHM_DIR, payload.ctl)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise PeerLostError(f"peer {peer_name!r}: control segment {path} is gone; the peer agent closed or died")
-        try:
-            if os.fstat(fd).st_size < _CTL_BYTES:
-                raise RemoteAgentError(f"peer {peer_name!r}: control segment {path} is smaller than {_CTL_BYTES} bytes")
-            mm = mmap.mmap(fd, _CTL_BYTES)
-        except BaseException:
-            os.close(fd)
-            raise
-        ctl = np.frombuffer(mm, dtype=np.uint64)
-        if int(ctl[_W_MAGIC]) != _MAGIC or int(ctl[_W_VERSION]) != _LAYOUT_VERSION:
-            del ctl
-            mm.close()
-            os.close(fd)
-            raise RemoteAgentError(f"peer {peer_name!r}: {path} is not a kvcore shm control block of layout v1")
-        return _Peer(_Control(payload.ctl, fd, mm, ctl), sock, payload.pid, {})
-
-    def _map_peer_segment(self, peer_name: str, info: _SegmentInfo) -> _Segment:
-        path = os.path.join(SHM_DIR, info.name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise PeerLostError(f"peer {peer_name!r}: shm segment {path} is gone; the peer agent closed or died")
-        try:
-            actual = os.fstat(fd).st_size
-            if actual < info.size:
-                raise RemoteAgentError(
-                    f"peer {peer_name!r}: shm segment {path} is {actual} bytes, expected {info.size}"
-                )
-            # MAP_POPULATE: map every page now (first contact, paid once) rather than taking a
-            # minor fault per page inside the first transfers, which made them ~7x slower.
-            mm = mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        return _Segment(info.name, info.size, mm, _address_of(mm), info.base)
-
     def _unload_remote(self, remote: RemoteAgent) -> None:
         peer: _Peer = remote.native
-        dead = self._owner_dead(peer)
-        for seg in peer.segments.values():
-            seg.close()
-        peer.segments = {}
-        if dead:
-            # Its process died without cleaning up: remove every file of that agent (proven by its flock).
-            prefix = peer.control.name[: -len("-ctl")]
-            _unlink_quietly([os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith(prefix + "-")])
-        peer.control.close()
+        peer.close()
+
+    # --- fetching a peer's memory (client side) -------------------------------------------------
+
+    def _fetch(self, remote: RemoteAgent) -> None:
+        """Get the peer's control block and segments as sealed memfds over its socket, check them and map them."""
+        peer: _Peer = remote.native
+        who = f"peer {peer.name!r} (pid {peer.pid})"
+        if peer.conn is None:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            conn.settimeout(_FETCH_TIMEOUT_S)
+            try:
+                conn.connect(b"\0" + peer.fds_name.encode())
+            except OSError as exc:
+                conn.close()
+                raise PeerLostError(f"{who}: its shm socket is gone ({exc}); the peer agent closed or died") from exc
+            served_by = _peer_pid(conn)
+            if served_by != peer.pid:
+                conn.close()
+                raise RemoteAgentError(
+                    f"{who}: the socket its descriptor names is served by pid {served_by}, not {peer.pid}; refused"
+                )
+            peer.conn = conn
+        received: list[int] = []
+        try:
+            request = _FdRequest(self.name, process_incarnation(), peer.name, peer.incarnation)
+            peer.conn.send(_encoder.encode(request))
+            data, fds, flags, _ = socket.recv_fds(peer.conn, _MAX_REPLY_BYTES, _FDS_PER_MESSAGE + 3)
+            received += fds
+            if not data:
+                raise PeerLostError(f"{who}: closed the connection instead of answering; the peer agent closed or died")
+            check_msgpack_bounds(data, error=RemoteAgentError)
+            try:
+                reply = _reply_decoder.decode(data)
+            except msgspec.DecodeError as exc:
+                raise RemoteAgentError(f"{who}: malformed fd reply: {exc}") from exc
+            if not reply.ok:
+                raise RemoteAgentError(f"{who} refused to share its memory: {reply.error}")
+            if (reply.server, reply.incarnation) != (peer.name, peer.incarnation):
+                raise RemoteAgentError(
+                    f"{who}: the process behind the socket is agent {reply.server!r} (incarnation "
+                    f"{reply.incarnation[:8]}), not the one the descriptor names; refused"
+                )
+            while len(received) < 1 + len(reply.segments) and not flags & socket.MSG_CTRUNC:
+                _, more, flags, _ = socket.recv_fds(peer.conn, 16, _FDS_PER_MESSAGE + 3)
+                if not more:
+                    break
+                received += more
+            if flags & socket.MSG_CTRUNC or len(received) != 1 + len(reply.segments):
+                raise RemoteAgentError(
+                    f"{who}: sent {len(received)} fds for a control block and {len(reply.segments)} segments"
+                )
+            if peer.ctl_words is None:
+                self._map_control(who, peer, received[0])
+            offered = {s.id: (s, fd) for s, fd in zip(reply.segments, received[1:])}
+            for want in peer.payload.segments:
+                if want.id in peer.segments:
+                    continue
+                got = offered.get(want.id)
+                if got is None:  # no live export in it any more: every fragment there is refused as stale
+                    peer.unshared.add(want.id)
+                    continue
+                if (got[0].base, got[0].size) != (want.base, want.size):
+                    raise RemoteAgentError(
+                        f"{who}: shared segment {want.id} at {got[0].base:#x} size {got[0].size}; its descriptor says "
+                        f"{want.base:#x} size {want.size}"
+                    )
+                check_sealed_memfd(got[1], want.size)
+                # MAP_POPULATE: map every page now (paid once) rather than a minor fault per page in the first writes.
+                mm = mmap.mmap(got[1], want.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                peer.segments[want.id] = _Segment(want.id, want.size, mm, _address_of(mm), want.base)
+        except (TimeoutError, OSError) as exc:
+            peer.conn.close()
+            peer.conn = None
+            raise PeerLostError(f"{who}: fetching its memory failed: {exc}") from exc
+        except KvcoreError:
+            peer.conn.close()
+            peer.conn = None
+            raise
+        finally:
+            _close_fds(received)  # the mappings keep the memory; no fd of a peer stays open here
+        self._index(peer)
 
     @staticmethod
-    def _owner_dead(peer: _Peer) -> bool:
-        """True when the peer's process is gone: its exclusive flock on the control file is free."""
-        try:
-            fcntl.flock(peer.control.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        except OSError:
-            return False
-        fcntl.flock(peer.control.fd, fcntl.LOCK_UN)
-        return int(peer.ctl[_W_ALIVE]) == 1  # closed cleanly (alive flag 0): it removed its files itself
+    def _map_control(who: str, peer: _Peer, fd: int) -> None:
+        check_sealed_memfd(fd, _CTL_BYTES)
+        mm = mmap.mmap(fd, _CTL_BYTES)
+        words = np.frombuffer(mm, dtype=np.uint64)
+        if int(words[_W_MAGIC]) != _MAGIC or int(words[_W_VERSION]) != _LAYOUT_VERSION:
+            del words
+            mm.close()
+            raise RemoteAgentError(f"{who}: its control block is not a kvcore shm control block of layout v2")
+        peer.ctl_mm, peer.ctl_words = mm, words
 
-    def _check_alive(self, peer_name: str, peer: _Peer) -> None:
-        """Raise ``PeerLostError`` when the peer closed its agent or its process died (its flock is gone)."""
-        if int(peer.ctl[_W_ALIVE]) != 1:
-            raise PeerLostError(f"peer {peer_name!r} (pid {peer.pid}) closed its shm agent")
+    def _check_alive(self, peer: _Peer) -> None:
+        """Raise ``PeerLostError`` when the peer closed its agent or its process died."""
+        assert peer.ctl_words is not None
+        if int(peer.ctl_words[_W_ALIVE]) != 1:
+            raise PeerLostError(f"peer {peer.name!r} (pid {peer.pid}) closed its shm agent")
+        if peer.hung_up():
+            raise PeerLostError(f"peer {peer.name!r} (pid {peer.pid}) died (its shm connection hung up)")
+
+    # --- serving our memory (owner side, on the serving thread) -----------------------------------
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # BlockingIOError: none pending; anything else: closing
+                return
+            if len(self._conns) >= _MAX_SERVER_CONNECTIONS:
+                # Make room by dropping the oldest connection that was never served (a stranger can open many,
+                # but only loaded agents get served); when every one was served, refuse the newcomer.
+                idle = next((c for c, served in self._conns.items() if not served), None)
+                if idle is None:
+                    self.refused += 1
+                    conn.close()
+                    continue
+                self._drop_conn(idle)
+            conn.setblocking(False)
+            self._conns[conn] = False
+
+    def _serve(self, conn: socket.socket) -> None:
+        """Answer one fd request on ``conn``; a refused or broken connection is closed."""
         try:
-            fcntl.flock(peer.control.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            data = conn.recv(_MAX_REQUEST_BYTES)
         except BlockingIOError:
-            return  # the owner still holds its exclusive lock
-        fcntl.flock(peer.control.fd, fcntl.LOCK_UN)
-        # Dead without cleaning up: unlink its files so they do not outlive everyone (mappings stay valid).
-        _unlink_quietly([os.path.join(SHM_DIR, n) for n in (peer.control.name, *peer.segments)])
-        raise PeerLostError(f"peer {peer_name!r} (pid {peer.pid}) died; its shm segments were reclaimed")
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop_conn(conn)
+            return
+        try:
+            pid = _peer_pid(conn)
+            error = self._refusal(data, pid)
+        except Exception as exc:  # nothing a client sends may stop this thread
+            error = f"malformed request: {type(exc).__name__}"
+        try:
+            if error:
+                self.refused += 1
+                log.warning("kvcore shm agent %r refused its memory to pid %s: %s", self.name, pid, error)
+                conn.send(_encoder.encode(_FdReply(False, error, self.name, process_incarnation(), [])))
+                self._drop_conn(conn)
+                return
+            with self._seg_lock:
+                segs = [s for s in self._segments.values() if s.exports > 0 and s.fd >= 0]
+                fds = [self._ctl_fd] + [s.fd for s in segs]
+                head = _encoder.encode(
+                    _FdReply(
+                        True, "", self.name, process_incarnation(), [_SegmentInfo(s.id, s.base, s.size) for s in segs]
+                    )
+                )
+                socket.send_fds(conn, [head], fds[:_FDS_PER_MESSAGE])
+                for i in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):
+                    socket.send_fds(conn, [b"+"], fds[i : i + _FDS_PER_MESSAGE])
+            self._conns[conn] = True
+        except OSError:
+            self._drop_conn(conn)
+
+    def _refusal(self, data: bytes, pid: int) -> str:
+        """Why the process ``pid`` may not have our memory ('' when it may): the capability rule."""
+        check_msgpack_bounds(data, error=RemoteAgentError)
+        req = _request_decoder.decode(data)
+        if (req.server, req.server_incarnation) != (self.name, process_incarnation()):
+            return f"this is agent {self.name!r}, not {req.server!r} (incarnation {req.server_incarnation[:8]})"
+        remote = self._remotes.get(req.client)
+        peer = remote.native if remote is not None else None
+        if not isinstance(peer, _Peer) or peer.incarnation != req.incarnation:
+            return f"agent {req.client!r} (incarnation {req.incarnation[:8]}) is not loaded here"
+        if peer.pid != pid:
+            return f"agent {req.client!r} is loaded with pid {peer.pid}; the request comes from pid {pid}"
+        return ""
+
+    def _drop_conn(self, conn: socket.socket) -> None:
+        self._conns.pop(conn, None)
+        conn.close()
 
     # --- transfers ---------------------------------------------------------------------------
 
@@ -585,7 +759,9 @@ class ShmAgent(TransferAgent):
                     f"notification is {len(handle.notification)} bytes; the shm agent carries at most "
                     f"{_MAX_NOTIFICATION_BYTES - len(self.name) - 16}"
                 )
-        self._check_alive(remote.name, peer)
+        if not peer.fetched:
+            self._fetch(remote)
+        self._check_alive(peer)
         mapped = self._translate(remote.name, peer, remote_addrs, sizes)
         if handle.op is TransferOp.WRITE:
             dst, src, n = _merge_runs(mapped, local, sizes)
@@ -593,7 +769,7 @@ class ShmAgent(TransferAgent):
             dst, src, n = _merge_runs(local, mapped, sizes)
         for d, s, k in zip(dst, src, n):
             _memmove(d, s, k)
-        xfer = _Xfer(message, peer.sock)
+        xfer = _Xfer(message, peer.notify)
         self._send_pending(remote.name, xfer)
         return xfer
 
@@ -601,19 +777,11 @@ class ShmAgent(TransferAgent):
         """Peer addresses -> addresses of our mappings, refusing any fragment outside a live export."""
         if addrs.size == 0:
             return addrs
+        assert peer.ctl_words is not None
+        # Stale-descriptor guard first (it needs only the control block): every export a fragment touches must
+        # still carry the token we were given. The base class already confined fragments to listed exports.
         ends = addrs + sizes
-        seg = np.searchsorted(peer.seg_base, addrs, side="right").astype(np.int64) - 1
-        ok = seg >= 0
-        seg = np.where(ok, seg, 0)
-        ok &= ends <= peer.seg_end[seg] if peer.seg_end.size else np.zeros(addrs.size, dtype=bool)
-        if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
-            raise RemoteRangeError(
-                f"fragment {i}: remote range [{int(addrs[i]):#x}, +{int(sizes[i])}) is not inside one shm segment "
-                f"of peer {peer_name!r}; nothing was moved"
-            )
-        # Stale-descriptor guard: every export a fragment touches must still carry the token we were given.
-        live = peer.ctl[_HEADER_WORDS + peer.reg_slot] == peer.reg_token
+        live = peer.ctl_words[_HEADER_WORDS + peer.reg_slot] == peer.reg_token
         dead_before = np.concatenate(([0], np.cumsum(~live)))
         lo = np.searchsorted(peer.reg_start, addrs, side="right").astype(np.int64) - 1
         hi = np.searchsorted(peer.reg_start, ends - 1, side="right").astype(np.int64) - 1
@@ -624,6 +792,16 @@ class ShmAgent(TransferAgent):
                 f"fragment {i}: remote range [{int(addrs[i]):#x}, +{int(sizes[i])}) was deregistered by peer "
                 f"{peer_name!r} ({int(stale.sum())} of {addrs.size} fragments affected); reload its descriptor; "
                 "nothing was moved"
+            )
+        seg = np.searchsorted(peer.seg_base, addrs, side="right").astype(np.int64) - 1
+        ok = seg >= 0
+        seg = np.where(ok, seg, 0)
+        ok &= ends <= peer.seg_end[seg] if peer.seg_end.size else np.zeros(addrs.size, dtype=bool)
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise RemoteRangeError(
+                f"fragment {i}: remote range [{int(addrs[i]):#x}, +{int(sizes[i])}) is not inside one shm segment "
+                f"of peer {peer_name!r}; nothing was moved"
             )
         return peer.seg_local[seg] + (addrs - peer.seg_base[seg])
 
@@ -648,27 +826,62 @@ class ShmAgent(TransferAgent):
     def _release(self, handle: TransferHandle) -> None:
         pass  # nothing native: the bytes moved inside submit
 
-    # --- notifications -------------------------------------------------------------------------
+    # --- the serving thread: notifications and fd requests ------------------------------------------
 
-    def _drain_loop(self) -> None:
+    def _serve_loop(self) -> None:
+        fixed = (self._rx.fileno(), self._wake_r.fileno(), self._listener.fileno())
         while not self._stop.is_set():
-            ready, _, _ = select.select([self._rx, self._wake_r], [], [], 1.0)
-            if self._rx in ready:
-                self._drain_socket()
+            try:
+                # poll, not select: the fd numbers of up to 1024 connections may exceed FD_SETSIZE.
+                poller = select.poll()
+                conns = {c.fileno(): c for c in self._conns}
+                for fd in (*fixed, *conns):
+                    poller.register(fd, select.POLLIN)
+                ready = {fd for fd, _ in poller.poll(1000)}
+                if fixed[0] in ready:
+                    self._drain_socket()
+                if fixed[2] in ready:
+                    self._accept()
+                for fd in ready & conns.keys():
+                    self._serve(conns[fd])
+            except Exception:  # pragma: no cover - nothing may stop this thread
+                if not self._stop.is_set():
+                    log.exception("kvcore shm agent %r: serving thread error (kept serving)", self.name)
 
     def _drain_socket(self) -> None:
         # Under the lock, so the thread and get_notifications() never reorder datagrams between them.
         with self._lock:
             while True:
                 try:
-                    data = self._rx.recv(_MAX_NOTIFICATION_BYTES + 1)
+                    data, anc, _, _ = self._rx.recvmsg(_MAX_NOTIFICATION_BYTES + 1, socket.CMSG_SPACE(_UCRED.size))
                 except OSError:  # BlockingIOError: drained; anything else: closing
                     return
+                pid = next(
+                    (
+                        _UCRED.unpack(d[: _UCRED.size])[0]
+                        for lvl, typ, d in anc
+                        if lvl == socket.SOL_SOCKET and typ == socket.SCM_CREDENTIALS and len(d) >= _UCRED.size
+                    ),
+                    0,
+                )
                 try:
+                    check_msgpack_bounds(data, error=RemoteAgentError)
                     sender, message = _notif_decoder.decode(data)
-                except msgspec.DecodeError as exc:
+                except (msgspec.DecodeError, RemoteAgentError) as exc:
                     log.warning(
                         "kvcore shm agent %r dropped a malformed notification (%d bytes): %s", self.name, len(data), exc
+                    )
+                    continue
+                remote = self._remotes.get(sender)
+                peer = remote.native if remote is not None else None
+                if not isinstance(peer, _Peer) or peer.pid != pid:
+                    self.refused += 1
+                    log.warning(
+                        "kvcore shm agent %r dropped a notification naming %r from pid %d: no such agent loaded here "
+                        "with that pid",
+                        self.name,
+                        sender[:64],
+                        pid,
                     )
                     continue
                 self._notifications.append(Notification(sender, message))
@@ -683,29 +896,32 @@ class ShmAgent(TransferAgent):
     # --- lifecycle -----------------------------------------------------------------------------
 
     def _close(self) -> None:
-        self._ctl[_W_ALIVE] = 0
-        _unlink_quietly(self._paths)  # first: whatever happens below, nothing is left in /dev/shm
-        self._paths.clear()
+        self._ctl[_W_ALIVE] = 0  # first: a peer that still maps us sees "closed", not "died"
         self._stop.set()
         self._wake_w.send(b"x")
         self._thread.join(timeout=5.0)
-        for s in (self._rx, self._tx, self._wake_r, self._wake_w):
+        for conn in self._conns:
+            conn.close()
+        self._conns.clear()
+        for s in (self._rx, self._tx, self._listener, self._wake_r, self._wake_w):
             s.close()
         del self._ctl
         try:
             self._ctl_mm.close()
         except BufferError:  # pragma: no cover - a view escaped; the GC unmaps it
             log.warning("kvcore shm agent %r: control block still in use at close", self.name)
-        os.close(self._ctl_fd)  # drops the flock
-        for seg in self._segments.values():
-            seg.close()  # memory still used by tensors is freed with the last of them
-        self._segments.clear()
+        os.close(self._ctl_fd)
+        with self._seg_lock:
+            for seg in self._segments.values():
+                seg.close()  # memory still used by tensors is freed with the last of them
+            self._segments.clear()
 
     def _native_resources(self) -> dict[str, int]:
-        mapped = sum(len(r.native.segments) for r in self._remotes.values() if r.native is not None)
+        peers = [r.native for r in self._remotes.values() if isinstance(r.native, _Peer)]
         return {
             "shm_segments": len(self._segments),
-            "shm_files": len(self._paths),
-            "peer_mappings": mapped,
+            "peer_mappings": sum(len(p.segments) for p in peers),
+            "peer_connections": sum(p.conn is not None for p in peers),
+            "served_connections": len(self._conns),
             "threads": int(self._thread.is_alive()),
         }

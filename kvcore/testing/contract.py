@@ -149,6 +149,9 @@ def _run(agent: TransferAgent, *args: Any, notification: bytes | None = None) ->
 
 
 def _connect(agent: TransferAgent, peer: PeerProcess) -> str:
+    """Load each other's descriptors, the peer first, as a transceiver does (the receiver loads the writer before
+    it registers); transports that hand out memory only to loaded peers (shm) rely on that order."""
+    peer.call("load", descriptor=agent.descriptor())
     return agent.load_remote_agent(peer.call("descriptor")["descriptor"])
 
 

@@ -185,6 +185,7 @@ class _Peer:
         self.regs: dict[str, Any] = {}  # key -> Registration
         self.watch: threading.Thread | None = None
         self.watched: list[list[Any]] = []
+        self.loaded: list[str] = []  # initiators loaded with op_load
 
     def _bytes(self, key: str) -> np.ndarray:
         return self.buffers[key].cpu().numpy().view(np.uint8).reshape(-1)
@@ -228,6 +229,14 @@ class _Peer:
 
     def op_descriptor(self) -> dict[str, Any]:
         return {"descriptor": self.agent.descriptor()}
+
+    def op_load(self, descriptor: bytes) -> dict[str, Any]:
+        """Load an initiator's descriptor (as a receiver does before it registers); unloads the one loaded before."""
+        name = self.agent.load_remote_agent(descriptor)
+        for other in [n for n in self.loaded if n != name and n in self.agent.remote_agents]:
+            self.agent.unload_remote_agent(other)
+        self.loaded = [name]
+        return {"name": name}
 
     def op_deregister(self, key: str) -> dict[str, Any]:
         self.agent.deregister_memory(self.regs.pop(key))
@@ -288,6 +297,7 @@ class _Peer:
         self.agent.close()
         after = self.agent.resources()
         self.buffers.clear()
+        self.loaded = []
         self.agent = self.cls(self.name, self.options)
         return {"resources": after}
 

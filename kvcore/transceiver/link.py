@@ -102,6 +102,9 @@ class Link:
         # The receiver's bounce arena is registered before the descriptor is taken, so that peers may write it.
         self.bounce_on = config.bounce_enabled and kind is MemoryKind.DRAM
         self.arena = self.new_arena() if self.bounce_on and role == "generation" else None
+        from kvcore.auth import AuthConfig
+
+        self.auth = AuthConfig.from_config(config)
         self.messenger = Messenger(
             self._on_message,
             host=config.host,
@@ -110,6 +113,8 @@ class Link:
             on_disconnect=lambda ep: self.on_disconnect(ep),
             on_connect=lambda ep: self.on_connect(ep),
             name=f"{role}{topology.rank}",
+            auth=self.auth,
+            allow_insecure_bind=config.allow_insecure_bind,
         )
         # Agree on the instance name and gather every rank's info (rank 0 serves it to peers).
         name = instance_name or f"{role}-{uuid.uuid4().hex[:8]}"
@@ -130,6 +135,7 @@ class Link:
             host_id=hostinfo.host_identity(),
             start_time=hostinfo.process_start_time(os.getpid()) or 0,
             mamba=mamba,
+            curve_public_key=self.auth.public_key_raw if self.auth is not None else b"",
         )
         dec = msgspec.msgpack.Decoder(wire.RankInfo)
         gathered = self.collective.allgather(msgspec.msgpack.encode(self.rank_info))
@@ -184,6 +190,14 @@ class Link:
             self.messenger.send(endpoint, msg)
         except E.KvcoreError as exc:
             log.warning("could not send %s to %s: %s", type(msg).__name__, endpoint, exc)
+
+    def learn_key(self, info: wire.RankInfo) -> None:
+        """Expect ``info``'s CURVE key from its endpoint (it came over an authenticated link, so it is trusted)."""
+        if self.auth is not None and info.curve_public_key:
+            try:
+                self.messenger.set_peer_key(info.endpoint, info.curve_public_key)
+            except E.KvcoreError as exc:
+                log.warning("peer %s/%d: unusable CURVE key: %s", info.instance_name, info.rank, exc)
 
     def reply(self, source: Source, msg: wire.Message) -> None:
         try:

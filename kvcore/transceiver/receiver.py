@@ -297,6 +297,8 @@ class Receiver(Role):
                 self.instances[endpoint] = new
                 inst = new
             inst.ranks = ranks
+            for info in ranks[1:]:
+                self.link.learn_key(info)
             ctx_topo = ranks[0].topology
             inst.peers = sorted(
                 {p for d in range(ctx_topo.dp_size) for p in peer_ranks(self.link.topology, ctx_topo, d)}

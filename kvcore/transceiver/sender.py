@@ -299,6 +299,7 @@ class Sender(Role):
             peer = GenPeer(info=info)
             peer.move(PeerState.CONNECTING)
             self.peers[key] = peer
+            link.learn_key(info)
         link.post(self._load_peer, peer)
 
     def on_request_data(self, source: Source, msg: wire.RequestData) -> None:

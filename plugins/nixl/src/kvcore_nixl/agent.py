@@ -74,6 +74,7 @@ from kvcore.errors import (
     UnknownBackendError,
     UnsupportedOperationError,
 )
+from kvcore.msgbounds import check_msgpack_bounds
 
 __all__ = [
     "NixlAgent",
@@ -187,10 +188,17 @@ _payload_encoder = msgspec.msgpack.Encoder()
 def decode_payload(descriptor: bytes) -> NixlPayload:
     """The NIXL part of a ``nixl`` agent's kvcore descriptor (validated); ``RemoteAgentError`` if malformed."""
     desc = TransferAgent.decode_descriptor(descriptor)
+    return _decode_nixl_payload(desc.name, desc.payload)
+
+
+def _decode_nixl_payload(peer: str, payload: bytes) -> NixlPayload:
+    check_msgpack_bounds(
+        payload, error=RemoteAgentError, what=f"nixl payload of peer {peer!r} is malformed"
+    )  # no RecursionError from nested junk
     try:
-        return _payload_decoder.decode(desc.payload)
+        return _payload_decoder.decode(payload)
     except msgspec.DecodeError as exc:
-        raise RemoteAgentError(f"nixl payload of peer {desc.name!r} is malformed: {exc}") from exc
+        raise RemoteAgentError(f"nixl payload of peer {peer!r} is malformed: {exc}") from exc
 
 
 class _Dlist:
@@ -418,10 +426,7 @@ class NixlAgent(TransferAgent):
         return _payload_encoder.encode(payload)
 
     def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> Any:
-        try:
-            payload = _payload_decoder.decode(descriptor.payload)
-        except msgspec.DecodeError as exc:
-            raise RemoteAgentError(f"nixl payload of peer {descriptor.name!r} is malformed: {exc}") from exc
+        payload = _decode_nixl_payload(descriptor.name, descriptor.payload)
         if payload.version != _PAYLOAD_VERSION:
             raise RemoteAgentError(
                 f"nixl payload version of peer {descriptor.name!r}: expected {_PAYLOAD_VERSION}, got {payload.version}"

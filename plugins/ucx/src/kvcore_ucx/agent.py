@@ -68,6 +68,7 @@ from kvcore.errors import (
     TransferTimeoutError,
     UnsupportedOperationError,
 )
+from kvcore.msgbounds import check_msgpack_bounds
 from kvcore_ucx import _ucp
 from kvcore_ucx._ucp import ptr_status
 
@@ -432,6 +433,9 @@ class UcxAgent(TransferAgent):
         return _payload_encoder.encode(payload)
 
     def _decode_payload(self, desc: AgentDescriptor) -> _Payload:
+        check_msgpack_bounds(
+            desc.payload, error=RemoteAgentError, what=f"peer {desc.name!r}: malformed ucx descriptor payload"
+        )  # no RecursionError from nested junk
         try:
             payload = _payload_decoder.decode(desc.payload)
         except msgspec.DecodeError as exc:
