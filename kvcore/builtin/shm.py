@@ -61,6 +61,7 @@ from kvcore.agent import (
     TransferStatus,
     process_incarnation,
 )
+from kvcore.builtin.hostcheck import require_same_host
 from kvcore.errors import (
     PeerLostError,
     RegistrationError,
@@ -70,6 +71,7 @@ from kvcore.errors import (
     TransferFailedError,
     UnsupportedOperationError,
 )
+from kvcore.hostinfo import host_identity, hostname
 
 if TYPE_CHECKING:
     import torch
@@ -118,6 +120,8 @@ class _Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pid: int
     segments: list[_SegmentInfo]
     exports: list[_ExportInfo]
+    host: str = ""  # kvcore.hostinfo.host_identity() of the owner: a peer on another host is refused at load
+    hostname: str = ""  # for the error message only
 
 
 _payload_decoder = msgspec.msgpack.Decoder(_Payload)
@@ -412,11 +416,20 @@ class ShmAgent(TransferAgent):
                 pid=os.getpid(),
                 segments=[_SegmentInfo(s.name, s.base, s.size) for s in used.values()],
                 exports=[_ExportInfo(r.address, r.length, e.slot, e.token) for r, e in exports],
+                host=host_identity(),
+                hostname=hostname(),
             )
         )
 
     def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> _Peer:
         payload = self._decode_payload(descriptor)
+        require_same_host(
+            "shm",
+            descriptor.name,
+            payload.host,
+            peer_hostname=payload.hostname,
+            socket_address=b"\0" + payload.sock.encode(),
+        )
         old: _Peer | None = previous.native if previous is not None else None
         peer = self._open_control(descriptor.name, payload, old)
         segments: dict[str, _Segment] = {}

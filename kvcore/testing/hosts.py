@@ -94,10 +94,7 @@ _ECHO = (
     "import socket; s = socket.socket(socket.{family}); s.bind(('{host}', 0)); s.listen(); "
     "print(s.getsockname()[1], flush=True); c, _ = s.accept(); c.sendall(b'ok'); c.close()"
 )
-_CONNECT = (
-    "import socket; c = socket.create_connection(('{host}', {port}), timeout=2); "
-    "assert c.recv(2) == b'ok'"
-)
+_CONNECT = "import socket; c = socket.create_connection(('{host}', {port}), timeout=2); assert c.recv(2) == b'ok'"
 
 
 class HostsError(RuntimeError):
@@ -404,6 +401,11 @@ class TwoHosts:
                 for pipe in (proc.stdin, proc.stdout, proc.stderr):
                     if pipe is not None and not pipe.closed:
                         pipe.close()
+        # SIGKILL is asynchronous: wait (bounded) until the hosts' pid-1 processes are really gone.
+        deadline = time.monotonic() + 10
+        for h in self.hosts.values():
+            while h.init_pid and process_alive(h.init_pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
         for h in self.hosts.values():
             for pid in _run("ip", "netns", "pids", h.netns, check=False).stdout.split():
                 _kill(int(pid))
@@ -515,11 +517,23 @@ def _peer_class() -> type:
             self.loop_thread.start()
             return {}
 
+        def op_write_until_error_status(self) -> dict[str, Any]:
+            return dict(self.loop_result)
+
         def op_write_until_error_result(self, timeout: float = 120.0) -> dict[str, Any]:
             self.loop_thread.join(timeout)
             if self.loop_thread.is_alive():
                 raise TimeoutError(f"the write loop is still running after {timeout}s (a hang)")
             return dict(self.loop_result)
+
+        def op_peer_info(self, remote: str) -> dict[str, Any]:
+            """How this agent reaches a loaded peer: nixl's lane scope, ucx's endpoint error mode."""
+            info: dict[str, Any] = {}
+            if hasattr(self.agent, "peer_scope"):
+                info["scope"] = self.agent.peer_scope(remote)
+            if hasattr(self.agent, "peer_error_mode"):
+                info["error_mode"] = self.agent.peer_error_mode(remote)
+            return info
 
         def op_progress(self) -> dict[str, Any]:
             self.agent.progress()
