@@ -57,9 +57,9 @@ __all__ = [
 ]
 
 #: The two hosts' IPv4 addresses: a /30 inside the benchmarking range 198.18.0.0/15.
-IPV4_NET = ("198.18.0.1", "198.18.0.2", 30)
+IPV4_NET: tuple[str, str, int] = ("198.18.0.1", "198.18.0.2", 30)
 #: The two hosts' IPv6 addresses: a /64 inside the ULA fd00::/8.
-IPV6_NET = ("fd00:6b76::1", "fd00:6b76::2", 64)
+IPV6_NET: tuple[str, str, int] = ("fd00:6b76::1", "fd00:6b76::2", 64)
 
 #: Namespace names: kvcore-h<creator pid>-<creator start time>-<n>-<a|b>
 _NS_PREFIX = "kvcore-h"
@@ -283,8 +283,8 @@ class TwoHosts:
                 netns=f"{_NS_PREFIX}{pid}-{start}-{n}-{label}",
                 hostname=f"kvhost-{label}-{pid}-{n}",
                 link=f"kvh{pid}x{n}{label}",
-                address=IPV4_NET[i],
-                address6=IPV6_NET[i] if ipv6 else None,
+                address=(IPV4_NET[0], IPV4_NET[1])[i],
+                address6=(IPV6_NET[0], IPV6_NET[1])[i] if ipv6 else None,
             )
         with _live_lock:
             _live.add(self)
@@ -465,7 +465,7 @@ def _peer_class() -> type:
             sizes: bytes,
             notification: bytes | None = None,
             repeat: int = 1,
-            timeout: float = 60.0,
+            wait_s: float = 60.0,
         ) -> dict[str, Any]:
             """Write fragments of buffer ``key`` (offsets into it) ``repeat`` times; returns each write's seconds."""
             base = np.uint64(self.buffers[key].data_ptr())
@@ -478,7 +478,7 @@ def _peer_class() -> type:
                 t0 = time.perf_counter()
                 h = self.agent.submit(TransferOp.WRITE, remote, local, rem, size, notification=notif)
                 try:
-                    self.agent.wait(h, timeout)
+                    self.agent.wait(h, wait_s)
                 finally:
                     if h.status is not TransferStatus.PENDING:
                         self.agent.release(h)
@@ -486,7 +486,7 @@ def _peer_class() -> type:
             return {"seconds": seconds}
 
         def op_write_until_error_start(
-            self, remote: str, key: str, remote_address: int, nbytes: int, timeout: float = 60.0, limit: int = 10000
+            self, remote: str, key: str, remote_address: int, nbytes: int, wait_s: float = 30.0, limit: int = 10000
         ) -> dict[str, Any]:
             """Keep writing ``nbytes`` on a thread until a write fails (or ``limit`` writes); see ``_result``."""
             self.loop_result: dict[str, Any] = {}
@@ -500,7 +500,7 @@ def _peer_class() -> type:
                     while done < limit:
                         h = self.agent.submit(TransferOp.WRITE, remote, local, rem, size)
                         try:
-                            self.agent.wait(h, timeout)
+                            self.agent.wait(h, wait_s)
                         finally:
                             if h.status is not TransferStatus.PENDING:
                                 self.agent.release(h)
@@ -526,6 +526,10 @@ def _peer_class() -> type:
                 raise TimeoutError(f"the write loop is still running after {timeout}s (a hang)")
             return dict(self.loop_result)
 
+        def op_watch_for(self, key: str, expect: int, watch_s: float) -> dict[str, Any]:
+            """``watch_start`` with its own bound (``call``'s ``timeout`` is the reply deadline, not this)."""
+            return self.op_watch_start(key, expect, timeout=watch_s)
+
         def op_peer_info(self, remote: str) -> dict[str, Any]:
             """How this agent reaches a loaded peer: nixl's lane scope, ucx's endpoint error mode."""
             info: dict[str, Any] = {}
@@ -542,7 +546,97 @@ def _peer_class() -> type:
     return _HostPeer
 
 
+# --- measurement: GB/s across the link beside the same run inside one host ---------------------------------
+
+
+def measure(
+    backend: str,
+    *,
+    cross_host: bool,
+    hosts: TwoHosts,
+    big: int = 256 << 20,
+    block: int = 16 << 10,
+    blocks: int = 4096,
+    iterations: int = 3,
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Median GB/s of one ``big`` write and ``blocks`` scattered ``block`` writes, a -> b (or a -> a); bytes verified.
+
+    Also the time from SIGKILL of the receiver to the writer's typed error (``dead_peer_s``).
+    """
+    import numpy as np
+
+    from kvcore.testing.harness import digest, pattern
+
+    def u64(v: Any) -> bytes:
+        return np.ascontiguousarray(v, dtype=np.uint64).tobytes()
+
+    writer = hosts.a.peer(backend, options, name="writer")
+    reader = (hosts.b if cross_host else hosts.a).peer(backend, options, name="reader")
+    out: dict[str, Any] = {"backend": backend, "placement": "a->b (veth)" if cross_host else "a->a (one host)"}
+    try:
+        writer.call("alloc", key="big", nbytes=big, seed=1)
+        writer.call("alloc", key="blocks", nbytes=block * blocks, seed=2)
+        dbig = reader.call("alloc", key="big", nbytes=big)["address"]
+        dblocks = reader.call("alloc", key="blocks", nbytes=block * blocks)["address"]
+        remote = writer.call("load", descriptor=reader.call("descriptor")["descriptor"])["remote"]
+        out["peer"] = writer.call("peer_info", remote=remote)
+        reader.call("watch_for", key="big", expect=2 * (iterations + 1), watch_s=600)
+        r = writer.call(
+            "write", remote=remote, key="big", offsets=u64([0]), remote_addrs=u64([dbig]), sizes=u64([big]),
+            notification=b"big", repeat=iterations + 1, wait_s=120.0, timeout=600,
+        )  # fmt: skip
+        out["big_GBps"] = big / float(np.median(r["seconds"][1:])) / 1e9
+        perm = np.random.default_rng(3).permutation(blocks)
+        r = writer.call(
+            "write", remote=remote, key="blocks", offsets=u64(np.arange(blocks) * block),
+            remote_addrs=u64(dblocks + perm * block), sizes=u64(np.full(blocks, block)),
+            notification=b"blocks", repeat=iterations + 1, wait_s=120.0, timeout=600,
+        )  # fmt: skip
+        out["scattered_GBps"] = block * blocks / float(np.median(r["seconds"][1:])) / 1e9
+        reader.call("watch_result", timeout=120)
+        expected = np.empty((blocks, block), dtype=np.uint8)
+        expected[perm] = pattern(2, block * blocks).reshape(blocks, block)
+        out["verified"] = reader.call("digest", key="big")["digest"] == digest(pattern(1, big)) and reader.call(
+            "digest", key="blocks"
+        )["digest"] == digest(expected)
+        # A dead peer: writes stream, the receiver is killed, the writer must see a typed error.
+        reader.call("watch_for", key="big", expect=1 << 30, watch_s=600)
+        writer.call("write_until_error_start", remote=remote, key="big", remote_address=dbig, nbytes=big, wait_s=30.0)
+        while writer.call("write_until_error_status").get("writes", 0) < 1:
+            time.sleep(0.005)
+        killed_at = time.monotonic()
+        reader.kill()
+        res = writer.call("write_until_error_result", timeout=120)
+        out["dead_peer_error"] = res["error_type"]
+        out["dead_peer_s"] = res["at"] - killed_at
+    finally:
+        writer.close()
+        reader.close()
+    return out
+
+
+def _bench_main(argv: list[str]) -> int:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m kvcore.testing.hosts bench")
+    parser.add_argument("--backend", action="append", default=None)
+    parser.add_argument("--iterations", type=int, default=3)
+    args = parser.parse_args(argv)
+    with TwoHosts() as hosts:
+        hosts.wait_link()
+        for backend in args.backend or ["nixl", "ucx"]:
+            for cross in (False, True):
+                print(
+                    json.dumps(measure(backend, cross_host=cross, hosts=hosts, iterations=args.iterations)), flush=True
+                )
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["bench"]:
+        sys.exit(_bench_main(sys.argv[2:]))
     from kvcore.testing import harness
 
     sys.exit(harness.main(peer_cls=_peer_class()))
