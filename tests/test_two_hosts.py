@@ -20,11 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvcore.config import TransceiverConfig
+from kvcore.errors import ConfigError
+from kvcore.messenger import Messenger
 from kvcore.testing.harness import PeerError, digest, pattern
 from kvcore.testing.hosts import TwoHosts, sweep, unavailable_reason
 
 _REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+needs_hosts = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 KiB, MiB = 1024, 1024 * 1024
 #: The typed errors a writer may see when its peer dies: the peer is lost, or the transport failed the write.
@@ -33,6 +36,8 @@ PEER_DEATH_ERRORS = {"PeerLostError", "TransferFailedError"}
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[TwoHosts]:
+    if _REASON is not None:
+        pytest.skip(_REASON)
     with TwoHosts() as h:
         h.wait_link()
         yield h
@@ -78,6 +83,7 @@ def test_link_carries_tcp_both_families(hosts: TwoHosts) -> None:
     hosts.wait_link(timeout=10)  # IPv4 and IPv6 connect from a to b, or HostsError
 
 
+@needs_hosts
 def test_close_removes_everything_also_after_a_failure() -> None:
     names: list[str] = []
     with pytest.raises(RuntimeError, match="test body failed"), TwoHosts(ipv6=False) as h:
@@ -94,6 +100,7 @@ def test_close_removes_everything_also_after_a_failure() -> None:
     assert not any(process_alive(p) for p in init_pids)
 
 
+@needs_hosts
 def test_sweep_removes_what_a_killed_creator_left() -> None:
     """A process that builds hosts and dies without any cleanup leaves namespaces; the sweeper removes them."""
     code = (
@@ -129,7 +136,7 @@ def test_write_across_hosts_every_byte(hosts: TwoHosts, backend: str) -> None:
         # Another host: nixl uses its cross-host lane (UCX peer mode), ucx a peer-mode endpoint.
         assert info.get("scope", "cross_host") == "cross_host" and info.get("error_mode", "peer") == "peer"
 
-        reader.call("watch_start", key="big", expect=2, timeout=120)  # the reader progresses, as an engine loop does
+        reader.call("watch_for", key="big", expect=2, watch_s=120)  # the reader progresses, as an engine loop does
         writer.call(
             "write", remote=remote, key="big", offsets=_u64([0]), remote_addrs=_u64([dst_big]), sizes=_u64([big]),
             notification=b"big",
@@ -167,7 +174,7 @@ def test_same_host_peers_keep_shared_memory(hosts: TwoHosts, backend: str) -> No
         remote = writer.call("load", descriptor=reader.call("descriptor")["descriptor"])["remote"]
         info = writer.call("peer_info", remote=remote)
         assert info.get("scope", "same_host") == "same_host" and info.get("error_mode", "none") == "none"
-        reader.call("watch_start", key="dst", expect=1, timeout=60)
+        reader.call("watch_for", key="dst", expect=1, watch_s=60)
         writer.call(
             "write", remote=remote, key="src", offsets=_u64([0]), remote_addrs=_u64([dst]), sizes=_u64([n]),
             notification=b"n",
@@ -188,9 +195,9 @@ def test_receiver_killed_mid_transfer_gives_the_writer_a_typed_error(hosts: TwoH
         writer.call("alloc", key="src", nbytes=n, seed=31)
         dst = reader.call("alloc", key="dst", nbytes=n)["address"]
         remote = writer.call("load", descriptor=reader.call("descriptor")["descriptor"])["remote"]
-        reader.call("watch_start", key="dst", expect=1 << 30, timeout=600)  # keeps progressing until killed
+        reader.call("watch_for", key="dst", expect=1 << 30, watch_s=600)  # keeps progressing until killed
         # Each wait is bounded (30 s): a transfer still pending then is reported as HANG and fails the test.
-        writer.call("write_until_error_start", remote=remote, key="src", remote_address=dst, nbytes=n, timeout=30.0)
+        writer.call("write_until_error_start", remote=remote, key="src", remote_address=dst, nbytes=n, wait_s=30.0)
         deadline = time.monotonic() + 60
         while True:  # let two writes complete, so the kill lands on a connection that is moving bytes
             status = writer.call("write_until_error_status")
@@ -227,3 +234,107 @@ def test_shm_refuses_a_peer_on_another_host(hosts: TwoHosts) -> None:
     finally:
         for p in (writer, there, here):
             p.close()
+
+
+# --- the control plane across the hosts ------------------------------------------------------------------
+
+_SERVE = """
+import sys
+from kvcore import wire
+from kvcore.config import TransceiverConfig
+from kvcore.messenger import Messenger
+
+host, advertise, base, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+cfg = TransceiverConfig(host=host, advertise_host=advertise, port=base, port_stride=2)
+ms = []
+for rank in range(ranks):
+    def on(src, msg, rank=rank):
+        ms[rank].reply(src, wire.ErrorReply(v=wire.PROTOCOL_VERSION, kind="Echo", error=f"rank {rank}: {msg.reason}"))
+    m = Messenger(on, host=cfg.host, port=cfg.control_port(rank), advertise_host=cfg.advertise_host or None)
+    m.start()
+    ms.append(m)
+    print(m.bound_endpoint, m.endpoint, flush=True)
+sys.stdin.read()
+for m in ms:
+    m.close()
+"""
+
+_DIAL = """
+import queue, sys
+from kvcore import wire
+from kvcore.messenger import Messenger
+
+q = queue.Queue()
+m = Messenger(lambda src, msg: q.put(msg), name="dialer")
+m.start()
+for endpoint in sys.argv[1:]:
+    m.send(endpoint, wire.Cancel(v=wire.PROTOCOL_VERSION, request_id=7, instance="x", rank=0, reason="hello"))
+    print(q.get(timeout=20).error, flush=True)
+m.close()
+"""
+
+
+@pytest.mark.parametrize(("bind", "advertise"), [("0.0.0.0", "198.18.0.2"), ("::", "fd00:6b76::2"), ("198.18.0.2", "")])
+def test_messenger_across_hosts_through_the_advertised_address(hosts: TwoHosts, bind: str, advertise: str) -> None:
+    """Ranks in host b bind ``bind`` on deterministic ports and advertise ``advertise``; host a dials what they say."""
+    base = 7300 + 10 * ["0.0.0.0", "::", "198.18.0.2"].index(bind)
+    server = hosts.b.popen(
+        [sys.executable, "-c", _SERVE, bind, advertise, str(base), "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert server.stdout is not None
+        lines = [server.stdout.readline().decode().split() for _ in range(2)]
+        assert all(len(line) == 2 for line in lines), lines
+        advertised = [line[1] for line in lines]
+        shown = f"[{advertise}]" if ":" in advertise else (advertise or bind)
+        assert advertised == [f"tcp://{shown}:{base}", f"tcp://{shown}:{base + 2}"]  # rank r: port + r * stride
+        if advertise:
+            assert all(shown not in line[0] for line in lines)  # bound elsewhere than advertised
+        out = hosts.a.run([sys.executable, "-c", _DIAL, *advertised], timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split("\n")[:2] == ["rank 0: hello", "rank 1: hello"]
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        server.wait(timeout=30)
+        if server.stdout is not None:
+            server.stdout.close()
+
+
+def test_wildcard_bind_advertises_the_host_name_never_the_wildcard() -> None:
+    import socket
+
+    m = Messenger(lambda s, x: None, host="0.0.0.0", name="wild")
+    try:
+        assert m.bound_endpoint.startswith("tcp://0.0.0.0:")
+        assert m.endpoint == f"tcp://{socket.gethostname()}:{m.bound_endpoint.rpartition(':')[2]}"
+    finally:
+        m.close()
+
+
+def test_busy_port_is_a_config_error_naming_it() -> None:
+    first = Messenger(lambda s, x: None, name="first")
+    port = int(first.endpoint.rpartition(":")[2])
+    try:
+        with pytest.raises(ConfigError, match=f"port {port}"):
+            Messenger(lambda s, x: None, port=port, name="second")
+    finally:
+        first.close()
+
+
+def test_control_ports_are_deterministic_per_rank() -> None:
+    assert [TransceiverConfig(port=9000).control_port(r) for r in range(4)] == [9000, 9001, 9002, 9003]
+    assert [TransceiverConfig(port=9000, port_stride=10).control_port(r) for r in range(3)] == [9000, 9010, 9020]
+    assert [TransceiverConfig(ports=[9100, 9205]).control_port(r) for r in range(2)] == [9100, 9205]
+    assert TransceiverConfig().control_port(3) == 0  # no port set: every rank a free one
+    with pytest.raises(ConfigError, match="rank 2 has none"):
+        TransceiverConfig(ports=[9100, 9205]).control_port(2)
+    with pytest.raises(ConfigError, match="advertise_host must be an address peers can dial"):
+        TransceiverConfig(advertise_host="0.0.0.0")
+    with pytest.raises(ConfigError, match="disagree"):
+        TransceiverConfig(port=9000, ports=[9001])
+    env = {"KVCORE_PORTS": "9300,9301", "KVCORE_ADVERTISE_HOST": "fd00:6b76::2"}
+    cfg = TransceiverConfig.load(env=env)
+    assert cfg.ports == [9300, 9301] and cfg.advertise_host == "fd00:6b76::2"
