@@ -36,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -66,16 +67,20 @@ _NS_PREFIX = "kvcore-h"
 _NS_RE = re.compile(r"^kvcore-h(\d+)-(\d+)-(\d+)-([ab])$")
 #: veth names (15 bytes at most): kvh<pid>x<n><a|b>; only ever seen in the root namespace if setup failed half way.
 _LINK_RE = re.compile(r"^kvh(\d+)x(\d+)([ab])(@.*)?$")
+#: The /etc/hosts each host mounts: kvcore-hosts-<pid>-<random>.hosts in the temporary directory.
+_HOSTS_FILE_RE = re.compile(r"^kvcore-hosts-(\d+)-\w+\.hosts$")
 _CMD_TIMEOUT = 30.0
 _seq = itertools.count(1)
 _live: set[TwoHosts] = set()
 _live_lock = threading.Lock()
 
-# pid 1 of a host: names the host, mounts a private /dev/shm, reports ready, reaps orphans until its stdin closes.
+# pid 1 of a host: names the host, mounts a private /dev/shm and its own /etc/hosts (both hosts' names resolve),
+# reports ready, reaps orphans until its stdin closes.
 _INIT = r"""
 import os, select, socket, subprocess, sys
 socket.sethostname(sys.argv[1])
 subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777,size=" + sys.argv[2], "kvcore-shm", "/dev/shm"], check=True)
+subprocess.run(["mount", "--bind", sys.argv[3], "/etc/hosts"], check=True)
 sys.stdout.write("ready\n"); sys.stdout.flush()
 fd = sys.stdin.fileno()
 while True:
@@ -178,6 +183,14 @@ def sweep() -> list[str]:
             continue
         _run("ip", "link", "delete", link.split("@")[0], check=False)
         removed.append(f"link {link}")
+    for entry in os.listdir(tempfile.gettempdir()):
+        m = _HOSTS_FILE_RE.match(entry)
+        if m is not None and not process_alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(tempfile.gettempdir(), entry))
+            except FileNotFoundError:
+                continue
+            removed.append(f"file {entry}")
     return removed
 
 
@@ -288,6 +301,7 @@ class TwoHosts:
             )
         with _live_lock:
             _live.add(self)
+        self._etc_hosts = ""
         try:
             self._build(shm_size, mtu)
         except BaseException:
@@ -316,6 +330,15 @@ class TwoHosts:
             if mtu is not None:
                 _run("ip", "-n", h.netns, "link", "set", h.link, "mtu", str(mtu))
             _run("ip", "-n", h.netns, "link", "set", h.link, "up")
+        fd, self._etc_hosts = tempfile.mkstemp(prefix=f"kvcore-hosts-{os.getpid()}-", suffix=".hosts")
+        lines = ["127.0.0.1 localhost", "::1 localhost"]
+        for h in (a, b):
+            lines.append(f"{h.address} {h.hostname}")
+            if h.address6:
+                lines.append(f"{h.address6} {h.hostname}")
+        os.write(fd, ("\n".join(lines) + "\n").encode())
+        os.close(fd)
+        os.chmod(self._etc_hosts, 0o644)
         for h in (a, b):
             self._start_init(h, shm_size)
 
@@ -324,7 +347,7 @@ class TwoHosts:
             "ip", "netns", "exec", h.netns,
             "unshare", "--uts", "--mount", "--pid", "--ipc", "--fork", "--mount-proc", "--propagation", "private",
             "--kill-child=SIGKILL",
-            sys.executable, "-c", _INIT, h.hostname, shm_size,
+            sys.executable, "-c", _INIT, h.hostname, shm_size, self._etc_hosts,
         ]  # fmt: skip
         h.init = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert h.init.stdout is not None
@@ -411,6 +434,11 @@ class TwoHosts:
                 _kill(int(pid))
             _run("ip", "netns", "delete", h.netns, check=False)
         _run("ip", "link", "delete", self.a.link, check=False)  # only exists if setup stopped half way
+        if self._etc_hosts:
+            try:
+                os.unlink(self._etc_hosts)
+            except FileNotFoundError:
+                pass
         with _live_lock:
             _live.discard(self)
 
@@ -623,14 +651,17 @@ def _bench_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcore.testing.hosts bench")
     parser.add_argument("--backend", action="append", default=None)
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--mtu", type=int, default=None, help="veth MTU (default: the kernel's, 1500)")
+    parser.add_argument("--options", default="{}", help="agent options as JSON")
+    parser.add_argument("--cross-only", action="store_true")
     args = parser.parse_args(argv)
-    with TwoHosts() as hosts:
+    options = json.loads(args.options)
+    with TwoHosts(mtu=args.mtu) as hosts:
         hosts.wait_link()
         for backend in args.backend or ["nixl", "ucx"]:
-            for cross in (False, True):
-                print(
-                    json.dumps(measure(backend, cross_host=cross, hosts=hosts, iterations=args.iterations)), flush=True
-                )
+            for cross in (True,) if args.cross_only else (False, True):
+                r = measure(backend, cross_host=cross, hosts=hosts, iterations=args.iterations, options=options)
+                print(json.dumps({**r, "mtu": args.mtu or 1500, "options": options}), flush=True)
     return 0
 
 
