@@ -343,3 +343,91 @@ def test_control_ports_are_deterministic_per_rank() -> None:
     env = {"KVCORE_PORTS": "9300,9301", "KVCORE_ADVERTISE_HOST": "fd00:6b76::2"}
     cfg = TransceiverConfig.load(env=env)
     assert cfg.ports == [9300, 9301] and cfg.advertise_host == "fd00:6b76::2"
+
+
+# --- a transceiver pair across the hosts, through the public Transceiver API ------------------------------
+
+
+def _pair_spec(backend: str, ctx_tp: int, gen_tp: int) -> dict[str, Any]:
+    return dict(
+        backend=backend, requests=4, tokens=64, layers=4, kv_heads=8, head_dim=64, tokens_per_block=16,
+        ctx_tp=ctx_tp, gen_tp=gen_tp, timeout_s=90.0,
+    )  # fmt: skip
+
+
+def _start_instance(host: Any, backend: str, role: str, tp: int, spec: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """``tp`` rank processes of one instance in ``host``, started together (their process group waits for all)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    peers = [host.peer(backend, {}, name=f"{role[:3]}{r}") for r in range(tp)]
+    with ThreadPoolExecutor(len(peers)) as pool:
+        infos = list(
+            pool.map(
+                lambda r: peers[r].call(
+                    "rank_start", role=role, rank=r, spec=spec, dist_port=29500, bind_host=host.address, timeout=300
+                ),
+                range(tp),
+            )
+        )
+    return peers, infos
+
+
+def _wait_released(peers: list[Any], requests: list[int], deadline: float) -> list[dict[str, Any]]:
+    while True:
+        status = [p.call("rank_status") for p in peers]
+        for s in status:
+            assert not s["error"], s["error"]
+        if all(set(requests) <= set(s["released"]) for s in status):
+            return status
+        assert time.monotonic() < deadline, f"requests not released in time: {status}"
+        time.sleep(0.05)
+
+
+def _stop_all(peers: list[Any]) -> list[dict[str, Any]]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, len(peers))) as pool:
+        return list(pool.map(lambda p: p.call("rank_stop", timeout=120), peers))
+
+
+@pytest.mark.parametrize(
+    ("backend", "ctx_tp", "gen_tp"), [("nixl", 1, 1), ("ucx", 1, 1), ("nixl", 2, 4), ("ucx", 2, 4)]
+)
+def test_transceiver_pair_across_hosts(hosts: TwoHosts, backend: str, ctx_tp: int, gen_tp: int) -> None:
+    """A context instance in host a, a generation instance in host b: every byte of every request verified."""
+    spec = _pair_spec(backend, ctx_tp, gen_tp)
+    requests = list(range(spec["requests"]))
+    ctx: list[Any] = []
+    gen: list[Any] = []
+    try:
+        ctx, ctx_info = _start_instance(hosts.a, backend, "context", ctx_tp, spec)
+        gen, gen_info = _start_instance(hosts.b, backend, "generation", gen_tp, spec)
+        endpoint = ctx_info[0]["info_endpoint"]
+        assert endpoint.startswith(f"tcp://{hosts.a.address}:")  # the advertised address of host a
+        assert {i["host_identity"] for i in ctx_info}.isdisjoint({i["host_identity"] for i in gen_info})
+        for p in ctx:
+            p.call("rank_send", requests=requests)
+        for p in gen:
+            p.call("rank_receive", requests=requests, endpoint=endpoint)
+        deadline = time.monotonic() + 240
+        gen_status = _wait_released(gen, requests, deadline)
+        ctx_status = _wait_released(ctx, requests, deadline)
+        for s in gen_status + ctx_status:
+            assert {s["outcomes"][str(r)][0] for r in requests} == {"DONE"}, s["outcomes"]
+        checks = [p.call("rank_verify", requests=requests) for p in gen]
+        assert [c["mismatches"] for c in checks] == [0] * gen_tp, [c["first_bad"] for c in checks]
+        # Every byte of every request, over all generation ranks: layers * K/V * heads * tokens * head_dim * 2 B.
+        total = spec["layers"] * 2 * spec["kv_heads"] * spec["tokens"] * spec["head_dim"] * 2 * len(requests)
+        assert sum(c["verified_bytes"] for c in checks) == total
+        stops = _stop_all(gen) + _stop_all(ctx)
+        for st in stops:
+            assert not st["error"], st["error"]
+            live = {
+                k: v
+                for k, v in st["stats"].items()
+                if v and not k.endswith("_total") and k not in ("ctx_instances", "gen_peers")
+            }
+            assert live == {}, live  # sessions, leases and transfers all back to zero on both hosts
+    finally:
+        for p in gen + ctx:
+            p.close()

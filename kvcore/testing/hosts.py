@@ -571,6 +571,138 @@ def _peer_class() -> type:
             self.agent.progress()
             return {}
 
+        # --- a transceiver rank (context or generation) of an instance spread over host processes ---------
+
+        def op_rank_start(
+            self, role: str, rank: int, spec: dict[str, Any], dist_port: int, bind_host: str
+        ) -> dict[str, Any]:
+            """Build one rank (the demo's storage and oracle) and its ``Transceiver``; a thread drives ``poll``.
+
+            Every rank of an instance must be started concurrently (the process group and the
+            transceiver's allgather wait for all of them).
+            """
+            import datetime
+            import queue
+
+            from kvcore.collective import LocalCollective, TorchCollective
+            from kvcore.config import TransceiverConfig
+            from kvcore.demo import DemoSpec, _Rank
+            from kvcore.transceiver import Transceiver
+
+            demo = DemoSpec(**spec)
+            tp, pp, _, _ = demo.side(role)
+            self.world = tp * pp
+            collective: Any
+            if self.world > 1:
+                import torch.distributed as dist
+
+                dist.init_process_group(
+                    "gloo",
+                    init_method=f"tcp://127.0.0.1:{dist_port}",  # inside this host: its own loopback
+                    rank=rank,
+                    world_size=self.world,
+                    timeout=datetime.timedelta(seconds=demo.timeout_s + 30),
+                )
+                collective = TorchCollective()
+            else:
+                collective = LocalCollective()
+            config = TransceiverConfig(
+                backend=self.backend, host=bind_host, request_timeout_s=demo.timeout_s, agent_options=self.options
+            )
+            me = _Rank(role, rank, demo, self.agent)
+            tx = Transceiver(
+                config,
+                role=role,
+                agent=self.agent,
+                topology=me.topology,
+                geometry=me.geometry,
+                page_table=me.page_table,
+                collective=collective,
+                instance_name=f"{role}-two-hosts",
+            )
+            self.rank_state: dict[str, Any] = {
+                "me": me, "tx": tx, "spec": demo, "collective": collective, "role": role,
+                "commands": queue.Queue(), "outcomes": {}, "released": [], "error": "", "stop": False,
+            }  # fmt: skip
+            self.rank_thread = threading.Thread(target=self._rank_loop, daemon=True)
+            self.rank_thread.start()
+            return {"endpoint": tx.endpoint, "info_endpoint": tx.info_endpoint, "host_identity": host_identity()}
+
+        def _rank_loop(self) -> None:
+            st = self.rank_state
+            me, tx, demo, collective = st["me"], st["tx"], st["spec"], st["collective"]
+            try:
+                while True:
+                    while not st["commands"].empty():
+                        cmd = st["commands"].get()
+                        for r in me.mine(cmd["requests"]):
+                            if cmd["op"] == "send":
+                                me.fill(r)
+                                tx.start_send(r, me.blocks[r], prompt_len=demo.tokens, state_slot=me.state_slot(r))
+                            else:
+                                tx.start_receive(
+                                    r,
+                                    cmd["endpoint"],
+                                    me.blocks[r],
+                                    prompt_len=demo.tokens,
+                                    state_slot=me.state_slot(r),
+                                    ctx_dp_rank=demo.dp_group("context", r),
+                                )
+                    result = tx.poll()  # collective: every rank of the instance polls in step
+                    for o in result.outcomes:
+                        error = f"{type(o.error).__name__}: {o.error}" if o.error is not None else ""
+                        st["outcomes"][o.request_id] = [o.state.value, error]
+                    st["released"].extend(result.released)
+                    flags = collective.allgather(b"\x01" if st["stop"] else b"\x00")
+                    if all(f == b"\x01" for f in flags):
+                        return
+                    time.sleep(0.0005)
+            except Exception as exc:
+                st["error"] = f"{type(exc).__name__}: {exc}"
+
+        def op_rank_send(self, requests: list[int]) -> dict[str, Any]:
+            """Context rank: fill this rank's part of ``requests`` with the oracle's values and send them."""
+            self.rank_state["commands"].put({"op": "send", "requests": requests})
+            return {}
+
+        def op_rank_receive(self, requests: list[int], endpoint: str) -> dict[str, Any]:
+            """Generation rank: fetch ``requests`` from the context instance at ``endpoint``."""
+            self.rank_state["commands"].put({"op": "receive", "requests": requests, "endpoint": endpoint})
+            return {}
+
+        def op_rank_status(self) -> dict[str, Any]:
+            st = self.rank_state
+            return {
+                "outcomes": {str(k): v for k, v in st["outcomes"].items()},
+                "released": sorted(st["released"]),
+                "error": st["error"],
+            }
+
+        def op_rank_verify(self, requests: list[int]) -> dict[str, Any]:
+            """Generation rank: compare every byte of ``requests`` with the oracle (independent of kvcore)."""
+            me = self.rank_state["me"]
+            mine = set(me.mine(requests))
+            bad, checked, first = 0, 0, ""
+            for r in requests:
+                n, nbytes, why = me.verify(r, r in mine)
+                bad, checked, first = bad + n, checked + nbytes, first or why
+            return {"mismatches": bad, "verified_bytes": checked, "first_bad": first}
+
+        def op_rank_stop(self, join_s: float = 60.0) -> dict[str, Any]:
+            """Stop polling (together with the instance's other ranks), close the transceiver, report leftovers."""
+            st = self.rank_state
+            st["stop"] = True
+            self.rank_thread.join(join_s)
+            if self.rank_thread.is_alive():
+                raise TimeoutError(f"rank loop still polling after {join_s}s (another rank did not stop)")
+            stats = st["tx"].stats()
+            st["tx"].close()
+            if self.world > 1:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+            return {"stats": stats, "error": st["error"]}
+
     return _HostPeer
 
 
