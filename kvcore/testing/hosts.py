@@ -574,7 +574,13 @@ def _peer_class() -> type:
         # --- a transceiver rank (context or generation) of an instance spread over host processes ---------
 
         def op_rank_start(
-            self, role: str, rank: int, spec: dict[str, Any], dist_port: int, bind_host: str
+            self,
+            role: str,
+            rank: int,
+            spec: dict[str, Any],
+            dist_port: int,
+            bind_host: str,
+            config: dict[str, Any] | None = None,
         ) -> dict[str, Any]:
             """Build one rank (the demo's storage and oracle) and its ``Transceiver``; a thread drives ``poll``.
 
@@ -606,12 +612,16 @@ def _peer_class() -> type:
                 collective = TorchCollective()
             else:
                 collective = LocalCollective()
-            config = TransceiverConfig(
-                backend=self.backend, host=bind_host, request_timeout_s=demo.timeout_s, agent_options=self.options
+            tx_config = TransceiverConfig(
+                backend=self.backend,
+                host=bind_host,
+                request_timeout_s=demo.timeout_s,
+                agent_options=self.options,
+                **(config or {}),
             )
             me = _Rank(role, rank, demo, self.agent)
             tx = Transceiver(
-                config,
+                tx_config,
                 role=role,
                 agent=self.agent,
                 topology=me.topology,
