@@ -104,12 +104,21 @@ def test_close_removes_everything_also_after_a_failure() -> None:
 def test_sweep_removes_what_a_killed_creator_left() -> None:
     """A process that builds hosts and dies without any cleanup leaves namespaces; the sweeper removes them."""
     code = (
-        "import os; from kvcore.testing.hosts import TwoHosts; h = TwoHosts(ipv6=False); "
-        "print(h.a.netns, h.b.netns, flush=True); os._exit(0)"  # no atexit, no close()
+        "import os, signal; from kvcore.testing.hosts import TwoHosts; h = TwoHosts(ipv6=False); "
+        "p = h.b.peer('shm', {}, name='orphan'); "
+        "print(h.a.netns, h.b.netns, h.a.init_pid, h.b.init_pid, p.inner_pid, flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"  # no atexit, no close(), no finally
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    left = out.stdout.split()
+    assert out.returncode == -9, out.stderr
+    *left, init_a, init_b, orphan = out.stdout.split()
+    from kvcore.hostinfo import process_alive
+
+    # The creator's pipes closed with it: each host's pid 1 exits, and the kernel takes its processes along.
+    deadline = time.monotonic() + 30
+    while any(process_alive(int(p)) for p in (init_a, init_b, orphan)):
+        assert time.monotonic() < deadline, "host processes outlived their creator"
+        time.sleep(0.05)
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert all(n in listing for n in left)  # still there: nothing else removed them
     removed = sweep()
