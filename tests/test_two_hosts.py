@@ -530,18 +530,24 @@ def test_transceiver_binds_wildcard_and_advertises_its_address_on_fixed_ports(ho
             p.close()
 
 
-def test_shm_host_check_probes_the_socket_when_an_identity_is_missing() -> None:
-    """Where a side cannot tell its host identity, a peer whose notification socket does not exist here is refused."""
+def test_shm_host_check_decides_by_reachability_and_names_both_hosts(tmp_path: Any) -> None:
+    """A same-host transport refuses a peer whose socket or control file is not here; a reachable one is accepted."""
     import os
     import socket
 
     from kvcore.builtin.hostcheck import PeerOnOtherHostError, require_same_host
+    from kvcore.hostinfo import host_identity
 
-    name = f"kvcore-hostcheck-{os.getpid()}".encode()
+    name = b"\0" + f"kvcore-hostcheck-{os.getpid()}".encode()
+    ctl = tmp_path / "ctl"
     with pytest.raises(PeerOnOtherHostError, match="does not exist in this network namespace"):
-        require_same_host("shm", "ghost", "", socket_address=b"\0" + name)
+        require_same_host("shm", "ghost", host_identity(), socket_address=name)
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as live:
-        live.bind(b"\0" + name)
-        require_same_host("shm", "here", "", socket_address=b"\0" + name)  # reachable: accepted
-    with pytest.raises(PeerOnOtherHostError, match="host identity expected"):
-        require_same_host("shm", "far", "another-boot/4026531836", peer_hostname="far-away")
+        live.bind(name)
+        with pytest.raises(PeerOnOtherHostError, match=r"control file .* does not exist in this mount namespace"):
+            require_same_host("shm", "half", host_identity(), socket_address=name, path=str(ctl))
+        ctl.write_bytes(b"")
+        # Reachable: accepted even under another identity (a pod's containers share /dev/shm, not pids).
+        require_same_host("shm", "here", "another-pid-namespace", socket_address=name, path=str(ctl))
+    with pytest.raises(PeerOnOtherHostError, match="is on another host: host identity expected"):
+        require_same_host("shm", "far", "another-boot/4026531836", peer_hostname="far-away", socket_address=name)

@@ -1,17 +1,22 @@
 """Refusing peers a same-host transport cannot reach: a typed error at load time instead of a misleading one later.
 
 The shm agent maps the peer's files under ``/dev/shm`` and sends notifications
-to an abstract UNIX socket; both exist only inside one host (one mount and one
-network namespace). A peer on another host would otherwise fail with "control
+to an abstract UNIX socket; both exist only where the peer's mount and network
+namespaces are ours. A peer on another host would otherwise fail with "control
 segment is gone; the peer died" (or, worse, find a stale file of the same
 name). ``require_same_host`` is called first thing when a descriptor is
-loaded: it compares ``kvcore.hostinfo.host_identity()`` of both sides and,
-where a side cannot tell its identity, probes the peer's notification socket.
+loaded. It decides by *reachability*, not identity: two containers of one pod
+share ``/dev/shm`` and the network namespace but not the pid namespace (so
+their ``host_identity()`` differs and pid proofs are impossible, yet shared
+memory works), and ``KVCORE_HOST_ID`` may simulate another host for the pid
+proofs of one machine. ``kvcore.hostinfo.host_identity()`` of both sides goes
+into the error, so an operator sees at once that the peer is elsewhere.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import socket
 
 from kvcore.errors import RemoteAgentError
@@ -44,27 +49,39 @@ def require_same_host(
     peer_identity: str,
     *,
     peer_hostname: str = "",
-    socket_address: bytes | None = None,
+    socket_address: bytes,
+    path: str | None = None,
 ) -> None:
-    """Raise ``PeerOnOtherHostError`` unless the peer is on this host (same ``host_identity()``, or its socket answers).
+    """Raise ``PeerOnOtherHostError`` unless the peer's socket (and ``path``, its control file) are reachable here.
 
     ``peer_identity`` is the peer's ``host_identity()`` from its descriptor
-    (empty when it could not tell); ``socket_address`` an abstract socket the
-    peer listens on, probed only when an identity is missing.
+    (empty when it could not tell) and ``peer_hostname`` its host name: both
+    only explain the refusal. ``socket_address`` is an abstract socket the peer
+    listens on (``b"\\0name"``).
     """
-    mine = host_identity()
-    theirs_host = f" ({peer_hostname})" if peer_hostname else ""
-    hint = f"the {backend} agent reaches peers on this host only; use a network transport (nixl or ucx) across hosts"
-    if mine and peer_identity:
-        if peer_identity != mine:
-            raise PeerOnOtherHostError(
-                f"peer {peer_name!r}{theirs_host} is on another host: host identity expected {mine!r} "
-                f"(this host, {hostname()}), got {peer_identity!r}; {hint}"
-            )
-        return
-    if socket_address is not None and not abstract_socket_reachable(socket_address):
-        raise PeerOnOtherHostError(
-            f"peer {peer_name!r}{theirs_host} is not reachable on this host: its notification socket "
-            f"{socket_address[1:].decode(errors='replace')!r} does not exist in this network namespace "
-            f"(host identity: ours {mine or 'unknown'!r}, the peer's {peer_identity or 'unknown'!r}); {hint}"
+    missing = []
+    if not abstract_socket_reachable(socket_address):
+        missing.append(
+            f"its notification socket {socket_address[1:].decode(errors='replace')!r} does not exist in this "
+            "network namespace"
         )
+    if path is not None and not os.path.exists(path):
+        missing.append(f"its control file {path} does not exist in this mount namespace")
+    if not missing:
+        return
+    mine = host_identity()
+    where = f" ({peer_hostname})" if peer_hostname else ""
+    if mine and peer_identity and peer_identity != mine:
+        verdict = (
+            f"peer {peer_name!r}{where} is on another host: host identity expected {mine!r} "
+            f"(this host, {hostname()}), got {peer_identity!r}"
+        )
+    else:
+        verdict = (
+            f"peer {peer_name!r}{where} is not reachable from this host "
+            f"(host identity: ours {mine or 'unknown'!r}, the peer's {peer_identity or 'unknown'!r})"
+        )
+    raise PeerOnOtherHostError(
+        f"{verdict}: {'; '.join(missing)}; the {backend} agent reaches peers on this host only "
+        "(same /dev/shm and network namespace); use a network transport (nixl or ucx) across hosts"
+    )

@@ -429,6 +429,7 @@ class ShmAgent(TransferAgent):
             payload.host,
             peer_hostname=payload.hostname,
             socket_address=b"\0" + payload.sock.encode(),
+            path=os.path.join(SHM_DIR, payload.ctl),
         )
         old: _Peer | None = previous.native if previous is not None else None
         peer = self._open_control(descriptor.name, payload, old)
