@@ -705,13 +705,13 @@ def _peer_class() -> type:
             self.rank_thread.join(join_s)
             if self.rank_thread.is_alive():
                 raise TimeoutError(f"rank loop still polling after {join_s}s (another rank did not stop)")
-            stats = st["tx"].stats()
+            stats, leaks = st["tx"].stats(), st["tx"].leaks()
             st["tx"].close()
             if self.world > 1:
                 import torch.distributed as dist
 
                 dist.destroy_process_group()
-            return {"stats": stats, "error": st["error"]}
+            return {"stats": stats, "leaks": leaks, "error": st["error"]}
 
     return _HostPeer
 
