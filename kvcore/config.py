@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ __all__ = ["TransceiverConfig", "resolve_backend", "create_agent", "AUTO_PREFERE
 
 log = logging.getLogger("kvcore.config")
 
+# A host name, an IPv4 address, or an IPv6 address with or without brackets.
+_ADVERTISE_RE = re.compile(r"\A(?:[A-Za-z0-9.\-]+|\[?[0-9A-Fa-f:.]+\]?)\Z")
+
 #: The order ``backend="auto"`` tries: the first whose plugin loads wins.
 AUTO_PREFERENCE = ("nixl", "shm")
 
@@ -35,8 +39,11 @@ class TransceiverConfig:
 
     backend: str = "auto"
     agent_options: dict[str, Any] = field(default_factory=dict)
-    host: str = "127.0.0.1"  # control-plane bind address; loopback unless asked otherwise
-    port: int = 0  # 0 picks a free port
+    host: str = "127.0.0.1"  # control-plane bind address; loopback unless asked otherwise ("0.0.0.0"/"::": all)
+    port: int = 0  # rank 0's control port; rank r binds port + r * port_stride; 0 picks free ports
+    advertise_host: str = ""  # the address peers dial (pod/node IP); "" = host (a wildcard host: the hostname)
+    port_stride: int = 1  # distance between consecutive ranks' ports when port is set
+    ports: list[int] = field(default_factory=list)  # explicit per-rank ports (rank r binds ports[r]); wins over port
     request_timeout_s: float = 60.0  # bound on one request from start to terminal outcome
     first_contact_timeout_s: float = 10.0  # bound on fetching a peer's RankInfo
     transfer_timeout_s: float = 30.0  # bound on one submitted transfer at the transport
@@ -78,6 +85,22 @@ class TransceiverConfig:
             raise ConfigError(f"agent_options must be a mapping, got {type(self.agent_options).__name__}")
         if not (0 <= int(self.port) <= 65535):
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if int(self.port_stride) < 1:
+            raise ConfigError(f"port_stride must be >= 1, got {self.port_stride}")
+        if not isinstance(self.ports, list) or not all(isinstance(p, int) and 0 < p <= 65535 for p in self.ports):
+            raise ConfigError(f"ports must be a list of ports in 1..65535, got {self.ports!r}")
+        if len(set(self.ports)) != len(self.ports):
+            raise ConfigError(f"ports must not repeat a port, got {self.ports!r}")
+        if self.ports and self.port and self.port != self.ports[0]:
+            raise ConfigError(f"port ({self.port}) and ports[0] ({self.ports[0]}) disagree; set one of them")
+        if self.advertise_host and not _ADVERTISE_RE.match(self.advertise_host):
+            raise ConfigError(
+                f"advertise_host must be a host name, an IPv4 or an IPv6 address, got {self.advertise_host!r}"
+            )
+        if self.advertise_host in ("0.0.0.0", "::", "[::]", "*"):
+            raise ConfigError(
+                f"advertise_host must be an address peers can dial, not the wildcard {self.advertise_host!r}"
+            )
         for name in (
             "request_timeout_s",
             "first_contact_timeout_s",
@@ -116,6 +139,19 @@ class TransceiverConfig:
                 "reach the port could drive this rank. Set auth_key_file (see `kvcore keygen`, docs/security.md) "
                 "or, on an isolated network, allow_insecure_bind=True (KVCORE_ALLOW_INSECURE_BIND=1)"
             )
+
+    def control_port(self, rank: int) -> int:
+        """The control-plane port rank ``rank`` binds: ``ports[rank]``, else ``port + rank * port_stride``, else 0 (free)."""
+        if self.ports:
+            if not 0 <= rank < len(self.ports):
+                raise ConfigError(f"ports lists {len(self.ports)} port(s); rank {rank} has none")
+            return self.ports[rank]
+        if not self.port:
+            return 0
+        port = self.port + rank * self.port_stride
+        if port > 65535:
+            raise ConfigError(f"rank {rank}: port {self.port} + {rank} * port_stride {self.port_stride} exceeds 65535")
+        return port
 
     # --- loading -------------------------------------------------------------------------------
 
@@ -184,6 +220,8 @@ class TransceiverConfig:
                     out[f.name] = json.loads(raw)
                 elif f.name in ("required_plugins", "auth_allowed_keys"):
                     out[f.name] = [p.strip() for p in raw.split(",") if p.strip()]
+                elif f.name == "ports":
+                    out[f.name] = [int(p) for p in raw.split(",") if p.strip()]
                 elif f.type in ("int", int):
                     out[f.name] = int(raw)
                 elif f.type in ("float", float):

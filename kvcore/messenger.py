@@ -100,6 +100,67 @@ class _Dealer:
     last_used: float = 0.0
 
 
+_WILDCARDS = {"0.0.0.0", "::", "*", "[::]"}
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def bind_router(router: zmq.Socket[bytes], host: str, port: int, advertise_host: str | None = None) -> tuple[str, str]:
+    """Bind ``router`` on ``host:port`` (0: a free port) and return ``(bound endpoint, advertised endpoint)``.
+
+    ``host`` may be an IPv4/IPv6 address, a name, or a wildcard (``0.0.0.0``,
+    ``::``). Peers dial the advertised endpoint: ``advertise_host`` when given
+    (the address a peer on another host can reach, e.g. the pod IP), else the
+    bind address, else, for a wildcard bind, this host's name (a wildcard is
+    never advertised). An address that cannot be bound is a ``ConfigError``
+    naming it.
+    """
+    from kvcore.errors import ConfigError
+
+    if not _is_loopback(host):
+        log.warning("kvcore control plane binding to non-loopback address %s: reachable from the network", host)
+    wildcard = host in _WILDCARDS
+    if ":" in host:
+        router.setsockopt(zmq.IPV6, 1)
+    bind_host = "*" if wildcard else _bracket(host)
+    try:
+        if port:
+            router.bind(f"tcp://{bind_host}:{port}")
+        else:
+            router.bind_to_random_port(f"tcp://{bind_host}")
+    except zmq.ZMQBaseError as exc:  # ZMQError, or ZMQBindError from bind_to_random_port
+        raise ConfigError(
+            f"control plane cannot bind host {host!r} port {port or '(any free)'}: {exc}; "
+            "pick a free port or an address of this host"
+        ) from exc
+    last = router.getsockopt(zmq.LAST_ENDPOINT)
+    bound = last.decode() if isinstance(last, bytes) else str(last)
+    bound_port = int(bound.rpartition(":")[2])
+    if advertise_host:
+        advertised_host = advertise_host
+    elif wildcard:
+        import socket
+
+        advertised_host = socket.gethostname()
+        log.warning(
+            "kvcore control plane bound to wildcard %s without advertise_host: advertising this host's name %r; "
+            "set advertise_host to the address peers should dial",
+            host,
+            advertised_host,
+        )
+    else:
+        advertised_host = host
+    advertised = f"tcp://{_bracket(advertised_host)}:{bound_port}"
+    try:
+        wire.parse_endpoint(advertised)
+    except ProtocolError as exc:
+        router.unbind(bound)
+        raise ConfigError(f"advertise_host {advertised_host!r} does not make a valid endpoint: {exc}") from exc
+    return bound, advertised
+
+
 class Messenger:
     """The control-plane sockets of one rank. Binds loopback by default.
 
@@ -117,6 +178,7 @@ class Messenger:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        advertise_host: str | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
         on_error: ErrorHandler | None = None,
         on_disconnect: DisconnectHandler | None = None,
@@ -178,15 +240,8 @@ class Messenger:
                 self._router.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
                 self._router.setsockopt(zmq.CURVE_SERVER, 1)
                 self._router.setsockopt(zmq.CURVE_SECRETKEY, auth.secret_key)
-            bind_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-            if ":" in host:
-                self._router.setsockopt(zmq.IPV6, 1)
-            if port:
-                self._router.bind(f"tcp://{bind_host}:{port}")
-            else:
-                self._router.bind_to_random_port(f"tcp://{bind_host}")
-            last = self._router.getsockopt(zmq.LAST_ENDPOINT)
-            self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
+            #: ``bound_endpoint``: where the ROUTER listens; ``endpoint``: what peers are told to dial (advertised).
+            self.bound_endpoint, self.endpoint = bind_router(self._router, host, port, advertise_host)
             self._wake_addr = f"inproc://kvcore-wake-{next(_WAKE_IDS)}-{id(self):x}"
             self._wake_rx = self._ctx.socket(zmq.PAIR)
             self._wake_rx.bind(self._wake_addr)

@@ -78,6 +78,7 @@ from kvcore.agent import (
     TransferStatus,
     process_incarnation,
 )
+from kvcore.builtin.hostcheck import require_same_host
 from kvcore.errors import (
     KvcoreError,
     PeerLostError,
@@ -88,6 +89,7 @@ from kvcore.errors import (
     TransferFailedError,
     UnsupportedOperationError,
 )
+from kvcore.hostinfo import host_identity, hostname
 from kvcore.msgbounds import check_msgpack_bounds
 
 if TYPE_CHECKING:
@@ -152,6 +154,8 @@ class _Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     notify: Name  # abstract SOCK_DGRAM socket receiving notifications
     segments: Annotated[list[_SegmentInfo], msgspec.Meta(max_length=_MAX_SEGMENTS)]
     exports: Annotated[list[_ExportInfo], msgspec.Meta(max_length=_SLOTS)]
+    host: Name = ""  # kvcore.hostinfo.host_identity() of the owner: a peer on another host is refused at load
+    hostname: Name = ""  # for the error message only
 
 
 class _FdRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -455,6 +459,8 @@ class ShmAgent(TransferAgent):
                 notify=self._notify_name,
                 segments=[_SegmentInfo(s.id, s.base, s.size) for s in used.values()],
                 exports=[_ExportInfo(r.address, r.length, e.slot, e.token) for r, e in exports],
+                host=host_identity(),
+                hostname=hostname(),
             )
         )
 
@@ -465,6 +471,13 @@ class ShmAgent(TransferAgent):
             raise RemoteAgentError(
                 f"{who}: the descriptor is this agent's own (a replay?); an agent never loads itself"
             )
+        require_same_host(
+            "shm",
+            descriptor.name,
+            payload.host,
+            peer_hostname=payload.hostname,
+            socket_address=b"\0" + payload.fds.encode(),
+        )
         old: _Peer | None = previous.native if previous is not None else None
         owner = (payload.pid, payload.fds, payload.notify)
         if old is not None and (old.incarnation, (old.pid, old.fds_name, old.payload.notify)) != (

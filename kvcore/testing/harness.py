@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO
 
 import msgspec
@@ -100,11 +100,16 @@ class PeerProcess:
         name: str = "contract-peer",
         startup_timeout: float = 60.0,
         env: Mapping[str, str] | None = None,
+        launcher: Sequence[str] = (),
+        module: str = "kvcore.testing.harness",
     ) -> None:
+        # launcher: an argv prefix that runs the peer elsewhere (kvcore.testing.hosts enters a namespaced host);
+        # module: a module whose main() serves a _Peer subclass with more commands.
         cmd = [
+            *launcher,
             sys.executable,
             "-m",
-            "kvcore.testing.harness",
+            module,
             "--backend",
             backend,
             "--name",
@@ -308,13 +313,13 @@ class _Peer:
         return {"resources": self.agent.resources()}
 
 
-def _serve(backend: str, name: str, options: dict[str, Any]) -> int:
+def _serve(backend: str, name: str, options: dict[str, Any], peer_cls: type[_Peer] = _Peer) -> int:
     # Replies go on a private copy of stdout; anything a plugin prints lands on stderr instead.
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     inp = sys.stdin.buffer.fileno()
     try:
-        peer = _Peer(backend, name, options)
+        peer = peer_cls(backend, name, options)
     except Exception as exc:
         _read_frame(inp, None)
         _write_frame(out, {"ok": False, "error": type(exc).__name__, "message": str(exc)})
@@ -338,7 +343,7 @@ def _serve(backend: str, name: str, options: dict[str, Any]) -> int:
             return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, peer_cls: type[_Peer] = _Peer) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m kvcore.testing.harness")
@@ -346,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="contract-peer")
     parser.add_argument("--options", default="{}")
     args = parser.parse_args(argv)
-    return _serve(args.backend, args.name, json.loads(args.options))
+    return _serve(args.backend, args.name, json.loads(args.options), peer_cls)
 
 
 if __name__ == "__main__":

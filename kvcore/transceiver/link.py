@@ -108,7 +108,8 @@ class Link:
         self.messenger = Messenger(
             self._on_message,
             host=config.host,
-            port=config.port if self.collective.rank == 0 or not config.port else 0,
+            port=config.control_port(self.collective.rank),
+            advertise_host=config.advertise_host or None,
             max_message_bytes=config.max_message_bytes,
             on_disconnect=lambda ep: self.on_disconnect(ep),
             on_connect=lambda ep: self.on_connect(ep),

@@ -300,3 +300,45 @@ def test_ucxx_prototype_target_rejects_ranges_it_no_longer_registered(ucp: Any) 
             proc.kill()
         os.environ.clear()
         os.environ.update(saved_env)
+
+
+# --- error handling per peer ("auto": none on one host, peer across hosts) ----------------------------------
+
+
+def _claim_host(descriptor: bytes, identity: str) -> bytes:
+    """The same descriptor with its ucx payload claiming another host identity."""
+    import msgspec
+    from kvcore_ucx.agent import _Payload
+
+    from kvcore.agent import TransferAgent
+
+    desc = TransferAgent.decode_descriptor(descriptor)
+    payload = msgspec.msgpack.decode(desc.payload, type=_Payload)
+    fake = msgspec.structs.replace(payload, host_identity=identity)
+    return msgspec.msgpack.encode(msgspec.structs.replace(desc, payload=msgspec.msgpack.encode(fake)))
+
+
+def test_auto_error_handling_picks_the_mode_per_peer(ucp: Any) -> None:
+    with UcxAgent("a", {"progress_thread": False}) as a, UcxAgent("b", {"progress_thread": False}) as b:
+        buf = np.zeros(4096, dtype=np.uint8)
+        b.register_memory(MemoryRegion(buf.ctypes.data, buf.nbytes))
+        assert a.peer_error_mode(a.load_remote_agent(b.descriptor())) == "none"  # same host: shm/CMA
+        a.unload_remote_agent("b")
+        assert a.peer_error_mode(a.load_remote_agent(_claim_host(b.descriptor(), "other-boot/1"))) == "peer"
+
+
+def test_forced_mode_against_auto_is_refused_only_where_they_differ(ucp: Any) -> None:
+    with UcxAgent("auto", {"progress_thread": False}) as auto, UcxAgent("peer", {"error_handling": "peer"}) as peer:
+        with pytest.raises(RemoteAgentError, match=r"this agent uses 'none' \(option 'auto'\)"):
+            auto.load_remote_agent(peer.descriptor())  # one host: auto means none, the peer forces peer
+        remote = auto.load_remote_agent(_claim_host(peer.descriptor(), "other-boot/1"))
+        assert auto.peer_error_mode(remote) == "peer"  # another host: auto means peer too
+
+
+def test_ucx_config_is_applied_and_a_bad_key_is_named(ucp: Any) -> None:
+    from kvcore.errors import TransferError
+
+    with UcxAgent("tls", {"ucx_config": {"UCX_TLS": "tcp,self", "TCP_PORT_RANGE": "21000-21999"}}) as agent:
+        assert agent.worker_address
+    with pytest.raises(TransferError, match="NO_SUCH_SETTING"):
+        UcxAgent("bad", {"ucx_config": {"NO_SUCH_SETTING": "1"}})

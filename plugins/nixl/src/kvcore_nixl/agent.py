@@ -1,11 +1,22 @@
 """The NIXL transfer agent: kvcore's ``TransferAgent`` contract over NVIDIA NIXL (UCX backend by default).
 
-One ``nixl_agent`` per kvcore agent, created with no backends and no NIXL
-progress thread (NIXL 1.5 hard-codes a zero progress delay, which spins a full
-core), then ``create_backend(<backend>, <params>)``. The default backend is UCX
-with ``ucx_error_handling_mode=none``, which gives same-host shared-memory /
-CMA transports and truly one-sided writes; set ``backend_params`` to
-``{"ucx_error_handling_mode": "peer"}`` for multi-node deployments.
+Lanes. NIXL takes UCX's error-handling mode as a *backend init parameter*:
+one ``nixl_agent`` has one UCX context in one mode, and one agent cannot hold
+two UCX backends. Same-host peers want ``ucx_error_handling_mode=none``
+(shared memory + CMA, truly one-sided writes, 0.3 ms first connection); peers
+on another host want ``peer`` (TCP/IB with failure detection: in ``none`` mode
+a dead remote over TCP is never reported). So a kvcore agent holds one
+``nixl_agent`` per distinct parameter set, a *lane*: by default a same-host
+lane (``none``) and a cross-host lane (``peer``), each created with no
+backends and no NIXL progress thread (NIXL 1.5 hard-codes a zero progress
+delay, which spins a full core), then ``create_backend(<backend>, <params>)``.
+Memory is registered with every lane. The descriptor carries every lane's
+metadata and ``kvcore.hostinfo.host_identity()``; a peer with the same host
+identity is loaded into the same-host lane, any other into the cross-host
+lane, so both sides pick the same mode without talking. Options override the
+parameters per scope; scopes with equal parameters share one lane, and
+``peers`` limits which lanes exist (``"cross_host"`` for a deployment where
+every peer is remote: one registration per region).
 
 Progress. Without a progress thread, NIXL moves only when this agent is
 called: ``poll``/``wait`` progress the initiator, ``get_notifications()`` and
@@ -74,11 +85,16 @@ from kvcore.errors import (
     UnknownBackendError,
     UnsupportedOperationError,
 )
+from kvcore.hostinfo import host_identity
 from kvcore.msgbounds import check_msgpack_bounds
 
 __all__ = [
     "NixlAgent",
     "NixlPayload",
+    "NixlLane",
+    "DEFAULT_CROSS_HOST_PARAMS",
+    "SAME_HOST",
+    "CROSS_HOST",
     "decode_payload",
     "load_nixl",
     "NIXL_MODULES",
@@ -89,23 +105,36 @@ __all__ = [
 #: Import candidates in order: the meta package, then the CUDA-flavoured wheels.
 NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 
-#: Backend init params kvcore uses unless options override them (string values, as NIXL wants).
+#: Backend init params for same-host peers unless options override them (string values, as NIXL wants).
 DEFAULT_BACKEND_PARAMS: dict[str, dict[str, str]] = {
     # 'none' selects shm/CMA on one host: one-sided writes, 0.3 ms first connection.
-    # Multi-node (IB/RoCE) deployments should pass {"ucx_error_handling_mode": "peer"}.
     "UCX": {"ucx_error_handling_mode": "none"},
 }
+#: What differs for peers on another host: UCX must detect a dead peer (in 'none' mode a lost TCP peer is never
+#: reported and a write to it can hang); 'peer' mode also excludes shared-memory transports.
+DEFAULT_CROSS_HOST_PARAMS: dict[str, dict[str, str]] = {
+    "UCX": {"ucx_error_handling_mode": "peer"},
+}
+
+#: The two kinds of peer a lane can serve, decided per peer from the host identities in the descriptors.
+SAME_HOST = "same_host"
+CROSS_HOST = "cross_host"
+_SCOPES = (SAME_HOST, CROSS_HOST)
+_PEERS_OPTION = {"any": _SCOPES, SAME_HOST: (SAME_HOST,), CROSS_HOST: (CROSS_HOST,)}
 
 _INSTALL_HINT = (
     "pip install 'kvcore-nixl[cu12]' (or 'kvcore-nixl[cu13]'), i.e. the nixl-cu12 / nixl-cu13 wheel for your CUDA"
 )
 
-_PAYLOAD_VERSION = 1
+_PAYLOAD_VERSION = 2
 _NAME_SEP = "#"  # NIXL agent name = <kvcore name>#<incarnation>.<n>; notifications map back by the prefix
 
 _KNOWN_OPTIONS = {
     "nixl_backend",
     "backend_params",
+    "same_host_params",
+    "cross_host_params",
+    "peers",
     "progress_thread",
     "progress_delay_us",
     "unit_dlist_max_entries",
@@ -172,13 +201,27 @@ def map_nixl_error(
     return err
 
 
+class NixlLane(msgspec.Struct, array_like=True, frozen=True):
+    """One NIXL agent of a kvcore agent as peers see it: the peers it serves, its name, metadata and error mode."""
+
+    scopes: list[str]  # SAME_HOST and/or CROSS_HOST
+    nixl_name: str
+    metadata: bytes
+    error_mode: str  # ucx_error_handling_mode ("" for non-UCX backends); both ends of a pair must agree
+
+
 class NixlPayload(msgspec.Struct, array_like=True, frozen=True):
-    """The transport part of a kvcore descriptor: the NIXL agent's name, backend and metadata blob."""
+    """The transport part of a kvcore descriptor: host identity, backend, and every lane's NIXL name and metadata.
+
+    ``nixl_name``/``metadata`` repeat the first lane (same-host when it exists) for tools that drive bare NIXL.
+    """
 
     version: int
     nixl_name: str
     nixl_backend: str
     metadata: bytes
+    host_identity: str
+    lanes: list[NixlLane]
 
 
 _payload_decoder = msgspec.msgpack.Decoder(NixlPayload)
@@ -221,12 +264,14 @@ class _Side:
     devices: np.ndarray  # uint64
     kinds: list[str]  # NIXL memory type per region
     target: str  # prep_xfer_dlist agent name: "NIXL_INIT_AGENT" or the peer's NIXL name
+    api: Any  # the nixl_agent (lane) that prepares this side's lists
     units: dict[int, tuple[_Dlist, np.ndarray]] = field(default_factory=dict)  # unit -> (dlist, first index)
 
     @classmethod
-    def build(cls, regions: list[tuple[int, int, str, int]], target: str) -> _Side:
+    def build(cls, regions: list[tuple[int, int, str, int]], target: str, api: Any) -> _Side:
         regions = sorted(regions)
         return cls(
+            api=api,
             starts=np.array([r[0] for r in regions], dtype=np.uint64),
             lengths=np.array([r[1] for r in regions], dtype=np.uint64),
             devices=np.array([r[3] for r in regions], dtype=np.uint64),
@@ -240,13 +285,31 @@ class _Side:
         return np.maximum(idx, 0)
 
 
+@dataclass(eq=False)
+class _Lane:
+    """One ``nixl_agent`` of this kvcore agent, with the parameters it was created with and its local lists."""
+
+    scopes: tuple[str, ...]
+    params: dict[str, str]
+    nixl_name: str
+    nixl: Any = None
+    mem_types: set[str] = field(default_factory=set)
+    local: _Side | None = None
+
+    @property
+    def error_mode(self) -> str:
+        return self.params.get("ucx_error_handling_mode", "")
+
+
 @dataclass
 class _Peer:
-    """A loaded NIXL peer: its NIXL name, metadata and prepared descriptor lists."""
+    """A loaded NIXL peer: the lane that reaches it, its NIXL name, metadata and prepared descriptor lists."""
 
     nixl_name: str
     metadata: bytes
     side: _Side
+    lane: _Lane
+    scope: str
 
 
 @dataclass
@@ -255,6 +318,7 @@ class _Xfer:
 
     handle: Any
     dlists: tuple[_Dlist, ...]
+    api: Any = None  # the lane's nixl_agent that owns the handle
     done: bool = False
 
 
@@ -264,8 +328,15 @@ class NixlAgent(TransferAgent):
     Options (``TransceiverConfig.agent_options``):
 
     ``nixl_backend``            NIXL backend plugin, default ``"UCX"`` (``"LIBFABRIC"``, ...)
-    ``backend_params``          init params for it (str -> str), merged over kvcore's defaults
-                                (UCX: ``ucx_error_handling_mode=none``; use ``peer`` multi-node)
+    ``backend_params``          init params for it (str -> str), merged over kvcore's defaults for
+                                every lane (UCX: ``ucx_error_handling_mode=none`` for same-host peers,
+                                ``peer`` for peers on another host)
+    ``same_host_params``        params for same-host peers only, merged over ``backend_params``
+    ``cross_host_params``       params for peers on another host only, merged over ``backend_params``
+                                (e.g. ``{"ucx_devices": "mlx5_0:1"}``)
+    ``peers``                   ``"any"`` (default: a lane for each kind of peer), ``"same_host"`` or
+                                ``"cross_host"`` (only that lane; a peer of the other kind is refused
+                                at load)
     ``progress_thread``         run NIXL's progress thread (default False: the engine calls
                                 ``progress()``/``get_notifications()``)
     ``progress_delay_us``       that thread's sleep between rounds (default 100; NIXL's own is 0)
@@ -295,12 +366,22 @@ class NixlAgent(TransferAgent):
                 f"unknown nixl agent option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(_KNOWN_OPTIONS))}"
             )
         self._nixl_backend = str(self.options.get("nixl_backend", "UCX"))
-        params = self.options.get("backend_params", {})
-        if not isinstance(params, Mapping):
-            raise ConfigError(f"nixl agent option backend_params must be a mapping, got {type(params).__name__}")
-        self._backend_params = {
-            **DEFAULT_BACKEND_PARAMS.get(self._nixl_backend, {}),
-            **{str(k): str(v) for k, v in params.items()},
+        user = {key: self._params_option(key) for key in ("backend_params", "same_host_params", "cross_host_params")}
+        peers = str(self.options.get("peers", "any"))
+        if peers not in _PEERS_OPTION:
+            raise ConfigError(f"nixl agent option peers: expected one of {', '.join(_PEERS_OPTION)}, got {peers!r}")
+        scope_params = {
+            SAME_HOST: {
+                **DEFAULT_BACKEND_PARAMS.get(self._nixl_backend, {}),
+                **user["backend_params"],
+                **user["same_host_params"],
+            },
+            CROSS_HOST: {
+                **DEFAULT_BACKEND_PARAMS.get(self._nixl_backend, {}),
+                **DEFAULT_CROSS_HOST_PARAMS.get(self._nixl_backend, {}),
+                **user["backend_params"],
+                **user["cross_host_params"],
+            },
         }
         self._progress_thread = bool(self.options.get("progress_thread", False))
         self._progress_delay_us = int(self.options.get("progress_delay_us", 100))
@@ -315,30 +396,50 @@ class NixlAgent(TransferAgent):
 
         api = load_nixl()
         self._api = api
-        self._nixl_name = f"{name}{_NAME_SEP}{process_incarnation()[:12]}.{next(_agent_seq)}"
-        self._nixl = self._create_nixl_agent(api)
-        plugins = list(self._nixl.get_plugin_list())
+        self._host_identity = host_identity()
+        base_name = f"{name}{_NAME_SEP}{process_incarnation()[:12]}.{next(_agent_seq)}"
+        self._lanes: list[_Lane] = []
+        for scope in _PEERS_OPTION[peers]:  # scopes with equal params share one lane (one nixl_agent)
+            same = next((lane for lane in self._lanes if lane.params == scope_params[scope]), None)
+            if same is not None:
+                same.scopes += (scope,)
+                continue
+            suffix = "" if not self._lanes else f".{len(self._lanes)}"
+            self._lanes.append(_Lane((scope,), scope_params[scope], base_name + suffix))
+        for lane in self._lanes:
+            self._create_lane(lane)
+        primary = self._lanes[0]
+        self._nixl, self._nixl_name, self._backend_params = primary.nixl, primary.nixl_name, primary.params
+        self._pending_notifs: list[Notification] = []
+        self._leaked: list[Any] = []  # NIXL handles whose release failed; kept alive with the agent
+
+    def _params_option(self, key: str) -> dict[str, str]:
+        params = self.options.get(key, {})
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"nixl agent option {key} must be a mapping, got {type(params).__name__}")
+        return {str(k): str(v) for k, v in params.items()}
+
+    def _create_lane(self, lane: _Lane) -> None:
+        lane.nixl = self._create_nixl_agent(self._api, lane.nixl_name)
+        plugins = list(lane.nixl.get_plugin_list())
         if self._nixl_backend not in plugins:
             raise ConfigError(
                 f"nixl agent option nixl_backend: {self._nixl_backend!r} is not an installed NIXL plugin; "
                 f"available: {', '.join(plugins)}"
             )
         try:
-            self._nixl.create_backend(self._nixl_backend, self._backend_params)
+            lane.nixl.create_backend(self._nixl_backend, lane.params)
         except Exception as exc:
             raise TransferFailedError(
-                f"nixl agent {name!r} could not create NIXL backend {self._nixl_backend!r} with params "
-                f"{self._backend_params}: {type(exc).__name__}: {exc}"
+                f"nixl agent {self.name!r} could not create NIXL backend {self._nixl_backend!r} for "
+                f"{' and '.join(lane.scopes)} peers with params {lane.params}: {type(exc).__name__}: {exc}"
             ) from exc
-        self._mem_types = set(self._nixl.get_backend_mem_types(self._nixl_backend))
-        self._local: _Side | None = None
-        self._pending_notifs: list[Notification] = []
-        self._leaked: list[Any] = []  # NIXL handles whose release failed; kept alive with the agent
+        lane.mem_types = set(lane.nixl.get_backend_mem_types(self._nixl_backend))
 
-    def _create_nixl_agent(self, api: ModuleType) -> Any:
+    def _create_nixl_agent(self, api: ModuleType, nixl_name: str) -> Any:
         config = api.nixl_agent_config(enable_prog_thread=self._progress_thread, backends=[])
         if not self._progress_thread:
-            return api.nixl_agent(self._nixl_name, config)
+            return api.nixl_agent(nixl_name, config)
         # nixl_agent() hard-codes pthrDelay=0 (a spinning thread); swap in a config class that keeps ours.
         bind = api.nixlBind
         original = bind.nixlAgentConfig
@@ -351,14 +452,24 @@ class NixlAgent(TransferAgent):
         with _nixl_lock:
             bind.nixlAgentConfig = _DelayedConfig
             try:
-                return api.nixl_agent(self._nixl_name, config)
+                return api.nixl_agent(nixl_name, config)
             finally:
                 bind.nixlAgentConfig = original
 
     @property
     def nixl_name(self) -> str:
-        """The underlying NIXL agent's name (unique per process incarnation)."""
+        """The first lane's NIXL agent name (unique per process incarnation)."""
         return self._nixl_name
+
+    @property
+    def lanes(self) -> dict[str, dict[str, str]]:
+        """``{scope: init params}`` of the NIXL backend serving each kind of peer this agent can reach."""
+        return {scope: dict(lane.params) for lane in self._lanes for scope in lane.scopes}
+
+    def peer_scope(self, remote: str) -> str:
+        """``"same_host"`` or ``"cross_host"``: how a loaded peer is reached (which lane and UCX mode)."""
+        peer: _Peer = self.remote(remote).native
+        return peer.scope
 
     @property
     def nixl_backend(self) -> str:
@@ -366,26 +477,32 @@ class NixlAgent(TransferAgent):
 
     @property
     def backend_params(self) -> dict[str, str]:
-        """The init params NIXL reports for the created backend."""
+        """The init params NIXL reports for the first lane's backend."""
         return dict(self._nixl.get_backend_params(self._nixl_backend))
 
     # --- memory -----------------------------------------------------------------------------
 
     def _register(self, region: MemoryRegion, keepalive: Any) -> Any:
         seg = f"{region.kind.value}_SEG"
-        if seg not in self._mem_types:
-            raise UnsupportedOperationError(
-                f"NIXL backend {self._nixl_backend!r} cannot register {region.kind.value} memory "
-                f"(it supports {', '.join(sorted(self._mem_types))})"
-            )
+        for lane in self._lanes:
+            if seg not in lane.mem_types:
+                raise UnsupportedOperationError(
+                    f"NIXL backend {self._nixl_backend!r} cannot register {region.kind.value} memory "
+                    f"(it supports {', '.join(sorted(lane.mem_types))})"
+                )
         descs = np.array([[region.address, region.length, region.device_id]], dtype=np.uint64)
+        done: list[tuple[_Lane, Any]] = []
         try:
-            return self._nixl.register_memory(descs, region.kind.value)
+            for lane in self._lanes:
+                done.append((lane, lane.nixl.register_memory(descs, region.kind.value)))
         except Exception as exc:
+            for lane, handle in done:
+                lane.nixl.deregister_memory(handle)
             raise RegistrationError(
                 f"NIXL backend {self._nixl_backend!r} could not register {region.length} bytes of "
                 f"{region.kind.value} (device {region.device_id}) at {region.address:#x}: {type(exc).__name__}: {exc}"
             ) from exc
+        return [handle for _, handle in done]  # one per lane, in lane order
 
     def _deregister(self, registration: Registration) -> None:
         pending = [h for h in self._handles.values() if self.poll(h) is TransferStatus.PENDING]
@@ -397,33 +514,76 @@ class NixlAgent(TransferAgent):
         # NIXL segfaults on transfers or prepared lists that outlive the memory they describe.
         for h in self._handles.values():
             self._free_xfer(h)
-        self._drop_side(self._local)
-        self._local = None
+        self._drop_local_sides()
         try:
-            self._nixl.deregister_memory(registration.native)
+            for lane, handle in zip(self._lanes, registration.native, strict=True):
+                lane.nixl.deregister_memory(handle)
         except Exception as exc:
             raise map_nixl_error(exc, "NIXL could not deregister memory", not_found=RegistrationError) from exc
 
-    def _local_side(self) -> _Side:
-        if self._local is None:
+    def _local_side(self, lane: _Lane) -> _Side:
+        if lane.local is None:
             regs = [
                 (r.region.address, r.region.length, r.region.kind.value, r.region.device_id)
                 for r in self._registrations.values()
             ]
-            self._local = _Side.build(regs, "NIXL_INIT_AGENT")
-        return self._local
+            lane.local = _Side.build(regs, "NIXL_INIT_AGENT", lane.nixl)
+        return lane.local
+
+    def _drop_local_sides(self) -> None:
+        for lane in getattr(self, "_lanes", ()):
+            self._drop_side(lane.local)
+            lane.local = None
 
     def _registrations_changed(self) -> None:
         super()._registrations_changed()
-        if getattr(self, "_local", None) is not None:
-            self._drop_side(self._local)
-            self._local = None
+        self._drop_local_sides()
 
     # --- descriptors and peers --------------------------------------------------------------
 
     def _descriptor_payload(self) -> bytes:
-        payload = NixlPayload(_PAYLOAD_VERSION, self._nixl_name, self._nixl_backend, self._nixl.get_agent_metadata())
+        lanes = [
+            NixlLane(list(lane.scopes), lane.nixl_name, lane.nixl.get_agent_metadata(), lane.error_mode)
+            for lane in self._lanes
+        ]
+        payload = NixlPayload(
+            _PAYLOAD_VERSION,
+            lanes[0].nixl_name,
+            self._nixl_backend,
+            lanes[0].metadata,
+            self._host_identity,
+            lanes,
+        )
         return _payload_encoder.encode(payload)
+
+    def _choose_lanes(self, descriptor: AgentDescriptor, payload: NixlPayload) -> tuple[str, _Lane, NixlLane]:
+        """The scope of a peer (same host identity or not) and the lane on each side that serves it."""
+        same = bool(self._host_identity) and payload.host_identity == self._host_identity
+        scope = SAME_HOST if same else CROSS_HOST
+        where = (
+            f"on this host ({self._host_identity})"
+            if same
+            else f"on another host (its identity {payload.host_identity or 'unknown'!r}, ours {self._host_identity!r})"
+        )
+        mine = next((lane for lane in self._lanes if scope in lane.scopes), None)
+        if mine is None:
+            raise RemoteAgentError(
+                f"peer {descriptor.name!r} is {where}, but agent {self.name!r} was created with "
+                f"peers={'/'.join(s for lane in self._lanes for s in lane.scopes)!r} and has no {scope} lane"
+            )
+        theirs = next((lane for lane in payload.lanes if scope in lane.scopes), None)
+        if theirs is None:
+            offered = ", ".join(s for lane in payload.lanes for s in lane.scopes) or "none"
+            raise RemoteAgentError(
+                f"peer {descriptor.name!r} is {where}, but it offers no {scope} lane (it offers: {offered})"
+            )
+        if theirs.error_mode != mine.error_mode:
+            raise RemoteAgentError(
+                f"peer {descriptor.name!r} ({scope}): ucx_error_handling_mode: this agent uses "
+                f"{mine.error_mode!r}, the peer uses {theirs.error_mode!r}; UCX refuses mixed endpoints, "
+                "set the same backend params on both sides"
+            )
+        return scope, mine, theirs
 
     def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> Any:
         payload = _decode_nixl_payload(descriptor.name, descriptor.payload)
@@ -436,11 +596,17 @@ class NixlAgent(TransferAgent):
                 f"peer {descriptor.name!r} uses NIXL backend {payload.nixl_backend!r}; "
                 f"agent {self.name!r} uses {self._nixl_backend!r}"
             )
-        if payload.nixl_name == self._nixl_name:
+        if any(lane.nixl_name == mine.nixl_name for lane in payload.lanes for mine in self._lanes):
             raise RemoteAgentError(f"peer {descriptor.name!r} is this agent itself; loopback is not supported")
+        scope, lane, theirs = self._choose_lanes(descriptor, payload)
         regions = [(r.address, r.length, r.kind, r.device_id) for r in descriptor.regions]
         old: _Peer | None = previous.native if previous is not None else None
-        if old is not None and old.nixl_name == payload.nixl_name and old.metadata == payload.metadata:
+        if (
+            old is not None
+            and old.lane is lane
+            and old.nixl_name == theirs.nixl_name
+            and old.metadata == theirs.metadata
+        ):
             old.side = self._rebuild_side(old.side, regions) if _side_regions(old.side) != sorted(regions) else old.side
             return old
         if old is not None:
@@ -456,22 +622,22 @@ class NixlAgent(TransferAgent):
                 )
             self._forget_peer(descriptor.name, old)
         try:
-            loaded = self._nixl.add_remote_agent(payload.metadata)
+            loaded = lane.nixl.add_remote_agent(theirs.metadata)
         except Exception as exc:
             raise map_nixl_error(
                 exc, f"NIXL could not load the metadata of peer {descriptor.name!r}", not_found=RemoteAgentError
             ) from exc
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if loaded != payload.nixl_name:
-            self._nixl.remove_remote_agent(loaded)
+        if loaded != theirs.nixl_name:
+            lane.nixl.remove_remote_agent(loaded)
             raise RemoteAgentError(
-                f"peer {descriptor.name!r} claims NIXL name {payload.nixl_name!r} but its metadata names {loaded!r}"
+                f"peer {descriptor.name!r} claims NIXL name {theirs.nixl_name!r} but its metadata names {loaded!r}"
             )
-        return _Peer(payload.nixl_name, payload.metadata, _Side.build(regions, payload.nixl_name))
+        return _Peer(theirs.nixl_name, theirs.metadata, _Side.build(regions, theirs.nixl_name, lane.nixl), lane, scope)
 
     def _rebuild_side(self, side: _Side, regions: list[tuple[int, int, str, int]]) -> _Side:
         self._drop_side(side)
-        return _Side.build(regions, side.target)
+        return _Side.build(regions, side.target, side.api)
 
     def _unload_remote(self, remote: RemoteAgent) -> None:
         self._forget_peer(remote.name, remote.native)
@@ -482,7 +648,7 @@ class NixlAgent(TransferAgent):
                 self._free_xfer(h)
         self._drop_side(peer.side)
         try:
-            self._nixl.remove_remote_agent(peer.nixl_name)
+            peer.lane.nixl.remove_remote_agent(peer.nixl_name)
         except Exception as exc:
             raise map_nixl_error(exc, f"NIXL could not remove peer {name!r}", not_found=RemoteAgentError) from exc
 
@@ -521,7 +687,7 @@ class NixlAgent(TransferAgent):
             [side.starts, np.full_like(side.starts, unit), side.devices, np.full_like(side.starts, unit), counts],
             axis=1,
         )[keep]
-        handle = self._nixl.prep_xfer_dlist(side.target, np.ascontiguousarray(rows), side.kinds[0])
+        handle = side.api.prep_xfer_dlist(side.target, np.ascontiguousarray(rows), side.kinds[0])
         while len(side.units) >= self._unit_cache:
             victim = next(iter(side.units))
             dl, _ = side.units.pop(victim)
@@ -557,7 +723,8 @@ class NixlAgent(TransferAgent):
                 "the nixl agent cannot deliver an empty notification; send at least one byte"
             )
         peer: _Peer = remote.native
-        lside, rside = self._local_side(), peer.side
+        lside, rside = self._local_side(peer.lane), peer.side
+        api = peer.lane.nixl
         op = handle.op.value
         notif = handle.notification or b""
         xfer = None
@@ -577,7 +744,7 @@ class NixlAgent(TransferAgent):
         except Exception as exc:
             raise map_nixl_error(exc, f"NIXL refused the {op} of {sizes.size} fragments to {remote.name!r}") from exc
         try:
-            state = self._nixl.transfer(xfer.handle, notif)
+            state = api.transfer(xfer.handle, notif)
         except Exception as exc:
             self._free_native(xfer)
             raise map_nixl_error(exc, f"NIXL could not post the {op} to {remote.name!r}") from exc
@@ -604,10 +771,10 @@ class NixlAgent(TransferAgent):
         ridx = self._unit_indices(rside, runit[1], rem, unit) if lidx is not None else None
         if lidx is None or ridx is None:
             return None
-        h = self._nixl.make_prepped_xfer(op, lunit[0].handle, lidx, runit[0].handle, ridx, notif)
+        h = lside.api.make_prepped_xfer(op, lunit[0].handle, lidx, runit[0].handle, ridx, notif)
         lunit[0].users += 1
         runit[0].users += 1
-        return _Xfer(h, (lunit[0], runit[0]))
+        return _Xfer(h, (lunit[0], runit[0]), lside.api)
 
     def _direct_xfer(
         self,
@@ -625,9 +792,9 @@ class NixlAgent(TransferAgent):
         rd = np.empty((sizes.size, 3), dtype=np.uint64)
         ld[:, 0], ld[:, 1], ld[:, 2] = local, sizes, lside.devices[lreg]
         rd[:, 0], rd[:, 1], rd[:, 2] = rem, sizes, rside.devices[rreg]
-        api = self._nixl
+        api = peer.lane.nixl
         h = api.initialize_xfer(op, api.get_xfer_descs(ld, lkind), api.get_xfer_descs(rd, rkind), peer.nixl_name, notif)
-        return _Xfer(h, ())
+        return _Xfer(h, (), api)
 
     def _poll(self, handle: TransferHandle) -> TransferStatus:
         xfer: _Xfer | None = handle.native
@@ -636,7 +803,7 @@ class NixlAgent(TransferAgent):
         if xfer.done:
             return TransferStatus.DONE
         try:
-            state = self._nixl.check_xfer_state(xfer.handle)
+            state = xfer.api.check_xfer_state(xfer.handle)
         except Exception as exc:
             raise map_nixl_error(exc, f"nixl transfer {handle.id} to {handle.remote!r} failed") from exc
         if state == "DONE":
@@ -671,10 +838,14 @@ class NixlAgent(TransferAgent):
     # --- notifications and progress ---------------------------------------------------------
 
     def _drain(self) -> None:
-        try:
-            notifs = self._nixl.get_new_notifs()
-        except Exception as exc:
-            raise map_nixl_error(exc, f"nixl agent {self.name!r} could not read notifications") from exc
+        notifs: dict[Any, list[bytes]] = {}
+        for lane in self._lanes:
+            try:
+                got = lane.nixl.get_new_notifs()
+            except Exception as exc:
+                raise map_nixl_error(exc, f"nixl agent {self.name!r} could not read notifications") from exc
+            for key, messages in got.items():
+                notifs.setdefault(key, []).extend(messages)
         for nixl_name, messages in notifs.items():
             peer = nixl_name.decode() if isinstance(nixl_name, bytes) else str(nixl_name)
             peer = peer.rpartition(_NAME_SEP)[0] or peer
@@ -693,13 +864,12 @@ class NixlAgent(TransferAgent):
     # --- lifecycle --------------------------------------------------------------------------
 
     def _close(self) -> None:
-        self._drop_side(self._local)
-        self._local = None
+        self._drop_local_sides()
         self._pending_notifs.clear()
 
     def _native_resources(self) -> dict[str, int]:
         dlists = 0
-        sides = [self._local] + [r.native.side for r in self._remotes.values()]
+        sides = [lane.local for lane in self._lanes] + [r.native.side for r in self._remotes.values()]
         for side in sides:
             if side is not None:
                 dlists += len(side.units)

@@ -148,6 +148,7 @@ void ucp_get_version(unsigned *major_version, unsigned *minor_version, unsigned 
 const char *ucs_status_string(ucs_status_t status);
 ucs_status_t ucp_config_read(const char *env_prefix, const char *filename, ucp_config_t **config_p);
 void ucp_config_release(ucp_config_t *config);
+ucs_status_t ucp_config_modify(ucp_config_t *config, const char *name, const char *value);
 ucs_status_t ucp_init_version(unsigned api_major_version, unsigned api_minor_version,
                               const ucp_params_t *params, const ucp_config_t *config, ucp_context_h *context_p);
 void ucp_cleanup(ucp_context_h context_p);

@@ -16,9 +16,21 @@ within ``close_timeout_s``.
 Options (``TransceiverConfig.agent_options``):
 
 ``error_handling``
-    ``"none"`` (default: shared memory + CMA on one host, zero-copy, truly
-    one-sided) or ``"peer"`` (UCX peer-failure detection; UCX then excludes
-    shared-memory transports and uses TCP/IB).
+    ``"auto"`` (default), ``"none"`` or ``"peer"``: the UCX error-handling mode
+    of each endpoint. UCX sets it per endpoint (``ucp_ep_params_t.err_mode``),
+    so one worker serves both kinds of peer: ``"auto"`` picks ``none`` for a
+    peer whose descriptor names this host (``kvcore.hostinfo.host_identity()``:
+    shared memory + CMA, zero-copy, truly one-sided) and ``peer`` for one on
+    another host (TCP/IB with peer-failure detection: in ``none`` mode a lost
+    remote peer is never reported). ``"none"``/``"peer"`` force one mode for
+    every peer. Both ends of a pair must end up with the same mode; a mismatch
+    is refused when the descriptor is loaded.
+``ucx_config``
+    UCX configuration for this agent's context (``{"TLS": "tcp,sm,cma",
+    "NET_DEVICES": "eth0"}``: names without the ``UCX_`` prefix), applied with
+    ``ucp_config_modify`` over the ``UCX_*`` environment. UCX reads transports
+    and devices per context, so they cannot differ per peer: prefer the
+    environment or this option to pin the NIC of a multi-homed host.
 ``progress_thread``
     run the progress thread (default ``True``). Without it the target must call
     ``progress()`` or ``get_notifications()`` for notifications and wire-up.
@@ -68,6 +80,7 @@ from kvcore.errors import (
     TransferTimeoutError,
     UnsupportedOperationError,
 )
+from kvcore.hostinfo import host_identity
 from kvcore.msgbounds import check_msgpack_bounds
 from kvcore_ucx import _ucp
 from kvcore_ucx._ucp import ptr_status
@@ -88,7 +101,7 @@ CAPABILITIES = AgentCapabilities(
 #: Active-message id of kvcore notifications on a UCX worker.
 _AM_NOTIFY_ID = 0x6B76
 #: Version of the UCX part of the descriptor payload.
-_PAYLOAD_VERSION = 1
+_PAYLOAD_VERSION = 2
 _MAX_NAME_BYTES = 1024
 
 
@@ -104,8 +117,9 @@ class _Payload(msgspec.Struct, array_like=True, frozen=True):
     ucx_version: str
     host: str
     pid: int
-    error_handling: str
+    error_handling: str  # the peer's policy: "auto", "none" or "peer"
     rkeys: list[_RkeyInfo]
+    host_identity: str  # kvcore.hostinfo.host_identity() of the peer: same host iff equal to ours
 
 
 _payload_decoder = msgspec.msgpack.Decoder(_Payload)
@@ -128,6 +142,13 @@ def merge_runs(
         return local, remote, sizes, list(keys)
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     return local[starts], remote[starts], np.add.reduceat(sizes, starts), [k[starts] for k in keys]
+
+
+def _resolve_mode(policy: str, same_host: bool) -> str:
+    """The UCX error-handling mode an endpoint gets: ``auto`` -> ``none`` on one host, ``peer`` across hosts."""
+    if policy == "auto":
+        return "none" if same_host else "peer"
+    return policy
 
 
 def _status_error(lib: _ucp.UcpLibrary, status: int, what: str, peer: str) -> TransferError:
@@ -165,6 +186,8 @@ class _Peer:
     ep: Any  # ucp_ep_h cdata
     rkeys: _RkeySet
     pid: int
+    err_mode: str = "none"  # this endpoint's UCX error-handling mode
+    same_host: bool = True
     failed: int = 0  # UCS status from the error handler ("peer" mode), 0 while healthy
     user_handle: Any = None  # ffi.new_handle for the error callback
 
@@ -197,12 +220,20 @@ class UcxAgent(TransferAgent):
             "progress_interval_s",
             "close_timeout_s",
             "max_notification_bytes",
+            "ucx_config",
         }
         if unknown:
             raise TransferError(f"unknown ucx agent option(s): {', '.join(sorted(unknown))}")
-        self._err_mode_name = str(opts.get("error_handling", "none"))
-        if self._err_mode_name not in ("none", "peer"):
-            raise TransferError(f"ucx option error_handling: expected 'none' or 'peer', got {self._err_mode_name!r}")
+        self._err_mode_name = str(opts.get("error_handling", "auto"))
+        if self._err_mode_name not in ("auto", "none", "peer"):
+            raise TransferError(
+                f"ucx option error_handling: expected 'auto', 'none' or 'peer', got {self._err_mode_name!r}"
+            )
+        ucx_config = opts.get("ucx_config", {})
+        if not isinstance(ucx_config, Mapping):
+            raise TransferError(f"ucx option ucx_config must be a mapping, got {type(ucx_config).__name__}")
+        self._ucx_config = {str(k).removeprefix("UCX_"): str(v) for k, v in ucx_config.items()}
+        self._host_identity = host_identity()
         self._interval = float(opts.get("progress_interval_s", 0.05))
         self._close_timeout = float(opts.get("close_timeout_s", 2.0))
         self._max_notif = int(opts.get("max_notification_bytes", 64 * 1024))
@@ -240,6 +271,13 @@ class UcxAgent(TransferAgent):
         ffi, lib = self._ffi, self._lib
         cfg = ffi.new("ucp_config_t **")
         self._check(lib.ucp_config_read(ffi.NULL, ffi.NULL, cfg), "ucp_config_read")
+        for key, value in self._ucx_config.items():
+            status = lib.ucp_config_modify(cfg[0], key.encode(), value.encode())
+            if status != _ucp.UCS_OK:
+                lib.ucp_config_release(cfg[0])
+                raise TransferError(
+                    f"ucx option ucx_config: UCX refused {key}={value!r}: UCS_ERR_{self._u.status_string(status)}"
+                )
         params = ffi.new("ucp_params_t *")
         params.field_mask = _ucp.UCP_PARAM_FIELD_FEATURES | _ucp.UCP_PARAM_FIELD_NAME
         params.features = _ucp.UCP_FEATURE_RMA | _ucp.UCP_FEATURE_AM | _ucp.UCP_FEATURE_WAKEUP
@@ -289,9 +327,12 @@ class UcxAgent(TransferAgent):
         self._param_am.flags = _ucp.UCP_AM_SEND_FLAG_EAGER | _ucp.UCP_AM_SEND_FLAG_COPY_HEADER
         self._param_rma = ffi.new("ucp_request_param_t *")
         self._param_rma.op_attr_mask = _ucp.UCP_OP_ATTR_FIELD_MEMH
-        self._param_close = ffi.new("ucp_request_param_t *")
+        self._param_close = ffi.new("ucp_request_param_t *")  # "none" endpoints: flush and close politely
         self._param_close.op_attr_mask = _ucp.UCP_OP_ATTR_FIELD_FLAGS
-        self._param_close.flags = _ucp.UCP_EP_CLOSE_FLAG_FORCE if self._err_mode_name == "peer" else 0
+        self._param_close.flags = 0
+        self._param_close_force = ffi.new("ucp_request_param_t *")  # "peer" endpoints: the peer may be gone
+        self._param_close_force.op_attr_mask = _ucp.UCP_OP_ATTR_FIELD_FLAGS
+        self._param_close_force.flags = _ucp.UCP_EP_CLOSE_FLAG_FORCE
         self._err_cb = ffi.callback("ucp_err_handler_cb_t", self._on_ep_error)
 
         if progress_thread:
@@ -429,6 +470,7 @@ class UcxAgent(TransferAgent):
             pid=os.getpid(),
             error_handling=self._err_mode_name,
             rkeys=rkeys,
+            host_identity=self._host_identity,
         )
         return _payload_encoder.encode(payload)
 
@@ -444,10 +486,15 @@ class UcxAgent(TransferAgent):
             raise RemoteAgentError(
                 f"peer {desc.name!r}: ucx payload version: expected {_PAYLOAD_VERSION}, got {payload.version}"
             )
-        if payload.error_handling != self._err_mode_name:
+        same_host = bool(self._host_identity) and payload.host_identity == self._host_identity
+        mine = _resolve_mode(self._err_mode_name, same_host)
+        theirs = _resolve_mode(payload.error_handling, same_host)
+        if mine != theirs:
+            where = "this host" if same_host else "another host"
             raise RemoteAgentError(
-                f"peer {desc.name!r}: ucx error_handling: this agent uses {self._err_mode_name!r}, "
-                f"the peer uses {payload.error_handling!r}; UCX refuses mixed endpoints"
+                f"peer {desc.name!r} (on {where}): ucx error_handling: this agent uses {mine!r} "
+                f"(option {self._err_mode_name!r}), the peer uses {theirs!r} (option {payload.error_handling!r}); "
+                "UCX refuses mixed endpoints"
             )
         regions = sorted((r.address, r.length) for r in desc.regions)
         keyed = sorted((r.address, r.length) for r in payload.rkeys)
@@ -492,7 +539,10 @@ class UcxAgent(TransferAgent):
                 self._retire_rkeys(old.rkeys)
                 old.rkeys = rkeys
                 return old
+            same_host = bool(self._host_identity) and payload.host_identity == self._host_identity
             peer = _Peer(descriptor.name, descriptor.incarnation, payload.worker_address, None, None, payload.pid)  # type: ignore[arg-type]
+            peer.same_host = same_host
+            peer.err_mode = _resolve_mode(self._err_mode_name, same_host)
             peer.user_handle = ffi.new_handle(peer)
             params = ffi.new("ucp_ep_params_t *")
             params.field_mask = (
@@ -502,7 +552,7 @@ class UcxAgent(TransferAgent):
             )
             addr = ffi.from_buffer(payload.worker_address)
             params.address = ffi.cast("ucp_address_t *", addr)
-            if self._err_mode_name == "peer":
+            if peer.err_mode == "peer":
                 params.err_mode = _ucp.UCP_ERR_HANDLING_MODE_PEER
             else:
                 params.err_mode = _ucp.UCP_ERR_HANDLING_MODE_NONE
@@ -557,7 +607,7 @@ class UcxAgent(TransferAgent):
         if peer.ep is None:
             return
         lib = self._lib
-        req = lib.ucp_ep_close_nbx(peer.ep, self._param_close)
+        req = lib.ucp_ep_close_nbx(peer.ep, self._param_close_force if peer.err_mode == "peer" else self._param_close)
         peer.ep = None
         if ptr_status(req) != _ucp.UCS_INPROGRESS:
             return
@@ -755,6 +805,11 @@ class UcxAgent(TransferAgent):
             "ucx_retired_rkey_sets": len(self._retired),
             "progress_threads": int(self._thread is not None and self._thread.is_alive()),
         }
+
+    def peer_error_mode(self, remote: str) -> str:
+        """The UCX error-handling mode (``"none"`` or ``"peer"``) of the endpoint to a loaded peer."""
+        peer: _Peer = self.remote(remote).native
+        return peer.err_mode
 
     @property
     def worker_address(self) -> bytes:
