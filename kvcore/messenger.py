@@ -117,10 +117,6 @@ def bind_router(router: zmq.Socket[bytes], host: str, port: int, advertise_host:
     never advertised). An address that cannot be bound is a ``ConfigError``
     naming it.
     """
-    from kvcore.errors import ConfigError
-
-    if not _is_loopback(host):
-        log.warning("kvcore control plane binding to non-loopback address %s: reachable from the network", host)
     wildcard = host in _WILDCARDS
     if ":" in host:
         router.setsockopt(zmq.IPV6, 1)

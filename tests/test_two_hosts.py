@@ -254,12 +254,15 @@ from kvcore.config import TransceiverConfig
 from kvcore.messenger import Messenger
 
 host, advertise, base, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-cfg = TransceiverConfig(host=host, advertise_host=advertise, port=base, port_stride=2)
+cfg = TransceiverConfig(host=host, advertise_host=advertise, port=base, port_stride=2, allow_insecure_bind=True)
 ms = []
 for rank in range(ranks):
     def on(src, msg, rank=rank):
         ms[rank].reply(src, wire.ErrorReply(v=wire.PROTOCOL_VERSION, kind="Echo", error=f"rank {rank}: {msg.reason}"))
-    m = Messenger(on, host=cfg.host, port=cfg.control_port(rank), advertise_host=cfg.advertise_host or None)
+    m = Messenger(
+        on, host=cfg.host, port=cfg.control_port(rank), advertise_host=cfg.advertise_host or None,
+        allow_insecure_bind=True,
+    )
     m.start()
     ms.append(m)
     print(m.bound_endpoint, m.endpoint, flush=True)
@@ -320,7 +323,7 @@ def test_messenger_across_hosts_through_the_advertised_address(hosts: TwoHosts, 
 def test_wildcard_bind_advertises_the_host_name_never_the_wildcard() -> None:
     import socket
 
-    m = Messenger(lambda s, x: None, host="0.0.0.0", name="wild")
+    m = Messenger(lambda s, x: None, host="0.0.0.0", name="wild", allow_insecure_bind=True)
     try:
         assert m.bound_endpoint.startswith("tcp://0.0.0.0:")
         assert m.endpoint == f"tcp://{socket.gethostname()}:{m.bound_endpoint.rpartition(':')[2]}"

@@ -476,7 +476,7 @@ class ShmAgent(TransferAgent):
             descriptor.name,
             payload.host,
             peer_hostname=payload.hostname,
-            socket_address=b"\0" + payload.fds.encode(),
+            socket_address=b"\0" + payload.notify.encode(),
         )
         old: _Peer | None = previous.native if previous is not None else None
         owner = (payload.pid, payload.fds, payload.notify)
