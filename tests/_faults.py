@@ -134,7 +134,7 @@ class HalvesMatchingHeadsMapper(MatchingHeadsMapper):
     """``matching_heads`` as another version of it might plan: each buffer in two fragments (same bytes)."""
 
     def buffer_fragments(self, src: Any, dst: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        off, _, size = super().buffer_fragments(src, dst)
+        _, _, size = super().buffer_fragments(src, dst)
         half = np.uint64(int(size[0]) // 2)
         starts = np.array([0, half], np.uint64)
         return starts, starts.copy(), np.array([half, size[0] - half], np.uint64)

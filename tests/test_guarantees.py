@@ -72,7 +72,9 @@ class Log:
 @pytest.fixture
 def held(pm: Any) -> Iterator[tuple[RankGroup, RankGroup]]:
     """A context rank whose writes are held until the test opens the gate, and a generation rank (plain shm)."""
-    ctx = RankGroup.build("context", backend="held-shm", pm=pm, agent_options=[{"closed": True}], transfer_timeout_s=1.0)
+    ctx = RankGroup.build(
+        "context", backend="held-shm", pm=pm, agent_options=[{"closed": True}], transfer_timeout_s=1.0
+    )
     gen = RankGroup.build("generation", pm=pm, timeout=30.0)
     try:
         yield ctx, gen
@@ -136,9 +138,7 @@ def test_pages_are_not_released_while_a_write_is_in_flight_and_stay_untouched_af
 
 def test_done_only_once_every_writer_landed_bytes_checked_at_done(pm: Any) -> None:
     """Two context ranks (PP2) write one request; one is slow: DONE waits for it, and every byte is there at DONE."""
-    ctx = RankGroup.build(
-        "context", backend="held-shm", pp=2, pm=pm, agent_options=[{}, {"closed": True}], geometry={}
-    )
+    ctx = RankGroup.build("context", backend="held-shm", pp=2, pm=pm, agent_options=[{}, {"closed": True}], geometry={})
     gen = RankGroup.build("generation", pm=pm)
     try:
         src, dst = [5, 9], [20, 2]
@@ -214,7 +214,7 @@ def test_one_rank_failing_makes_the_instance_outcome_the_worst(pm: Any) -> None:
 def test_a_generation_process_that_dies_mid_request_fails_the_send_with_peer_lost() -> None:
     """The receiver dies while the context waits for more layers: PeerLostError, long before the request timeout."""
     gp = GenerationProcess()
-    agent, cache, tx = make_rank("context", "ctx-disconnect", timeout=120.0)
+    agent, _, tx = make_rank("context", "ctx-disconnect", timeout=120.0)
     try:
         gp.receive(1, tx.info_endpoint, [1])
         tx.start_send(1, [2])
