@@ -120,6 +120,7 @@ def test_pages_are_not_released_while_a_write_is_in_flight_and_stay_untouched_af
         t_end = time.monotonic() + 1.0
         _poll_until([gen, ctx], lambda: time.monotonic() > t_end, 5, log)
         assert not log.is_released("generation", 0, 1), "pages released while a write into them was in flight"
+        assert not log.is_released("context", 0, 1), "source pages released while the transport still reads them"
         assert gen.txs[0].stats()["quarantined"] == 1
         assert not gflat[dst].any(), "the held write moved bytes before the transport performed it"
         gate.set()  # the transport performs the write now

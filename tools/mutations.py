@@ -14,7 +14,10 @@ The command fails when
 * a snippet is not found exactly once (the list went stale: re-target it), or
 * a breakage survives (its tests pass), or
 * the tests could not run (collection or usage error), or
-* the ``canary`` entry is not caught (the copy is not what the tests import).
+* the ``canary`` entry is not caught (the copy is not what the tests import), or
+* a selected test already fails on the unmutated tree (baseline): a breakage "caught" by a test that fails
+  anyway proves nothing. Such tests are deselected from the mutation runs and listed; ``--allow-baseline-failures``
+  reports them without failing the command (useful while a feature the tests expect is being built).
 
 It prints which test caught each breakage and the time each run took. Usage::
 
@@ -145,7 +148,34 @@ class Result:
     seconds: float
 
 
-def run_one(m: Mutation, keep: bool = False) -> Result:
+def _pytest(copy: Path, tests: list[str], timeout_s: int, *, stop_first: bool, deselect: set[str]) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", f"--timeout={timeout_s}"]
+    if stop_first:
+        cmd.append("-x")
+    for node in sorted(deselect):
+        cmd += ["--deselect", node]
+    res = subprocess.run([*cmd, *tests], cwd=copy, env=_env(copy), capture_output=True, text=True)
+    return res.returncode, res.stdout + res.stderr
+
+
+def baseline(muts: list[Mutation]) -> tuple[set[str], float]:
+    """Run every selected test once on an unmutated copy; the node ids that fail there."""
+    t0 = time.monotonic()
+    tests = sorted({t for m in muts for t in m.tests})
+    tmp = Path(tempfile.mkdtemp(prefix="kvcore-mut-baseline-"))
+    try:
+        copy_tree(tmp)
+        check_import(tmp)
+        rc, out = _pytest(tmp, tests, max(m.timeout_s for m in muts), stop_first=False, deselect=set())
+        if rc not in (0, 1):
+            tail = "\n".join(out.strip().splitlines()[-15:])
+            raise RuntimeError(f"baseline pytest exited {rc}:\n{tail}")
+        return set(_FAILED.findall(out)), time.monotonic() - t0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_one(m: Mutation, keep: bool = False, deselect: frozenset[str] = frozenset()) -> Result:
     t0 = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f"kvcore-mut-{m.name}-"))
     try:
@@ -155,27 +185,16 @@ def run_one(m: Mutation, keep: bool = False) -> Result:
         except LookupError as exc:
             return Result(m.name, "STALE", str(exc), time.monotonic() - t0)
         check_import(tmp)
-        cmd = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-x",
-            "-q",
-            "-rfE",
-            "-p",
-            "no:cacheprovider",
-            f"--timeout={m.timeout_s}",
-            *m.tests,
-        ]
-        res = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True)
-        out = res.stdout + res.stderr
-        if res.returncode == 0:
+        rc, out = _pytest(tmp, list(m.tests), m.timeout_s, stop_first=True, deselect=set(deselect))
+        if rc == 5:  # every selected test was deselected: nothing could catch the breakage
+            return Result(m.name, "SURVIVED", "no runnable test (all fail on the baseline)", time.monotonic() - t0)
+        if rc == 0:
             return Result(m.name, "SURVIVED", "every selected test passed", time.monotonic() - t0)
-        if res.returncode == 1:
+        if rc == 1:
             caught = _FAILED.findall(out)
             return Result(m.name, "caught", caught[0] if caught else "(a test failed)", time.monotonic() - t0)
         tail = "\n".join(out.strip().splitlines()[-15:])
-        return Result(m.name, "ERROR", f"pytest exited {res.returncode}:\n{tail}", time.monotonic() - t0)
+        return Result(m.name, "ERROR", f"pytest exited {rc}:\n{tail}", time.monotonic() - t0)
     finally:
         if keep:
             print(f"  kept {tmp}")
@@ -188,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
     ap.add_argument("--list", action="store_true", help="list the mutations and check that each still applies")
     ap.add_argument("--keep", action="store_true", help="keep the mutated copies (for debugging)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run (faster; less trustworthy)")
+    ap.add_argument(
+        "--allow-baseline-failures",
+        action="store_true",
+        help="report tests that fail on the unmutated tree without failing the command",
+    )
     args = ap.parse_args(argv)
     muts = load()
     if args.only:
@@ -207,9 +232,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if bad else 0
     results = []
     t_all = time.monotonic()
+    broken: set[str] = set()
+    if not args.no_baseline:
+        print("- baseline: every selected test on the unmutated tree ...", flush=True)
+        broken, secs = baseline(muts)
+        print(f"  {len(broken)} failing in {secs:.0f}s" + "".join(f"\n    {b}" for b in sorted(broken)), flush=True)
     for m in muts:
         print(f"- {m.name} ({m.file}) ...", flush=True)
-        r = run_one(m, keep=args.keep)
+        r = run_one(m, keep=args.keep, deselect=frozenset(broken))
         results.append(r)
         print(f"  {r.verdict} in {r.seconds:.0f}s: {r.detail}", flush=True)
     print(f"\n{'mutation':42} {'verdict':9} caught by")
@@ -217,8 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.name:42} {r.verdict:9} {r.detail.splitlines()[0] if r.detail else ''}")
     bad = [r for r in results if r.verdict != "caught"]
     print(f"\n{len(results) - len(bad)} of {len(results)} breakages caught in {time.monotonic() - t_all:.0f}s")
+    if broken:
+        print(
+            f"{len(broken)} selected test(s) fail without any mutation (deselected above): {', '.join(sorted(broken))}"
+        )
     if bad:
         print(f"FAILED: {', '.join(f'{r.name} ({r.verdict})' for r in bad)}", file=sys.stderr)
+        return 1
+    if broken and not args.allow_baseline_failures:
+        print("FAILED: the unmutated tree fails selected tests", file=sys.stderr)
         return 1
     return 0
 
