@@ -117,11 +117,24 @@ def _run(backend: str, overrides: dict[str, Any]) -> dict[str, Any]:
     summary = run_demo(spec, progress=False)
     brief = {
         k: summary.get(k)
-        for k in ("backend", "done", "not_done", "mismatches", "first_mismatch", "errors", "leaks", "bytes", "teardown")
+        for k in (
+            "backend",
+            "done",
+            "not_done",
+            "mismatches",
+            "mismatches_at_done",
+            "first_mismatch",
+            "errors",
+            "leaks",
+            "bytes",
+            "teardown",
+        )
     }
     assert summary["ok"], f"{backend} {overrides}: {brief}"
     assert summary["backend"] == backend
     assert summary["bytes"] > 0 and summary["mismatches"] == 0 and summary["not_done"] == 0
+    # Every generation rank-request was checked at the moment DONE was reported, before its release.
+    assert summary["mismatches_at_done"] == 0 and summary["checked_at_done"] == summary["done_generation"] > 0
     assert summary["teardown"] == {"killed": [], "exit_codes": {}}  # every rank closed by itself, promptly
     return summary
 
