@@ -230,7 +230,7 @@ def test_a_generation_process_that_dies_mid_request_fails_the_send_with_peer_los
             time.sleep(0.01)
         tx.start_send(2, [5, 6], layers_ready=2)  # half the layers: the rest would follow later
         gp.kill()
-        out = tx.wait_all([2], 60)[2]  # the request timeout is 120 s: only the disconnect can end it sooner
+        out = tx.wait_all([2], 30)[2]  # the request timeout is 120 s: only the disconnect can end it sooner
         assert out.state is SessionState.FAILED, out
         assert isinstance(out.error, E.PeerLostError), repr(out.error)
         st = tx.stats()
