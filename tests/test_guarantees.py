@@ -260,3 +260,36 @@ def test_a_generation_process_that_dies_mid_request_fails_the_send_with_peer_los
         gp.close()
         tx.close()
         agent.close()
+
+
+def test_a_request_to_a_peer_that_never_answers_times_out_within_its_bound(pm: Any) -> None:
+    """Nothing answers at the context endpoint (a silent socket): the receiver's own deadline ends the request."""
+    import zmq
+
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    gen = RankGroup.build("generation", pm=pm, timeout=2.0)
+    try:
+        gen.txs[0].start_receive(1, f"tcp://127.0.0.1:{port}", [0])
+        assert silent.poll(10000), "the receiver never contacted the endpoint"
+        out = gen.txs[0].wait_all([1], 30)[1]  # bound: 2 s; the wait is generous for a loaded machine
+        assert out.state is SessionState.TIMED_OUT
+        assert isinstance(out.error, E.TransferTimeoutError)
+        assert gen.txs[0].stats()["rx_sessions"] == 0
+    finally:
+        gen.close()
+        silent.close(0)
+
+
+def test_a_send_nobody_asks_for_times_out_within_its_bound(pm: Any) -> None:
+    """The context side's own deadline ends a request no receiver ever asks for, and releases its pages."""
+    ctx = RankGroup.build("context", pm=pm, timeout=2.0)
+    try:
+        ctx.txs[0].start_send(1, [0, 1])
+        out = ctx.txs[0].wait_all([1], 30)[1]
+        assert out.state is SessionState.TIMED_OUT
+        assert isinstance(out.error, E.TransferTimeoutError)
+        assert ctx.txs[0].stats()["tx_sessions"] == 0
+    finally:
+        ctx.close()
