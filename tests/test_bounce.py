@@ -110,10 +110,11 @@ def test_token_major_head_mismatch_through_bounce_matches_direct(force: bool) ->
             st = g.stats()
             assert st["bounce_leases"] == 0 and st["rx_sessions"] == 0
         assert ctx.stats()["staging_leases"] == 0
+        bounced = [t.stats()["bounced_writes_total"] for t in txs]  # context: packed writes; generation: unpacks
         if force:
-            assert ctx._staging is not None, "the bounce path was not taken"
+            assert bounced == [2, 1, 1], f"the bounce path was not taken: {bounced}"
         else:
-            assert ctx._staging is None
+            assert bounced == [0, 0, 0], f"bounce off, yet writes were bounced: {bounced}"
     finally:
         for t in txs:
             t.close()
