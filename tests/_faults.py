@@ -211,6 +211,7 @@ class ThreadCollective:
 class RankGroup:
     """The ranks of one instance in this process: their agents, caches and transceivers, polled in step."""
 
+    role: str
     agents: list[Any]
     caches: list[Any]
     txs: list[Any]
@@ -282,7 +283,7 @@ class RankGroup:
 
         pool = ThreadPoolExecutor(max(8, world))
         txs = list(pool.map(make, range(world)))
-        return cls(agents, caches, txs, pool)
+        return cls(role, agents, caches, txs, pool)
 
     @property
     def info_endpoint(self) -> str:

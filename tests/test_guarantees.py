@@ -39,7 +39,7 @@ def _poll_until(
         assert time.monotonic() < deadline, "condition not reached before the deadline"
         for g in groups:
             for rank, res in enumerate(g.poll()):
-                on_result(g.txs[0].role, rank, res)
+                on_result(g.role, rank, res)
         time.sleep(0.002)
 
 
