@@ -186,3 +186,23 @@ def test_close_with_requests_in_flight_returns_and_refuses_later_calls(ctx: Rank
         gen.txs[0].close()  # idempotent
     finally:
         gen.close()
+
+
+def test_missing_mapper_plugin_is_a_typed_error_naming_the_plugin_to_install() -> None:
+    """Context TP2 -> generation TP1 needs the head-count mixer; without kvcore-mixers the request fails, typed."""
+    from kvcore.plugins import make_plugin_manager
+
+    pm = make_plugin_manager(load_entry_points=False)  # the built-ins only: no kvcore-mixers
+    ctx = RankGroup.build("context", tp=2, pm=pm)
+    gen = RankGroup.build("generation", pm=pm)
+    try:
+        ctx.each(lambda _r, tx: tx.start_send(1, [1]))
+        gen.txs[0].start_receive(1, ctx.info_endpoint, [2])
+        out = _wait(gen, [1])[1]
+        assert out.state is SessionState.FAILED
+        assert isinstance(out.error, E.MappingError), repr(out.error)
+        assert "kvcore-mixers" in str(out.error), str(out.error)
+        assert not _flat(gen.caches[0]).any()
+    finally:
+        gen.close()
+        ctx.close()

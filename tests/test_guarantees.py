@@ -120,9 +120,11 @@ def test_pages_are_not_released_while_a_write_is_in_flight_and_stay_untouched_af
             # The logical outcome comes at once ...
             _poll_until([gen, ctx], lambda: log.has("generation", 0, 1), 20, log)
             assert log.outcomes[("generation", 0, 1)].state is SessionState.CANCELLED
+            assert isinstance(log.outcomes[("generation", 0, 1)].error, E.RequestCancelledError)
         elif how == "timeout":  # ... or at the deadline ...
             _poll_until([gen, ctx], lambda: log.has("generation", 0, 1), 20, log)
             assert log.outcomes[("generation", 0, 1)].state is SessionState.TIMED_OUT
+            assert isinstance(log.outcomes[("generation", 0, 1)].error, E.TransferTimeoutError)
         else:
             assert ctx.txs[0].cancel(1)
             _poll_until([gen, ctx], lambda: log.has("context", 0, 1), 20, log)
