@@ -6,7 +6,8 @@ the context ranks fill their pools from a formula, the generation ranks verify
 every received byte against the same formula computed independently for their
 own shard (and that cached prefixes and other DP groups' requests stay zero).
 ``summary["ok"]`` means: every rank-outcome DONE, zero mismatching elements,
-bytes actually verified, every live resource (sessions, leases, transfers,
+both at the moment each request was reported DONE (before its release) and
+after every request was released, bytes actually verified, every live resource (sessions, leases, transfers,
 quarantine) back to zero on every rank, and every rank closing its
 transceiver, agent and process group by itself within a few seconds.
 
