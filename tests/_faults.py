@@ -302,10 +302,31 @@ class RankGroup:
             tx.close()
         for a in self.agents:
             a.close()
-        self.pool.shutdown(wait=False)
+        self.pool.shutdown(wait=True)
 
 
 def layer_pattern(request: int, block_index: int, layer: int, nbytes: int) -> np.ndarray:
     """Bytes of one (block, global layer) of a request, computed independently of kvcore."""
     b = np.arange(nbytes, dtype=np.int64)
     return (((request % 251) * 131 + block_index * 17 + layer * 29 + b * 7) % 251).astype(np.uint8)
+
+
+def open_fds() -> set[tuple[str, str]]:
+    """This process's open file descriptors as (number, target) pairs."""
+    import os
+
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:  # the listing's own descriptor, closed already
+            pass
+    return out
+
+
+def leaked_since(fds: set[tuple[str, str]], threads: set[threading.Thread]) -> tuple[set[Any], set[str]]:
+    """Descriptors and threads that exist now and did not at the baseline (must both be empty)."""
+    import gc
+
+    gc.collect()
+    return open_fds() - fds, {t.name for t in set(threading.enumerate()) - threads}

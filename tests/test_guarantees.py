@@ -9,6 +9,7 @@ the worst outcome across the ranks of one instance, a typed error for a lost pee
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -295,3 +296,29 @@ def test_a_send_nobody_asks_for_times_out_within_its_bound(pm: Any) -> None:
         assert ctx.txs[0].stats()["tx_sessions"] == 0
     finally:
         ctx.close()
+
+
+def test_transceivers_closed_leave_no_fd_and_no_thread_behind(pm: Any) -> None:
+    """Two instances that moved requests, then closed with their agents: exactly the baseline fds and threads."""
+    from _faults import leaked_since, open_fds
+
+    def round_trip(n: int) -> None:
+        ctx = RankGroup.build("context", pm=pm)
+        gen = RankGroup.build("generation", pm=pm)
+        try:
+            for r in range(n):
+                _fill(ctx, r, [r % 8])
+                ctx.txs[0].start_send(r, [r % 8])
+                gen.txs[0].start_receive(r, ctx.info_endpoint, [8 + r % 8])
+                assert gen.txs[0].wait_all([r], 30)[r].state is SessionState.DONE
+            assert ctx.txs[0].wait_all(list(range(n)), 30)
+        finally:
+            gen.close()
+            ctx.close()
+
+    round_trip(1)  # process-wide state created once (ZeroMQ context, torch pools) is not a leak
+    fds, threads = open_fds(), set(threading.enumerate())
+    round_trip(10)
+    leaked_fds, leaked_threads = leaked_since(fds, threads)
+    assert leaked_fds == set(), f"descriptors left open: {sorted(leaked_fds)}"
+    assert leaked_threads == set(), f"threads left running: {sorted(leaked_threads)}"
