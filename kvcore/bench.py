@@ -783,11 +783,12 @@ class BackendRun:
         full = self.gen.call("verify_all")
         g_stats = self.gen.call("teardown")["stats"]
         c_stats = self.ctx.call("teardown")["stats"]
+        from kvcore.transceiver import leaks as _leaks
+
         leaks = {
             f"{side}.{k}": v
             for side, st in (("context", c_stats), ("generation", g_stats))
-            for k, v in st.items()
-            if v and k not in ("ctx_instances", "gen_peers")
+            for k, v in _leaks(st).items()
         }
         return {
             "context_outcomes": drain["outcomes"],
