@@ -17,7 +17,7 @@ import torch
 from _faults import RankGroup, fault_plugin_manager, halves_plugin_manager
 from _instances import fill_value
 
-from kvcore.session import SessionState
+from kvcore.transceiver import SessionState
 
 pytestmark = pytest.mark.timeout(120)
 

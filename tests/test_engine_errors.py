@@ -20,7 +20,7 @@ from _instances import ContextProcess, fill_value
 
 from kvcore import errors as E
 from kvcore import wire
-from kvcore.session import SessionState
+from kvcore.transceiver import SessionState
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,7 +21,7 @@ from _faults import RankGroup, fault_plugin_manager, layer_pattern
 from _instances import GenerationProcess, fill_value, make_rank
 
 from kvcore import errors as E
-from kvcore.session import SessionState
+from kvcore.transceiver import SessionState
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from _instances import ContextProcess, fill_value, make_rank
 
-from kvcore.session import SessionState
+from kvcore.transceiver import SessionState
 
 pytestmark = pytest.mark.timeout(240)
 
