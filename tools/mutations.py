@@ -6,8 +6,9 @@ exact snippet of today's code, its replacement, and the tests expected to catch
 it. For each entry this script copies the repository (tracked and untracked,
 non-ignored files) into a temporary directory, applies the one edit there and
 runs pytest on the copy with ``PYTHONPATH`` pointing at it, so the copy's
-``kvcore`` is the one imported (checked before every run), in spawned child
-processes too.
+``kvcore`` is the one imported (checked before every run, and by the
+``_mutation_guard`` pytest plugin for every kvcore module the run imports), in
+spawned child processes too.
 
 The command fails when
 
@@ -117,7 +118,8 @@ def copy_tree(dest: Path) -> None:
 
 def _env(copy: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(copy), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), str(copy / "tools"), *filter(None, [env.get("PYTHONPATH")])])
+    env["KVCORE_MUTATION_COPY"] = str(copy)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
@@ -149,7 +151,8 @@ class Result:
 
 
 def _pytest(copy: Path, tests: list[str], timeout_s: int, *, stop_first: bool, deselect: set[str]) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", f"--timeout={timeout_s}"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-p", "_mutation_guard"]
+    cmd.append(f"--timeout={timeout_s}")
     if stop_first:
         cmd.append("-x")
     for node in sorted(deselect):
