@@ -106,11 +106,6 @@ def test_fallback_writes_fragments_directly_with_the_same_bytes(why: str) -> Non
         ctx.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 10: Transceiver.stats() lacks bounce_fallback_arena_full / bounce_fallback_plan_mismatch "
-    "(the transceiver rewrite adds them; remove this mark then)",
-)
 @pytest.mark.parametrize("why", list(SCENARIOS))
 def test_each_fallback_is_counted(why: str) -> None:
     """``bounce_fallback_<why>`` counts the fallback; the other fallback counter stays at zero."""

@@ -68,7 +68,7 @@ def test_resource_exhausted_at_the_call_and_admitted_again_after_release(ctx: Ra
 
 def test_resource_exhausted_from_the_context_side_reaches_the_receiver(pm: Any) -> None:
     """A context rank holding its limit of requests that wait for start_send refuses one more, typed, at once."""
-    ctx = RankGroup.build("context", pm=pm, max_inflight_requests=1)
+    ctx = RankGroup.build("context", pm=pm, max_early_requests=1)
     gen = RankGroup.build("generation", pm=pm)
     try:
         gen.txs[0].start_receive(1, ctx.info_endpoint, [0])

@@ -104,7 +104,7 @@ def test_soak_reused_slots_hold_the_right_bytes_at_done_and_nothing_after_releas
         assert len(outcomes) == total and set(states) <= {SessionState.DONE, SessionState.CANCELLED}
         assert done_checked == states.count(SessionState.DONE) >= total - len(cancel_at) - len(ctx_cancel_at)
         assert states.count(SessionState.CANCELLED) > 0, "no cancel won its race: the soak tested no cancel"
-        assert all(v == 0 for k, v in tx.stats().items() if k not in ("ctx_instances", "gen_peers"))
+        assert tx.leaks() == {}
     finally:
         ctx.close()
         tx.close()
