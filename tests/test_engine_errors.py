@@ -121,7 +121,7 @@ def test_an_instance_speaking_another_protocol_version_is_refused_with_a_typed_e
         try:
             c.send(1, [2])
             gen.txs[0].start_receive(1, c.endpoint, [3])
-            out = gen.txs[0].wait_all([1], 30)[1]  # well before the 60 s request timeout
+            out = gen.txs[0].wait_all([1], 15)[1]  # well before the 60 s request timeout
             assert out.state is SessionState.FAILED
             assert isinstance(out.error, E.ProtocolVersionError), repr(out.error)
             assert "1..1" in str(out.error) or "version" in str(out.error)
