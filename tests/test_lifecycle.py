@@ -83,6 +83,18 @@ def _wait(pred: Any, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def _settled_resources(timeout: float = 20.0) -> dict[str, int]:
+    """``_resources()`` once two readings half a second apart agree (background closes have finished)."""
+    last, deadline = _resources(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = _resources()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def _resources() -> dict[str, int]:
     """This process's fds, threads and kvcore shared-memory mappings."""
     maps = open("/proc/self/maps").read().splitlines()
@@ -201,7 +213,7 @@ def test_repeated_kill_of_the_generation_side_leaves_the_context_at_baseline(bac
         assert ctx.leaks() == {}
         gp.close()
         if baseline is None:
-            baseline = _resources()
+            baseline = _settled_resources()
         else:
             base = baseline
             _wait(lambda base=base: _resources() == base, 20, f"fds/threads/mappings back at {base} ({_resources()})")
@@ -232,7 +244,7 @@ def test_repeated_kill_of_the_context_side_leaves_the_generation_at_baseline(bac
         assert gen.tx.leaks() == {}
         ctx.close()
         if baseline is None:
-            baseline = _resources()
+            baseline = _settled_resources()
         else:
             base = baseline
             _wait(lambda base=base: _resources() == base, 20, f"fds/threads/mappings back at {base} ({_resources()})")

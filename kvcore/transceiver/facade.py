@@ -47,7 +47,17 @@ from kvcore.transceiver.sessions import SessionState
 __all__ = ["Transceiver", "PollResult", "Outcome", "CACHE_GAUGES", "COUNTERS", "leaks"]
 
 #: ``stats()`` keys of bounded caches (peers, loaded agents, connections, tombstones), not per-request resources.
-CACHE_GAUGES = frozenset({"ctx_instances", "gen_peers", "remote_agents", "control_connections", "tombstones"})
+CACHE_GAUGES = frozenset(
+    {
+        "ctx_instances",
+        "gen_peers",
+        "retired_instances",  # lost peers waiting for the timer to unload them
+        "retired_peers",
+        "remote_agents",
+        "control_connections",
+        "tombstones",
+    }
+)
 #: ``stats()`` keys that only grow (events counted since start); every other key returns to zero when idle.
 COUNTERS = frozenset(
     {
@@ -158,6 +168,8 @@ class Transceiver:
         link.plug(self._role.handlers(), self._role.tick, self._role.busy)
         link.on_disconnect = self._role.on_disconnect
         link.on_connect = self._role.on_connect
+        self.metrics = link.metrics
+        self.metrics.gauges = self.stats
         self._poll_lock = threading.Lock()
         self._closed = False
         link.start()
@@ -293,6 +305,7 @@ class Transceiver:
         agreed_quiet = set(quiescent)
         for g in gathered:
             agreed_quiet &= set(g.quiescent)
+        now = time.monotonic()
         with link.lock:
             sessions = self._role.sessions
             for rid in sorted(agreed_terminal):
@@ -305,6 +318,9 @@ class Transceiver:
                 if state is not s.state and err is None:
                     err = E.SessionError(f"request {rid} ended {state.value} on another rank of this instance")
                 out = Outcome(rid, state, err if state is not SessionState.DONE else None, s.nbytes)
+                self.metrics.request_finished(
+                    state.value, now - s.created, error=out.error, peer=self._role.peer_name(s)
+                )
                 if state is SessionState.DONE:
                     result.done.append(out)
                 elif state is SessionState.CANCELLED:
@@ -365,6 +381,7 @@ class Transceiver:
         if self._closed:
             return
         self._closed = True
+        self.metrics.close()
         self._link.close(timeout)
         self._role.close()
         self._link.deregister()

@@ -29,6 +29,7 @@ from kvcore.collective import Collective, LocalCollective
 from kvcore.config import TransceiverConfig
 from kvcore.mapping import RankLayout
 from kvcore.messenger import Messenger, Source
+from kvcore.metrics import TransceiverMetrics
 from kvcore.page import PageTable
 from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
 
@@ -134,6 +135,9 @@ class Link:
         gathered = self.collective.allgather(msgspec.msgpack.encode(self.rank_info))
         self.instance_ranks = sorted((dec.decode(b) for b in gathered), key=lambda r: r.rank)
         self.layout = RankLayout(topology=topology, geometry=geometry, page_table=page_table, mamba=mamba)
+        self.metrics = TransceiverMetrics(
+            backend=agent.backend, role=role, rank=topology.rank, instance=self.instance_name
+        )
         self._worker = threading.Thread(target=self._work_loop, name=f"{role}{topology.rank}-worker", daemon=True)
 
     # --- wiring ------------------------------------------------------------------------------

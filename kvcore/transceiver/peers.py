@@ -63,6 +63,7 @@ class Peer:
     """Common lifecycle of a peer; ``deadline`` bounds the current state where it has a bound."""
 
     state: PeerState = PeerState.UNKNOWN
+    created: float = field(default_factory=time.monotonic)
     since: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     error: KvcoreError | None = None
@@ -99,6 +100,10 @@ class CtxInstance(Peer):
     def incarnation(self) -> str:
         return self.ranks[0].incarnation if self.ranks else ""
 
+    @property
+    def name(self) -> str:
+        return self.ranks[0].instance_name if self.ranks else ""
+
     def rank_of_endpoint(self, endpoint: str) -> int | None:
         for info in self.ranks:
             if info.endpoint == endpoint:
@@ -117,6 +122,11 @@ class GenPeer(Peer):
     agent_name: str | None = None
     inflight: int = 0  # transfers submitted to it and not yet terminal at the transport
     lost_at: float | None = None
+    ready_at: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.info.instance_name if self.info else ""
 
     @property
     def key(self) -> tuple[str, int]:

@@ -22,6 +22,7 @@ from kvcore import bounce, wire
 from kvcore import errors as E
 from kvcore.mapping import plan_transfer, validate_compatible
 from kvcore.messenger import Source
+from kvcore.metrics import FenceReason
 from kvcore.peer import peer_ranks
 from kvcore.transceiver.link import Handler, Link, error_from
 from kvcore.transceiver.peers import CtxInstance, PeerState, writer_fenced
@@ -90,6 +91,7 @@ class Receiver(Role):
                 ctx_dp_rank=int(ctx_dp_rank),
             )
             self.rx[rid] = s
+            self.link.metrics.request_started()
             inst = self.instances.get(ctx_endpoint)
             if inst is None:
                 inst = CtxInstance(endpoint=ctx_endpoint)
@@ -148,9 +150,11 @@ class Receiver(Role):
                 s.transition(SessionState.FAILED, exc)
                 return
             s.instance = inst
+        now = time.monotonic()
         for r in ranks:
             s.writers[r] = WriterState.ASKED
             s.nonces[r] = os.urandom(16)
+            s.asked_at[r] = now
         s.transition(SessionState.TRANSFERRING)
         if len(ranks) == len(s.writers) and self.arena is not None and self._may_bounce(inst, ranks, len(s.block_ids)):
             self.link.post(self._ask_bounced, s.request_id)  # plans are computed off the caller's thread
@@ -219,8 +223,13 @@ class Receiver(Role):
                 )
 
     def _note_quarantine(self, s: RxSession) -> None:
-        if s.terminal and not s.quiescent:
+        if s.terminal and not s.quiescent and s.request_id not in self.quarantined:
             self.quarantined.add(s.request_id)
+            self.link.metrics.quarantined(self.peer_name(s))
+
+    def peer_name(self, session: Any) -> str:
+        inst = session.instance
+        return inst.name if inst is not None else ""
 
     def _refuse(self, inst: CtxInstance, exc: E.KvcoreError) -> None:
         log.error("refusing %s: %s", inst, exc)
@@ -341,6 +350,8 @@ class Receiver(Role):
                 self.counters["forged_messages"] += 1  # only the writer we asked knows the nonce
                 return
             inst, r = s.instance, msg.ctx_rank
+            if r in s.asked_at and s.writers[r] is WriterState.ASKED:
+                self.link.metrics.writer_round_trip(inst.name, time.monotonic() - s.asked_at[r])
             if msg.error_kind == "NotRegisteredError":
                 self._not_taken(s, inst, r, msg)
                 return
@@ -440,6 +451,7 @@ class Receiver(Role):
         with link.lock:
             if inst.state is PeerState.CONNECTING:
                 inst.move(PeerState.READY)
+                link.metrics.first_contact(inst.name, time.monotonic() - inst.created)
                 self._resume(inst)
 
     def _resume(self, inst: CtxInstance) -> None:
@@ -573,6 +585,8 @@ class Receiver(Role):
             if fenced:
                 s.settle(r, WriterState.FENCED)
                 self.counters[f"fenced_{how}"] += 1
+                reason = FenceReason.SAME_HOST_PID if how == "dead" else FenceReason.GRACE_EXPIRED
+                self.link.metrics.fenced(reason, inst.name)
                 if how == "grace":
                     log.warning(
                         "request %d: context rank %d on another host lost %.1fs ago; its pages are released after "
@@ -589,6 +603,8 @@ class Receiver(Role):
             self.link.unload_agent(name, inst.ranks[r].incarnation)
         with self.link.lock:
             inst.move(PeerState.UNLOADED)
+            if not any(i.name == inst.name for i in self.instances.values()):
+                self.link.metrics.forget_peer(inst.name)
             current = self.instances.get(inst.endpoint)
             in_use = {i.endpoint for i in current.ranks} if current is not None else set()
             if current is not None:

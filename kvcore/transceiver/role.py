@@ -92,6 +92,10 @@ class Role(ABC):
     def close(self) -> None:
         """Unload every peer (after the worker stopped)."""
 
+    def peer_name(self, session: Any) -> str:
+        """The peer instance a session deals with, for metric labels ("" when none is known)."""
+        return ""
+
     def on_disconnect(self, endpoint: str) -> None:
         """A DEALER of ours lost its peer (messenger I/O thread)."""
 

@@ -95,6 +95,7 @@ class Sender(Role):
                 layers_upto=self._layers_upto(layers_ready),
             )
             self.tx[rid] = s
+            self.link.metrics.request_started()
             tomb = self.tombstones.pop(rid)
             if tomb is not None and tomb.state is SessionState.CANCELLED:
                 self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled earlier"))
@@ -144,6 +145,9 @@ class Sender(Role):
     def busy(self) -> bool:
         return bool(self.inflight) or bool(self.orphans)
 
+    def peer_name(self, session: Any) -> str:
+        return next((t.peer.name for t in session.tasks.values()), "")
+
     # --- sessions and tasks (lock held) ------------------------------------------------------------
 
     def _end(self, s: TxSession, state: SessionState, error: E.KvcoreError | None = None) -> None:
@@ -187,6 +191,7 @@ class Sender(Role):
             bounced=t.bounced,
         )
         self._send_to(t, t.final)
+        self.link.metrics.writer_service(t.peer.name, time.monotonic() - t.attached_at)
 
     def _result(self, rid: int, nonce: bytes, *, status: str, kind: str = "", error: str = "", **kw: Any) -> Any:
         return wire.TransferResult(
@@ -531,6 +536,8 @@ class Sender(Role):
             peer.agent_name = name
             if peer.state is PeerState.CONNECTING:
                 peer.move(PeerState.READY)
+                peer.ready_at = time.monotonic()
+                self.link.metrics.first_contact(peer.name, peer.ready_at - peer.created)
             rids = [rid for rid, s in self.tx.items() if peer.key in s.tasks]
         for rid in rids:
             self._drive(rid)
@@ -614,10 +621,13 @@ class Sender(Role):
 
     def _submit(self, s: TxSession, t: ReceiverTask, layers: tuple[int, int] | bool | None) -> None:
         """Write the claimed task's next slice (worker thread; the task is SUBMITTED)."""
-        if layers is None and t.bounce_addr and self.bounce_on and self._submit_bounced(s, t):
+        t0 = time.monotonic()
+        self.link.metrics.queued(t.peer.name, max(0.0, t0 - max(s.created, t.attached_at, t.peer.ready_at)))
+        if layers is None and t.bounce_addr and self.bounce_on and self._submit_bounced(s, t, t0):
             return
         try:
             plan = self._plan(s, t, layers=layers if isinstance(layers, tuple) else None, merge=True)
+            t1 = time.monotonic()
             upto = self.link.topology.layer_range[1] if layers is None else layers[1]  # type: ignore[index]
             if plan.count == 0:
                 with self.link.lock:
@@ -630,17 +640,20 @@ class Sender(Role):
         except E.KvcoreError as exc:
             self._fail_task(s, t, exc)
             return
+        t2 = time.monotonic()
+        self.link.metrics.transfer_posted(t.peer.name, plan.nbytes, plan.count, t1 - t0, t2 - t1)
         self._track(s, t, handle, plan.nbytes, plan.count, upto)
 
     def _track(self, s: TxSession, t: ReceiverTask, handle: Any, nbytes: int, count: int, upto: int) -> None:
         with self.link.lock:
             t.handle, t.nbytes, t.fragments, t.sent_upto = handle, nbytes, count, upto
+            t.posted_at = time.monotonic()
             t.peer.inflight += 1
             self.inflight[id(t)] = (s, t)
             t.deadline = min(t.deadline, time.monotonic() + self.config.transfer_timeout_s)
         self._check_transfer(s, t, time.monotonic())  # same-host transports are often done already
 
-    def _submit_bounced(self, s: TxSession, t: ReceiverTask) -> bool:
+    def _submit_bounced(self, s: TxSession, t: ReceiverTask, t0: float) -> bool:
         """Gather the unmerged plan into staging and write it with one fragment; False: use the direct path."""
         try:
             plan = self._plan(s, t, layers=None, merge=False)
@@ -661,6 +674,7 @@ class Sender(Role):
         staging = self.staging.address + off
         try:
             bounce.gather(plan.src, plan.sizes, staging)
+            t1 = time.monotonic()  # the gather counts as planning
             assert t.peer.agent_name is not None
             handle = self.link.agent.submit(
                 TransferOp.WRITE,
@@ -675,6 +689,9 @@ class Sender(Role):
             return True
         t.staging, t.bounced = off, True
         self.counters["bounced_writes_total"] += 1
+        self.link.metrics.transfer_posted(
+            t.peer.name, plan.nbytes, plan.count, t1 - t0, time.monotonic() - t1, bounced=True
+        )
         self._track(s, t, handle, plan.nbytes, plan.count, self.link.topology.layer_range[1])
         return True
 
@@ -707,6 +724,7 @@ class Sender(Role):
                     )
             return
         err = t.handle.error
+        self.link.metrics.transfer_finished(t.peer.name, status is TransferStatus.DONE, now - t.posted_at)
         agent.release(t.handle)
         if t.staging is not None and self.staging is not None:
             self.staging.release(t.staging)  # the transport no longer reads it
@@ -815,6 +833,8 @@ class Sender(Role):
         with self.link.lock:
             in_use = any(p.info is not None and p.info.endpoint == peer.info.endpoint for p in self.peers.values())
             peer.move(PeerState.UNLOADED)
+            if not any(p.name == peer.name for p in self.peers.values()):
+                self.link.metrics.forget_peer(peer.name)
         if not in_use:
             try:
                 self.link.messenger.drop(peer.info.endpoint)

@@ -80,6 +80,7 @@ class Session:
     finished: float | None = None
     released: bool = False  # reported to the engine as safe to reuse
     reported: bool = False  # terminal outcome handed to the engine
+    nbytes: int = 0  # bytes moved for this request on this rank
 
     @property
     def terminal(self) -> bool:
@@ -140,11 +141,11 @@ class RxSession(Session):
     instance: CtxInstance | None = None  # the context incarnation this request was asked of
     writers: dict[int, WriterState] = field(default_factory=dict)  # ctx rank -> state
     nonces: dict[int, bytes] = field(default_factory=dict)  # ctx rank -> the secret its answers must echo
-    nbytes: int = 0
     leases: dict[int, int] = field(default_factory=dict)  # ctx rank -> bounce arena offset
     unpack: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # ctx rank -> (dst, sizes)
     bounced: set[int] = field(default_factory=set)  # writers whose bytes sit packed in their lease
     last_query: float = 0.0  # when the quarantined writers were last asked for their final word
+    asked_at: dict[int, float] = field(default_factory=dict)  # ctx rank -> when its RequestData was sent
 
     @property
     def quiescent(self) -> bool:
@@ -214,6 +215,8 @@ class ReceiverTask:
     total_bytes: int = 0  # over every slice written so far
     total_fragments: int = 0
     final: Any = None  # the final TransferResult sent, re-sent when the receiver asks again
+    attached_at: float = field(default_factory=time.monotonic)  # when its RequestData arrived
+    posted_at: float = 0.0  # when its current write was submitted
 
     @property
     def key(self) -> tuple[str, int]:
@@ -238,7 +241,6 @@ class TxSession(Session):
     prompt_len: int = -1
     tasks: dict[tuple[str, int], ReceiverTask] = field(default_factory=dict)
     expected_receivers: int | None = None  # known once the first receiver asked
-    nbytes: int = 0
     layers_upto: int | None = None  # layer-wise sending: layers below this are ready; None: all are
 
     @property
