@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 # which also works on host memory without a GPU).
 PLUGINS := 'plugins/nixl[cu12]' plugins/ucx plugins/mixers docs/examples/kvcore-cma
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint mutations
 
 # torch first and pinned: 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
 install:
@@ -23,3 +23,7 @@ lint:
 
 test: install lint
 	$(PYTHON) -m pytest
+
+# Break each guarantee on purpose (tools/mutations.toml) and require the tests to catch it; slow (minutes), not in CI.
+mutations:
+	$(PYTHON) tools/mutations.py

@@ -614,10 +614,20 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
             t0 = time.perf_counter()
             for r in work:
                 receive(r, spec.tokens, skip)
-            outcomes = _drive(tx, collective, spec, work, starts, conn if rank == 0 else None)
-            elapsed = time.perf_counter() - t0
-            mismatches, checked, first_bad = 0, 0, ""
+            at_done: dict[int, tuple[int, str]] = {}
+
+            def check_at_done(r: int) -> None:
+                # DONE is the promise that every byte is in place: check it now, before release and reuse.
+                if r in mine:
+                    bad, _, why = me.verify(r, True)
+                    at_done[r] = (bad, why.replace(" elements differ", " elements differ at DONE"))
+
             mine = set(work)
+            outcomes = _drive(tx, collective, spec, work, starts, conn if rank == 0 else None, check_at_done)
+            elapsed = time.perf_counter() - t0
+            mismatches, checked = 0, 0
+            first_bad = next((why for bad, why in at_done.values() if bad), "")
+            mismatches_at_done = sum(bad for bad, _ in at_done.values())
             for r in range(spec.requests):
                 bad, nbytes, why = me.verify(r, r in mine)
                 mismatches += bad
@@ -633,6 +643,8 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
                 "first_contact_s": first_contact,
                 "verified_bytes": checked,
                 "mismatches": mismatches,
+                "mismatches_at_done": mismatches_at_done,
+                "checked_at_done": len(at_done),
                 "first_bad": first_bad,
                 "stats": tx.stats(),
             }
@@ -657,11 +669,13 @@ def _drive(
     ids: list[int],
     starts: dict[int, float] | None = None,
     progress: Any = None,
+    on_done: Any = None,
 ) -> dict[str, Any]:
     """Poll until every rank of the instance has its requests ``ids`` reported and released.
 
     ``poll`` is collective, and under attention DP ranks wait for different
-    requests: every rank keeps polling until all of them are done.
+    requests: every rank keeps polling until all of them are done. ``on_done(rid)``
+    runs as soon as a request is reported DONE, before anything of it is released.
     """
     want = set(ids)
     states: dict[int, str] = {}
@@ -672,6 +686,9 @@ def _drive(
     while True:
         r = tx.poll()
         now = time.perf_counter()
+        if on_done is not None:
+            for o in r.done:
+                on_done(o.request_id)
         for o in r.outcomes:
             states[o.request_id] = o.state.value
             if o.error is not None:
@@ -855,6 +872,8 @@ def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
         ]
         errors = {"count": len(all_errors), "first": [f"{w}: {e}" for w, e in all_errors[:3]]} if all_errors else {}
         mismatches = sum(r["mismatches"] for r in gen)
+        mismatches_at_done = sum(r["mismatches_at_done"] for r in gen)
+        checked_at_done = sum(r["checked_at_done"] for r in gen)
         leaks = {f"{r['role']}{r['rank']}": _leaks(r["stats"]) for r in gen + ctx}
         leaks = {k: v for k, v in leaks.items() if v}
         counters: dict[str, int] = {}
@@ -863,6 +882,7 @@ def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
                 if k.endswith("_total"):
                     counters[k] = counters.get(k, 0) + int(v)
         done = sum(s == "DONE" for s in states)
+        done_gen = sum(s == "DONE" for r in gen for s in r["outcomes"]["states"].values())
         summary.update(
             requests=spec.requests,
             processes=len(ranks.procs),
@@ -875,6 +895,9 @@ def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
             done=done,
             not_done=expected - done,
             mismatches=mismatches,
+            mismatches_at_done=mismatches_at_done,
+            checked_at_done=checked_at_done,
+            done_generation=done_gen,
             first_mismatch=next((r["first_bad"] for r in gen if r["first_bad"]), ""),
             errors=errors,
             leaks=leaks,
@@ -883,6 +906,8 @@ def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
         summary["teardown"] = teardown
         summary["ok"] = (
             mismatches == 0
+            and mismatches_at_done == 0
+            and checked_at_done == done_gen
             and summary["not_done"] == 0
             and not leaks
             and nbytes > 0
@@ -1040,7 +1065,11 @@ def _print_summary(s: dict[str, Any]) -> None:
     t.add_row("model", f"{sp['layers']} layers, {model}, head dim {sp['head_dim']}, {sp['dtype']}")
     t.add_row("layout", f"{sp['layout']}, bounce {sp.get('bounce', 'auto')}")
     t.add_row("requests", f"{s['requests']} ({s['done']} rank-outcomes DONE, {s['not_done']} not)")
-    t.add_row("bytes verified", f"{s['bytes'] / 2**20:.1f} MiB, {s['mismatches']} mismatching elements")
+    t.add_row(
+        "bytes verified",
+        f"{s['bytes'] / 2**20:.1f} MiB, {s['mismatches']} mismatching elements "
+        f"(and at DONE, before release: {s['checked_at_done']} rank-requests, {s['mismatches_at_done']} mismatching)",
+    )
     t.add_row("throughput", f"{s['gbps']:.2f} GB/s over {s['seconds']:.3f} s (all requests, receive side)")
     if s.get("latency_ms_p50") is not None:
         t.add_row(

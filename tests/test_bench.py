@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from typing import Any
@@ -32,11 +33,20 @@ def _check_transfer_case(case: dict[str, Any], backend: str) -> None:
         assert case["bare_mode"] == "agent"
     for name, mode in case["modes"].items():
         assert mode["verified"] is True, name
-        assert mode["gbps_median"] > 0 and mode["gbps_best"] >= mode["gbps_median"]
-        assert len(mode["times_ms"]) == case["iterations"] and mode["first_ms"] > 0
+        times = mode["times_ms"]
+        assert len(times) == case["iterations"] and all(t > 0 for t in times) and mode["first_ms"] > 0
+        # The reported rates follow from the raw times and the byte count (recomputed here, not re-read).
+        assert mode["gbps_median"] == pytest.approx(case["bytes"] / (statistics.median(times) / 1e3) / 1e9, rel=1e-6)
+        assert mode["gbps_best"] == pytest.approx(case["bytes"] / (min(times) / 1e3) / 1e9, rel=1e-6)
     assert case["plan_bytes"] == case["bytes"] and case["fragments"] >= 1
-    for key in ("kvcore_vs_bare", "kvcore_vs_agent", "kvcore_vs_memcpy", "kvcore_vs_memcpy_scattered"):
-        assert case["ratios"][key] > 0
+    g = {m: v["gbps_median"] for m, v in case["modes"].items()}
+    for key, other in (
+        ("kvcore_vs_bare", case["bare_mode"]),
+        ("kvcore_vs_agent", "agent"),
+        ("kvcore_vs_memcpy", "memcpy"),
+        ("kvcore_vs_memcpy_scattered", "memcpy_scattered"),
+    ):
+        assert case["ratios"][key] == pytest.approx(g["kvcore"] / g[other], rel=1e-6), key
     assert case["pool_verified"] is True and case["first_contact_verified"] is True
     assert case["leaks"] == {} and case["context_errors"] == []
     assert case["verified"] is True
@@ -45,9 +55,10 @@ def _check_transfer_case(case: dict[str, Any], backend: str) -> None:
 def _check_small_case(case: dict[str, Any], spec: dict[str, Any]) -> None:
     lat, thr = case["latency"], case["throughput"]
     assert lat["requests"] == spec["latency_requests"]
-    assert 0 < lat["kvcore_ms_p50"] <= lat["kvcore_ms_p99"]
-    assert lat["agent_ms_p50"] > 0 and "overhead_ms_p50" in lat
-    assert thr["requests"] == spec["small_requests"] and thr["requests_per_s"] > 0
+    assert lat["kvcore_ms_p50"] > 0 and lat["agent_ms_p50"] > 0  # measured, not left at a default
+    assert lat["overhead_ms_p50"] == pytest.approx(lat["kvcore_ms_p50"] - lat["agent_ms_p50"], abs=1e-9)
+    assert thr["requests"] == spec["small_requests"] and thr["seconds"] > 0
+    assert thr["requests_per_s"] == pytest.approx(thr["requests"] / thr["seconds"], rel=1e-6)
     assert case["not_done"] == [] and case["leaks"] == {} and case["verified"] is True
 
 

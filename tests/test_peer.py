@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcore.errors import TopologyError
 from kvcore.page import ViewLayout
@@ -68,27 +70,85 @@ def test_cp_refused():
         peer_ranks(Topology.create(1, 1, 0, 4, cp_size=2), T(1, 1, 0))
 
 
-CONFIGS = [(1, 1, None), (2, 1, None), (4, 1, None), (1, 2, [3, 1]), (2, 2, None), (4, 2, [1, 3]), (8, 1, None)]
+def _stages(num_layers: int, lpp: list[int] | None, pp: int) -> list[set[int]]:
+    """Global layers of each PP stage, computed here (not by kvcore): uneven splits as given, else ceil-first."""
+    if lpp is None:
+        base, extra = divmod(num_layers, pp)
+        lpp = [base + (1 if p < extra else 0) for p in range(pp)]
+    bounds = list(itertools.accumulate([0, *lpp]))
+    return [set(range(bounds[p], bounds[p + 1])) for p in range(pp)]
 
 
-@pytest.mark.parametrize(("ctx_cfg", "gen_cfg"), list(itertools.product(CONFIGS, CONFIGS)))
-@pytest.mark.parametrize("adp", [(False, False), (True, False), (False, True), (True, True)])
-def test_contact_relation_is_symmetric(ctx_cfg, gen_cfg, adp):
-    ctx_adp, gen_adp = adp
-    ctx = [T(ctx_cfg[0], ctx_cfg[1], r, 4, ctx_cfg[2], ctx_adp) for r in range(ctx_cfg[0] * ctx_cfg[1])]
-    gen = [T(gen_cfg[0], gen_cfg[1], r, 4, gen_cfg[2], gen_adp) for r in range(gen_cfg[0] * gen_cfg[1])]
+def _oracle_contacts(ctx_cfg, gen_cfg, num_layers, cd, gd):
+    """Pairs (generation rank, context rank) that share a layer and a slice of the heads, for DP groups cd, gd.
+
+    A rank's heads are a fraction of [0, 1): all of it under attention DP (its DP group is its TP rank),
+    else [tp_rank / tp, (tp_rank + 1) / tp) (one DP group). Ranks are pp_rank * tp + tp_rank.
+    """
+    from fractions import Fraction
+
+    def ranks(cfg):
+        tp, pp, lpp, adp = cfg
+        stages = _stages(num_layers, lpp, pp)
+        for p in range(pp):
+            for t in range(tp):
+                dp = t if adp else 0
+                lo, hi = (Fraction(0), Fraction(1)) if adp else (Fraction(t, tp), Fraction(t + 1, tp))
+                yield p * tp + t, dp, stages[p], lo, hi
+
+    return {
+        (g, c)
+        for g, g_dp, g_layers, g_lo, g_hi in ranks(gen_cfg)
+        if g_dp == gd
+        for c, c_dp, c_layers, c_lo, c_hi in ranks(ctx_cfg)
+        if c_dp == cd and g_layers & c_layers and max(g_lo, c_lo) < min(g_hi, c_hi)
+    }
+
+
+@st.composite
+def _side(draw, num_layers):
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    pp = draw(st.integers(1, min(4, num_layers)))
+    uneven = draw(st.booleans()) and pp > 1
+    lpp = None
+    if uneven:
+        cuts = sorted(draw(st.sets(st.integers(1, num_layers - 1), min_size=pp - 1, max_size=pp - 1)))
+        lpp = [b - a for a, b in zip([0, *cuts], [*cuts, num_layers])]
+    return tp, pp, lpp, draw(st.booleans())
+
+
+@st.composite
+def _pair(draw):
+    num_layers = draw(st.integers(1, 8))
+    return num_layers, draw(_side(num_layers)), draw(_side(num_layers))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_pair())
+def test_contact_relation_is_symmetric_and_matches_the_head_and_layer_overlap(pair):
+    """Both sides' views of who exchanges with whom agree with each other and with a first-principles oracle."""
+    num_layers, ctx_cfg, gen_cfg = pair
+
+    def topos(cfg):
+        tp, pp, lpp, adp = cfg
+        return [T(tp, pp, r, num_layers, lpp, adp) for r in range(tp * pp)]
+
+    ctx, gen = topos(ctx_cfg), topos(gen_cfg)
     for cd in range(ctx[0].dp_size):
         for gd in range(gen[0].dp_size):
+            want = _oracle_contacts(ctx_cfg, gen_cfg, num_layers, cd, gd)
             forward = {(g.rank, c) for g in gen if g.dp_rank == gd for c in peer_ranks(g, ctx[0], cd)}
             backward = {(g, c.rank) for c in ctx if c.dp_rank == cd for g in peer_ranks(c, gen[0], gd)}
-            assert forward == backward
+            assert forward == want
+            assert backward == want
             for g in gen:
                 if g.dp_rank == gd:
-                    assert expected_writers(ctx[0], g, cd) == len(peer_ranks(g, ctx[0], cd))
-                    assert aux_writer(g, ctx[0], cd) == min(peer_ranks(g, ctx[0], cd))
+                    mine = sorted(c for gg, c in want if gg == g.rank)
+                    assert expected_writers(ctx[0], g, cd) == len(mine)
+                    assert aux_writer(g, ctx[0], cd) == mine[0]
             for c in ctx:
                 if c.dp_rank == cd:
-                    assert expected_receivers(c, gen[0], gd) == sum(1 for k in forward if k[1] == c.rank)
+                    assert expected_receivers(c, gen[0], gd) == sum(1 for _, cc in want if cc == c.rank)
 
 
 def test_shard_position_gqa_and_replicated():

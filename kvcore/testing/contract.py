@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvcore.agent import AgentDescriptor, MemoryKind, TransferAgent, TransferOp
+from kvcore.agent import MemoryKind, TransferAgent, TransferOp
 from kvcore.errors import (
     PeerLostError,
     RemoteAgentError,
@@ -433,7 +433,8 @@ def test_contract_malformed_descriptor(kvcore_agent: TransferAgent, kvcore_peer:
             with pytest.raises(RemoteAgentError):
                 kvcore_agent.load_remote_agent(data)
             assert kvcore_agent.remote_agents == before, f"a {what} descriptor changed the loaded peers"
-        assert isinstance(desc, AgentDescriptor)
+        # The untampered descriptor still names the peer and its backend (the decode above was not a no-op).
+        assert (desc.name, desc.backend) == (kvcore_peer.name, kvcore_agent.backend)
         assert kvcore_agent.load_remote_agent(raw) == kvcore_peer.name  # the agent still works
     finally:
         kvcore_peer.call("free", key=key)

@@ -8,11 +8,18 @@ import subprocess
 import threading
 import time
 import uuid
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+
+try:
+    distribution("kvcore-ucx")
+except PackageNotFoundError:  # only an absent plugin skips; a broken UCX install fails the tests
+    pytest.skip("kvcore-ucx is not installed (pip install ./plugins/ucx)", allow_module_level=True)
+
 from kvcore_ucx import _ucp
 from kvcore_ucx.agent import UcxAgent, merge_runs
 
@@ -101,14 +108,15 @@ def test_options_are_checked(ucp: Any) -> None:
 
 def test_close_joins_the_progress_thread_within_its_bound(ucp: Any) -> None:
     before = len(_progress_threads())
-    agents = [UcxAgent(f"t{i}", {"progress_interval_s": 0.2, "close_timeout_s": 2.0}) for i in range(3)]
+    # A 60 s progress poll and a 10 s join bound: only ucp_worker_signal waking the thread lets close() join it
+    # (without the wake-up the join times out and the thread is still there), so no tight wall-clock limit is needed.
+    agents = [UcxAgent(f"t{i}", {"progress_interval_s": 60.0, "close_timeout_s": 10.0}) for i in range(3)]
     assert len(_progress_threads()) == before + 3
     for a in agents:
         assert a.resources()["progress_threads"] == 1
         t0 = time.monotonic()
         a.close()
-        # ucp_worker_signal wakes the thread at once; without it the bound would be the 0.2 s poll timeout.
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 10.0, "close() waited for its join bound: the progress thread was not woken"
         assert a.resources()["progress_threads"] == 0
     assert len(_progress_threads()) == before
     agents[0].close()  # idempotent
