@@ -104,11 +104,6 @@ def test_backend_mismatch_is_refused_at_first_contact_naming_both_backends(pm: A
         ctx.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 10: the context's ErrorReply (its own version) is rejected by a receiver of another version and "
-    "the request waits for its timeout; version refusal must reach the waiting requests (remove this mark then)",
-)
 def test_an_instance_speaking_another_protocol_version_is_refused_with_a_typed_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

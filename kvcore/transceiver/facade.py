@@ -168,6 +168,7 @@ class Transceiver:
         link.plug(self._role.handlers(), self._role.tick, self._role.busy)
         link.on_disconnect = self._role.on_disconnect
         link.on_connect = self._role.on_connect
+        link.on_bad_frame = self._role.on_bad_frame
         self.metrics = link.metrics
         self.metrics.gauges = self.stats
         self._poll_lock = threading.Lock()

@@ -88,6 +88,7 @@ class Link:
         self._busy: Callable[[], bool] = lambda: False
         self.on_disconnect: Callable[[str], None] = lambda endpoint: None
         self.on_connect: Callable[[str], None] = lambda endpoint: None
+        self.on_bad_frame: Callable[[Source, E.KvcoreError], None] = lambda source, exc: None
         # Memory: the pools where the engine put them (``device``: "cpu", "cuda" or "cuda:N").
         kind, dev_id = MemoryKind.DRAM, 0
         if device.startswith("cuda"):
@@ -113,6 +114,7 @@ class Link:
             max_message_bytes=config.max_message_bytes,
             on_disconnect=lambda ep: self.on_disconnect(ep),
             on_connect=lambda ep: self.on_connect(ep),
+            on_error=lambda source, exc: self.on_bad_frame(source, exc),
             name=f"{role}{topology.rank}",
             auth=self.auth,
             allow_insecure_bind=config.allow_insecure_bind,

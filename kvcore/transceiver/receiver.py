@@ -421,6 +421,16 @@ class Receiver(Role):
                     if not first_contact:
                         inst.move(PeerState.SUSPECT, deadline=now + self.config.peer_lost_timeout_s)
 
+    def on_bad_frame(self, source: Any, exc: E.KvcoreError) -> None:
+        """An answer on our own link that speaks another protocol version refuses that instance at once."""
+        if source.endpoint is None or not isinstance(exc, E.ProtocolVersionError):
+            return
+        with self.link.lock:
+            for inst in list(self.instances.values()):
+                if inst.gone or (inst.endpoint != source.endpoint and inst.rank_of_endpoint(source.endpoint) is None):
+                    continue
+                self._refuse(inst, E.ProtocolVersionError(f"context instance at {inst.endpoint}: {exc}"))
+
     def on_connect(self, endpoint: str) -> None:
         with self.link.lock:
             inst = next(

@@ -102,6 +102,9 @@ class Role(ABC):
     def on_connect(self, endpoint: str) -> None:
         """A DEALER of ours (re)connected (messenger I/O thread)."""
 
+    def on_bad_frame(self, source: Any, exc: E.KvcoreError) -> None:
+        """A frame that could not be decoded arrived (messenger I/O thread); the messenger already answered it."""
+
     def admit(self) -> None:
         live = len(self.sessions)
         if live >= self.config.max_inflight_requests:
