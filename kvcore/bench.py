@@ -1462,7 +1462,10 @@ def case_matrix(run: BackendRun) -> dict[str, Any]:
                 base = {"fragment_bytes": frag, "request_tokens": tokens, "request_bytes": moved, "fragments": count}
                 for mode in bare:
                     run.say(f"{run.backend} matrix: {tokens} tokens, {frag} B fragments, {mode}")
-                    run.ctx.call("prepare", mode=mode, region="big", count=count)
+                    prep = run.ctx.call("prepare", mode=mode, region="big", count=count)
+                    admitted = None
+                    if prep.get("descriptor"):  # the bare agent: the generation side loads it first
+                        admitted = run.gen.call("admit", descriptor=prep["descriptor"])["name"]
                     try:
                         r = run.ctx.call("xfer", mode=mode, repeat=spec.matrix_iterations + 1)
                         if mode.startswith("memcpy"):
@@ -1471,6 +1474,8 @@ def case_matrix(run: BackendRun) -> dict[str, Any]:
                             good = run.gen.call("verify_slots", count=count, slot_blocks=slot_blocks, slots=1)["ok"]
                     finally:
                         run.ctx.call("unprepare", mode=mode)
+                        if admitted is not None:
+                            run.gen.call("dismiss", name=admitted)
                     cells.append(
                         {**base, "mode": mode, "inflight": 1, "verified": good}
                         | _summarize(moved, r["seconds"][1:], r["seconds"][0])

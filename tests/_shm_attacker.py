@@ -131,6 +131,9 @@ class _Attacker:
         seg = shm._SegmentInfo(1, base, nbytes)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(b"\0" + f"{prefix}-fds".encode())
+        # A real agent also listens for notifications: the loader checks that socket to tell a peer on this host.
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(b"\0" + f"{prefix}-notify".encode())
         listener.listen(8)
 
         def serve() -> None:

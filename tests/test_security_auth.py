@@ -177,7 +177,8 @@ def test_a_stranger_cannot_make_the_messenger_keep_sockets_open(nodes: Callable[
 
 def test_non_loopback_bind_with_auth_is_allowed(nodes: Callable[..., _Node]) -> None:
     n = nodes("any", AuthConfig.generate(), host="0.0.0.0")
-    assert wire.parse_endpoint(n.m.endpoint)[0] == "0.0.0.0"
+    assert wire.parse_endpoint(n.m.bound_endpoint)[0] == "0.0.0.0"  # bound on every address ...
+    assert wire.parse_endpoint(n.m.endpoint)[0] != "0.0.0.0"  # ... and never advertised as the wildcard
 
 
 def test_config_refuses_non_loopback_without_auth_and_names_the_fix() -> None:

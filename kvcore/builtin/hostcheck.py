@@ -29,9 +29,9 @@ class PeerOnOtherHostError(RemoteAgentError):
     """A same-host transport was asked to load a peer on another host; choose a network transport (nixl, ucx)."""
 
 
-def abstract_socket_reachable(address: bytes) -> bool:
-    """True when an abstract UNIX datagram socket (``b"\\0name"``) exists in this network namespace."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+def abstract_socket_reachable(address: bytes, kind: int = socket.SOCK_DGRAM) -> bool:
+    """True when an abstract UNIX socket (``b"\\0name"``) of ``kind`` exists in this network namespace."""
+    s = socket.socket(socket.AF_UNIX, kind)
     try:
         s.connect(address)
     except OSError as exc:
@@ -51,6 +51,7 @@ def require_same_host(
     peer_hostname: str = "",
     socket_address: bytes,
     path: str | None = None,
+    socket_kind: int = socket.SOCK_DGRAM,
 ) -> None:
     """Raise ``PeerOnOtherHostError`` unless the peer's socket (and ``path``, its control file) are reachable here.
 
@@ -60,10 +61,9 @@ def require_same_host(
     listens on (``b"\\0name"``).
     """
     missing = []
-    if not abstract_socket_reachable(socket_address):
+    if not abstract_socket_reachable(socket_address, socket_kind):
         missing.append(
-            f"its notification socket {socket_address[1:].decode(errors='replace')!r} does not exist in this "
-            "network namespace"
+            f"its socket {socket_address[1:].decode(errors='replace')!r} does not exist in this network namespace"
         )
     if path is not None and not os.path.exists(path):
         missing.append(f"its control file {path} does not exist in this mount namespace")

@@ -169,6 +169,7 @@ class Transceiver:
         link.on_disconnect = self._role.on_disconnect
         link.on_connect = self._role.on_connect
         link.on_bad_frame = self._role.on_bad_frame
+        link.on_auth_failed = self._role.on_auth_failed
         self.metrics = link.metrics
         self.metrics.gauges = self.stats
         self._poll_lock = threading.Lock()

@@ -25,6 +25,7 @@ import msgspec
 from kvcore import bounce, hostinfo, wire
 from kvcore import errors as E
 from kvcore.agent import MemoryKind, MemoryRegion, TransferAgent, process_incarnation
+from kvcore.auth import keys_equal
 from kvcore.collective import Collective, LocalCollective
 from kvcore.config import TransceiverConfig
 from kvcore.mapping import RankLayout
@@ -89,6 +90,7 @@ class Link:
         self.on_disconnect: Callable[[str], None] = lambda endpoint: None
         self.on_connect: Callable[[str], None] = lambda endpoint: None
         self.on_bad_frame: Callable[[Source, E.KvcoreError], None] = lambda source, exc: None
+        self.on_auth_failed: Callable[[str, str], None] = lambda endpoint, why: None
         # Memory: the pools where the engine put them (``device``: "cpu", "cuda" or "cuda:N").
         kind, dev_id = MemoryKind.DRAM, 0
         if device.startswith("cuda"):
@@ -115,6 +117,7 @@ class Link:
             on_disconnect=lambda ep: self.on_disconnect(ep),
             on_connect=lambda ep: self.on_connect(ep),
             on_error=lambda source, exc: self.on_bad_frame(source, exc),
+            on_auth_failed=lambda ep, why: self.on_auth_failed(ep, why),
             name=f"{role}{topology.rank}",
             auth=self.auth,
             allow_insecure_bind=config.allow_insecure_bind,
@@ -194,8 +197,15 @@ class Link:
         except E.KvcoreError as exc:
             log.warning("could not send %s to %s: %s", type(msg).__name__, endpoint, exc)
 
-    def learn_key(self, info: wire.RankInfo) -> None:
-        """Expect ``info``'s CURVE key from its endpoint (it came over an authenticated link, so it is trusted)."""
+    def learn_key(self, info: wire.RankInfo, proven: bytes | None = None) -> None:
+        """Expect ``info``'s CURVE key from its endpoint.
+
+        Trusted when it came over an authenticated link from a third party (rank 0 speaking for its instance), or
+        when the peer proved exactly that key in its handshake (``proven``: ``Source.peer_key``).
+        """
+        if proven is not None and not keys_equal(proven, info.curve_public_key):
+            log.warning("peer %s/%d claims a CURVE key it did not prove: ignored", info.instance_name, info.rank)
+            return
         if self.auth is not None and info.curve_public_key:
             try:
                 self.messenger.set_peer_key(info.endpoint, info.curve_public_key)

@@ -123,6 +123,7 @@ class GenPeer(Peer):
     inflight: int = 0  # transfers submitted to it and not yet terminal at the transport
     lost_at: float | None = None
     ready_at: float = 0.0
+    identity: bytes | None = None  # ROUTER identity of the connection it registered (and last asked) on
 
     @property
     def name(self) -> str:

@@ -47,6 +47,9 @@ class Receiver(Role):
         self.retired: list[CtxInstance] = []  # lost or replaced instances, unloaded once no request needs them
         self.quarantined: set[int] = set()
         self.reasks: dict[int, int] = {}
+        # Requests cancelled before their instance was ready: (endpoint) -> [(request id, ctx dp rank)]; the
+        # context ranks are told once the instance is ready, so they let go of the request's pages at once.
+        self.declines: dict[str, list[tuple[int, int]]] = {}
         self.counters = link.counters
         self.arena: bounce.Arena | None = link.arena
         # (ctx endpoint, ctx rank) -> (fragments per block, mean fragment bytes) of its unmerged plans
@@ -110,6 +113,10 @@ class Receiver(Role):
             if s is None or s.terminal:
                 return False
             s.transition(SessionState.CANCELLED, E.RequestCancelledError(f"request {rid}: {reason}"))
+            if s.instance is None:
+                pending = self.declines.setdefault(s.ctx_endpoint, [])
+                if len(pending) < self.config.max_inflight_requests:
+                    pending.append((rid, s.ctx_dp_rank))
             self._query_writers(s, reason)
             self._note_quarantine(s)
         return True
@@ -421,6 +428,15 @@ class Receiver(Role):
                     if not first_contact:
                         inst.move(PeerState.SUSPECT, deadline=now + self.config.peer_lost_timeout_s)
 
+    def on_auth_failed(self, endpoint: str, why: str) -> None:
+        """A context endpoint did not prove the CURVE key we expect (or refused ours): refuse its instance now."""
+        with self.link.lock:
+            for inst in list(self.instances.values()):
+                if not inst.gone and (inst.endpoint == endpoint or inst.rank_of_endpoint(endpoint) is not None):
+                    self._refuse(
+                        inst, E.IncompatiblePeerError(f"control-plane authentication with {endpoint} failed: {why}")
+                    )
+
     def on_bad_frame(self, source: Any, exc: E.KvcoreError) -> None:
         """An answer on our own link that speaks another protocol version refuses that instance at once."""
         if source.endpoint is None or not isinstance(exc, E.ProtocolVersionError):
@@ -468,6 +484,22 @@ class Receiver(Role):
 
     def _resume(self, inst: CtxInstance) -> None:
         """The instance is ready: ask requests that waited for it and writers that proved they never took one."""
+        for rid, dp in self.declines.pop(inst.endpoint, []):
+            try:
+                writers = peer_ranks(self.link.topology, inst.ranks[0].topology, dp)
+            except E.KvcoreError:
+                continue
+            for r in writers:
+                self.link.send(
+                    inst.ranks[r].endpoint,
+                    wire.Cancel(
+                        v=wire.PROTOCOL_VERSION,
+                        request_id=rid,
+                        instance=self.link.instance_name,
+                        rank=self.link.topology.rank,
+                        reason="cancelled before it was asked for",
+                    ),
+                )
         for s in self.rx.values():
             if s.terminal or s.ctx_endpoint != inst.endpoint:
                 continue

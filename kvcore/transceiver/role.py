@@ -102,6 +102,9 @@ class Role(ABC):
     def on_connect(self, endpoint: str) -> None:
         """A DEALER of ours (re)connected (messenger I/O thread)."""
 
+    def on_auth_failed(self, endpoint: str, why: str) -> None:
+        """Our DEALER to ``endpoint`` failed its CURVE handshake and was closed (messenger I/O thread)."""
+
     def on_bad_frame(self, source: Any, exc: E.KvcoreError) -> None:
         """A frame that could not be decoded arrived (messenger I/O thread); the messenger already answered it."""
 

@@ -296,10 +296,11 @@ class Sender(Role):
                 self._lose(old, E.PeerLostError(f"{old} was replaced by a new incarnation (it restarted)"))
             elif old is not None:
                 self.peers.pop(key, None)
-            peer = GenPeer(info=info)
+            peer = GenPeer(info=info, identity=source.identity)
             peer.move(PeerState.CONNECTING)
             self.peers[key] = peer
-            link.learn_key(info)
+            if link.auth is not None:
+                link.learn_key(info, proven=source.peer_key)
         link.post(self._load_peer, peer)
 
     def on_request_data(self, source: Source, msg: wire.RequestData) -> None:
@@ -319,6 +320,8 @@ class Sender(Role):
                 else:
                     self._not_registered(source, msg, f"generation rank {key} is not registered with this context rank")
                 return
+            if source.identity is not None:
+                peer.identity = source.identity  # the connection it speaks on now (it may have reconnected)
             if msg.ctx_incarnation and msg.ctx_incarnation != link.incarnation:
                 self._not_registered(
                     source, msg, f"asked of context incarnation {msg.ctx_incarnation}; this is {link.incarnation}"
@@ -358,6 +361,23 @@ class Sender(Role):
                 return
             self._attach(s, msg, source)
         link.post(self._drive, msg.request_id)
+
+    def _decline(self, peer: GenPeer, msg: wire.Cancel, source: Source) -> None:
+        """A receiver that never asked for a request says it never will (lock held).
+
+        Accepted only over the connection the receiver registered on: its ROUTER identity is unguessable, so a
+        stranger cannot end other peers' requests this way.
+        """
+        if peer.identity is None or source.identity != peer.identity:
+            self.counters["forged_messages"] += 1
+            return
+        s = self.tx.get(msg.request_id)
+        err = E.RequestCancelledError(f"request {msg.request_id} declined by {peer}: {msg.reason}")
+        if s is None:
+            if msg.request_id not in self.tombstones:
+                self.tombstones.put(msg.request_id, SessionState.CANCELLED, err)
+        elif not s.terminal:
+            self._end(s, SessionState.CANCELLED, err)
 
     def _not_registered(self, source: Source, msg: wire.RequestData, why: str) -> None:
         self.link.reply(
@@ -421,6 +441,9 @@ class Sender(Role):
             peer = self.peers.get(key)
             if peer is None or peer.gone:
                 self.counters["ignored_cancels"] += 1
+                return
+            if not msg.nonce:
+                self._decline(peer, msg, source)
                 return
             s = self.tx.get(msg.request_id)
             t = s.tasks.get(key) if s is not None else None
