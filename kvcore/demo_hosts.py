@@ -15,6 +15,7 @@ layer-wise sending and a cached prefix; ``validate_two_hosts`` refuses them.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -95,7 +96,8 @@ def _start(host: Any, backend: str, spec: DemoSpec, role: str) -> tuple[list[Any
     config["allow_insecure_bind"] = not spec.auth
     peers: list[Any] = []
     with ThreadPoolExecutor(world) as pool:
-        peers = list(pool.map(lambda r: host.peer(backend, {}, name=f"{role[:3]}{r}"), range(world)))
+        env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}  # gloo's "hostname cannot be retrieved" noise
+        peers = list(pool.map(lambda r: host.peer(backend, {}, name=f"{role[:3]}{r}", env=env), range(world)))
         infos = list(
             pool.map(
                 lambda r: peers[r].call(
