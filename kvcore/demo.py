@@ -17,6 +17,11 @@ sectioned ``x|B|C`` and SSM state head-sharded, one slot per request),
 head-major or token-major layout, a cached prefix, and the bounce-buffer
 setting of the transceiver.
 
+``--auth`` turns CurveZMQ on for every rank of both instances, with a fresh
+key pair per instance (:func:`instance_keys`). ``--two-hosts`` runs the
+context instance and the generation instance in two namespaced hosts
+(:mod:`kvcore.demo_hosts`, built on :mod:`kvcore.testing.hosts`).
+
 The oracles here (:func:`heads_of_rank`, :func:`layers_of_rank`,
 :func:`conv_channels_of_rank`, :func:`ssm_heads_of_rank`, :func:`expected_values`,
 :func:`expected_conv`, :func:`expected_ssm`) are written from the model

@@ -140,3 +140,13 @@ def test_demo_cli_two_hosts_nixl_verifies_every_byte() -> None:
     # 6 requests x 4 layers x K,V x 4 heads x 48 tokens x 32 dims x 2 bytes, every one compared with the oracle
     assert summary["bytes"] == 6 * 4 * 2 * 4 * 48 * 32 * 2 and summary["mismatches"] == 0
     assert summary["not_done"] == 0 and summary["gbps"] > 0 and not summary["leaks"]
+
+
+def test_two_hosts_spec_refuses_what_the_host_ranks_cannot_do() -> None:
+    from kvcore.demo import DemoSpec
+
+    for field, value in (("mamba", True), ("layerwise", True), ("cached_prefix_blocks", 1)):
+        with pytest.raises(ValueError, match=field):
+            DemoSpec(two_hosts=True, backend="nixl", **{field: value}).validate()
+    with pytest.raises(ValueError, match="network transport"):
+        DemoSpec(two_hosts=True, backend="shm").validate()
