@@ -30,6 +30,9 @@ function ``case(run: BackendRun) -> dict``; :data:`CASES` maps names to them.
   requests sent one at a time (p50/p99) against the agent's own one-fragment
   time (the difference is kvcore's per-request overhead), and requests per
   second with many requests in flight.
+* ``small_auth`` (``--auth``): the same case with CurveZMQ on both
+  transceivers' control planes (a fresh key pair per instance, as
+  ``kvcore demo --auth``), run by the same rank processes right after ``small``.
 
 Every timed transfer lands in zeroed destination memory and is verified
 afterwards, byte for byte, against an expectation the generation rank computes
@@ -151,6 +154,8 @@ class BenchSpec:
     matrix_iterations: int = 3  # timed rounds per cell, after one warm-up round
     matrix_max_bytes: int = 4 << 30  # cells that would move more per round (requests x size) are skipped
     matrix_pool_bytes: int = 2 << 30  # per side: request-sized slots the in-flight requests cycle through
+    auth: bool = False  # also run the small case with CURVE configured (small_auth), beside small without
+    auth_config: dict[str, dict[str, str]] = field(default_factory=dict)  # role -> auth_* fields (set by run_bench)
 
     def validate(self) -> None:
         """Raise ``BenchError`` naming the first field out of range."""
@@ -340,10 +345,13 @@ class _Rank:
 
     # --- per-case setup ------------------------------------------------------------------------
 
-    def op_init(self, shape: dict[str, Any], request_timeout_s: float | None = None) -> dict[str, Any]:
+    def op_init(
+        self, shape: dict[str, Any], request_timeout_s: float | None = None, auth: bool = False
+    ) -> dict[str, Any]:
         """Allocate and fill (context) or zero (generation) the pool, build the page table, start a Transceiver.
 
-        ``request_timeout_s`` overrides the transceivers' request bound for this case (the soak's is short).
+        ``request_timeout_s`` overrides the transceivers' request bound for this case (the soak's is short);
+        ``auth`` configures CURVE with this role's keys from ``spec.auth_config``.
         """
         import torch
 
@@ -382,6 +390,11 @@ class _Rank:
         config = self.config
         if request_timeout_s is not None:
             config = replace(config, request_timeout_s=request_timeout_s)
+        if auth:
+            if not self.spec.auth_config:
+                raise BenchError("auth: the case asks for CURVE but the run made no keys (spec.auth_config is empty)")
+            keys: dict[str, Any] = dict(self.spec.auth_config[self.role])
+            config = replace(config, **keys)
         self.tx = Transceiver(
             config,
             role=self.role,
@@ -393,7 +406,11 @@ class _Rank:
         )
         self.outcomes, self.errors = {}, []
         self.bare: dict[str, Any] = {}
-        return {"endpoint": self.tx.info_endpoint, "rank_info": msgspec.msgpack.encode(self.tx.rank_info)}
+        return {
+            "endpoint": self.tx.info_endpoint,
+            "rank_info": msgspec.msgpack.encode(self.tx.rank_info),
+            "curve": bool(self.tx.rank_info.curve_public_key),  # this Transceiver serves and connects with CURVE
+        }
 
     def op_teardown(self) -> dict[str, Any]:
         """Close this case's bare modes and Transceiver and drop its memory; returns the Transceiver's last stats."""
@@ -1015,18 +1032,22 @@ class BackendRun:
             next(self._rid)
         return first
 
-    def open(self, shape: Shape, request_timeout_s: float | None = None) -> dict[str, Any]:
+    def open(self, shape: Shape, request_timeout_s: float | None = None, auth: bool = False) -> dict[str, Any]:
         """Set up both ranks for ``shape`` and make first contact (a one-block request, timed on its own)."""
         assert self.ctx is not None and self.gen is not None
-        c = self.ctx.call("init", shape=asdict(shape), request_timeout_s=request_timeout_s)
-        g = self.gen.call("init", shape=asdict(shape), request_timeout_s=request_timeout_s)
+        c = self.ctx.call("init", shape=asdict(shape), request_timeout_s=request_timeout_s, auth=auth)
+        g = self.gen.call("init", shape=asdict(shape), request_timeout_s=request_timeout_s, auth=auth)
         self.ctx.call("peer", rank_info=g["rank_info"])
         self.endpoint = c["endpoint"]
         rid = self.rids(1)
         self.ctx.call("send", rid0=rid, n=1, region="first")
         r = self.gen.call("receive", endpoint=self.endpoint, rid0=rid, n=1, region="first", pipelined=False)
         ok = self.gen.call("verify", region="first")["ok"] and not r["not_done"]
-        return {"first_contact_ms": r["latency_s"][0] * 1e3, "first_contact_verified": ok}
+        return {
+            "first_contact_ms": r["latency_s"][0] * 1e3,
+            "first_contact_verified": ok,
+            "curve_ranks": int(c.get("curve", False)) + int(g.get("curve", False)),
+        }
 
     def close_shape(self) -> dict[str, Any]:
         """Drain the context side, check the whole destination pool, tear both ranks' case state down."""
@@ -1256,11 +1277,21 @@ def _pct(values: list[float], q: float) -> float:
 @register_case("small")
 def case_small(run: BackendRun) -> dict[str, Any]:
     """One-block (16 KiB) requests: per-request latency vs the agent alone, and requests/s with many in flight."""
+    return _small(run, auth=False)
+
+
+@register_case("small_auth")
+def case_small_auth(run: BackendRun) -> dict[str, Any]:
+    """The ``small`` case with CurveZMQ on both control planes (one fresh key pair per instance)."""
+    return _small(run, auth=True)
+
+
+def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
     assert run.ctx is not None and run.gen is not None
     spec = run.spec
     shape = replace(spec.frag16k_shape(), name="small", tokens=32)
-    out: dict[str, Any] = {"shape": asdict(shape), "block_bytes": shape.block_bytes}
-    out.update(run.open(shape))
+    out: dict[str, Any] = {"shape": asdict(shape), "block_bytes": shape.block_bytes, "auth": auth}
+    out.update(run.open(shape, auth=auth))
     try:
         warm = max(1, min(20, spec.latency_requests // 10))
         # warm-up requests, not counted
@@ -1320,6 +1351,7 @@ def case_small(run: BackendRun) -> dict[str, Any]:
         and shape_checks["pool_verified"]
         and out["first_contact_verified"]
         and not shape_checks["context_errors"]
+        and out["curve_ranks"] == (2 if auth else 0)  # CURVE on both ranks exactly when asked for
     )
     return out
 
@@ -1591,6 +1623,13 @@ def run_bench(
     ``progress`` (a :class:`BenchProgress`) shows a bar; ``say`` gets each step's label otherwise.
     """
     spec.validate()
+    if "small_auth" in spec.cases and not spec.auth_config:
+        from kvcore.demo import instance_keys
+
+        with instance_keys() as keys:  # private temporary directory, removed when the run ends
+            result = run_bench(replace(spec, auth_config=keys), say=say, progress=progress)
+        result["spec"]["auth_config"] = {}  # the paths are gone with the keys
+        return result
     backends = spec.backends or installed_backends()
     if progress is not None:
         progress.start(len(backends) * sum(CASE_UNITS.get(c, lambda _s: 1)(spec) for c in spec.cases))
@@ -1686,6 +1725,12 @@ def add_parser(sub: Any) -> None:
     mx.add_argument("--matrix-inflight", default="", help=f"requests in flight (default {d.matrix_inflight})")
     mx.add_argument("--matrix-iterations", type=int, default=d.matrix_iterations, help="timed rounds per cell")
     p.add_argument("--plot", metavar="FILE.png", default="", help="plot GB/s against fragment size (needs matplotlib)")
+    p.add_argument(
+        "--auth",
+        action="store_true",
+        help="run the small case twice with the same rank processes: without, then with CurveZMQ on both control "
+        "planes (case small_auth; a fresh key pair per instance in a private temporary directory, removed after)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     p.set_defaults(func=cmd_bench)
 
@@ -1725,6 +1770,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         if args.matrix or args.quick:
             spec.cases = ["matrix"]
+        if args.auth:
+            spec.auth = True
+            if "small" not in spec.cases:
+                spec.cases.append("small")
+            if "small_auth" not in spec.cases:
+                spec.cases.insert(spec.cases.index("small") + 1, "small_auth")
         if args.quick:
             spec = spec.quick_matrix()
         for name in ("matrix_tokens", "matrix_fragment_bytes", "matrix_inflight"):
@@ -1818,7 +1869,7 @@ def print_result(result: dict[str, Any]) -> None:
             elif "latency" in c:
                 lat, thr = c["latency"], c["throughput"]
                 s.add_row(
-                    backend,
+                    backend + (" + CURVE" if c.get("auth") else ""),
                     f"{lat['kvcore_ms_p50']:.3f}",
                     f"{lat['kvcore_ms_p99']:.3f}",
                     f"{lat['agent_ms_p50']:.3f}",

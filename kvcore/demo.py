@@ -17,6 +17,11 @@ sectioned ``x|B|C`` and SSM state head-sharded, one slot per request),
 head-major or token-major layout, a cached prefix, and the bounce-buffer
 setting of the transceiver.
 
+``--auth`` turns CurveZMQ on for every rank of both instances, with a fresh
+key pair per instance (:func:`instance_keys`). ``--two-hosts`` runs the
+context instance and the generation instance in two namespaced hosts
+(:mod:`kvcore.demo_hosts`, built on :mod:`kvcore.testing.hosts`).
+
 The oracles here (:func:`heads_of_rank`, :func:`layers_of_rank`,
 :func:`conv_channels_of_rank`, :func:`ssm_heads_of_rank`, :func:`expected_values`,
 :func:`expected_conv`, :func:`expected_ssm`) are written from the model
@@ -26,16 +31,20 @@ definition and never call kvcore's sharding or mapping code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -50,6 +59,7 @@ __all__ = [
     "expected_ssm",
     "expected_values",
     "heads_of_rank",
+    "instance_keys",
     "layers_of_rank",
     "run_demo",
     "ssm_heads_of_rank",
@@ -100,6 +110,9 @@ class DemoSpec:
     seed: int = 1234
     extra: dict[str, Any] = field(default_factory=dict)  # more TransceiverConfig fields, passed through
     poison: int = -1  # self-check: context ranks fill this request with another request's values (must fail)
+    auth: bool = False  # CURVE on the control plane: a fresh key pair per instance (see instance_keys)
+    auth_config: dict[str, dict[str, str]] = field(default_factory=dict)  # role -> auth_* fields (set by run_demo)
+    two_hosts: bool = False  # context instance in namespaced host a, generation in host b (kvcore.demo_hosts)
 
     # --- derived -------------------------------------------------------------------------------
 
@@ -155,14 +168,16 @@ class DemoSpec:
         bc = self.mamba_groups * self.mamba_d_state
         return (self.mamba_heads * self.mamba_head_dim, bc, bc)
 
-    def config_overrides(self) -> dict[str, Any]:
-        """``TransceiverConfig`` fields this spec sets (bounce mode, passthrough extras)."""
+    def config_overrides(self, role: str | None = None) -> dict[str, Any]:
+        """``TransceiverConfig`` fields this spec sets (bounce mode, passthrough extras, ``role``'s auth keys)."""
         out: dict[str, Any] = {"request_timeout_s": self.timeout_s}
         if self.bounce == "on":
             out.update(bounce_enabled=True, bounce_min_fragments=1)
         elif self.bounce == "off":
             out.update(bounce_enabled=False)
         out.update(self.extra)
+        if role is not None:
+            out.update(self.auth_config.get(role, {}))
         return out
 
     def validate(self) -> None:
@@ -206,6 +221,10 @@ class DemoSpec:
             )
         if self.mamba and not self.mamba_layers:
             raise ValueError("mamba: expected at least 2 layers (Mamba state lives on the odd layers)")
+        if self.two_hosts:
+            from kvcore.demo_hosts import validate_two_hosts
+
+            validate_two_hosts(self)
 
 
 # --- oracles: written from the model definition, independent of kvcore's arithmetic --------------
@@ -547,7 +566,7 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
         collective: Any = TorchCollective()
     else:
         collective = LocalCollective()
-    config = TransceiverConfig.load(backend=spec.backend, **spec.config_overrides())
+    config = TransceiverConfig.load(backend=spec.backend, **spec.config_overrides(role))
     agent = create_agent(config, f"{role}-{rank}-{os.getpid()}")
     tx = None
     try:
@@ -591,6 +610,7 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
                 "expected": len(work),
                 "outcomes": outcomes,
                 "stats": tx.stats(),
+                "curve": bool(tx.rank_info.curve_public_key),  # this rank serves and connects with CURVE
             }
         else:
             go = _recv(conn, spec.timeout_s)
@@ -647,6 +667,7 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
                 "checked_at_done": len(at_done),
                 "first_bad": first_bad,
                 "stats": tx.stats(),
+                "curve": bool(tx.rank_info.curve_public_key),  # this rank serves and connects with CURVE
             }
         _send(conn, report)
         _recv(conn, spec.timeout_s)  # hold memory until everyone reported
@@ -802,11 +823,63 @@ class _Ranks:
         return self.stopped
 
 
+@contextlib.contextmanager
+def instance_keys() -> Iterator[dict[str, dict[str, str]]]:
+    """A fresh CURVE key pair per instance in a private temporary directory; yields each role's ``auth_*`` fields.
+
+    The directory is mode 0700 and each secret file 0600 (``write_key_pair``);
+    both public ``*.key`` files sit in it, so it is the allow-list
+    (``auth_allowed_keys_dir``) of every rank of both instances. Generation
+    ranks are told the context's public key (``auth_server_key``): the key its
+    info endpoint must prove. The context learns each generation rank's key
+    from its ``RankInfo``, which arrives over the authenticated link. The
+    directory and every key in it are removed when the block ends, also after
+    a failure.
+    """
+    from kvcore.auth import AuthConfig, write_key_pair
+
+    keydir = tempfile.mkdtemp(prefix="kvcore-demo-keys-")  # mkdtemp: mode 0700, owned by this user only
+    try:
+        os.chmod(keydir, 0o700)
+        _, ctx_secret = write_key_pair(keydir, "context")
+        _, gen_secret = write_key_pair(keydir, "generation")
+        ctx_public = AuthConfig.from_files(ctx_secret).public_key.decode()
+        yield {
+            "context": {"auth_key_file": str(ctx_secret), "auth_allowed_keys_dir": keydir},
+            "generation": {
+                "auth_key_file": str(gen_secret),
+                "auth_allowed_keys_dir": keydir,
+                "auth_server_key": ctx_public,
+            },
+        }
+    finally:
+        shutil.rmtree(keydir, ignore_errors=True)
+
+
 def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
-    """Run the whole demo and return the summary (raises nothing for transfer failures: see ``ok``)."""
+    """Run the whole demo and return the summary (raises nothing for transfer failures: see ``ok``).
+
+    ``spec.auth`` without ``spec.auth_config``: fresh instance keys for this run
+    (:func:`instance_keys`). ``spec.two_hosts``: the instances run in two
+    namespaced hosts (:func:`kvcore.demo_hosts.run_two_hosts`).
+    """
+    spec.validate()
+    if spec.auth and not spec.auth_config:
+        with instance_keys() as keys:
+            summary = run_demo(replace(spec, auth_config=keys), progress=progress)
+        summary["spec"]["auth_config"] = {}  # the paths are gone with the keys
+        return summary
+    if spec.two_hosts:
+        from kvcore.demo_hosts import run_two_hosts
+
+        return run_two_hosts(spec)
+    return _run_local(spec, progress=progress)
+
+
+def _run_local(spec: DemoSpec, *, progress: bool) -> dict[str, Any]:
+    """Both instances as child processes of this one (the default)."""
     import numpy as np
 
-    spec.validate()
     mpctx = _mp_context()
     ranks = _Ranks()
     spec_b = msgspec.msgpack.encode(asdict(spec))
@@ -904,6 +977,7 @@ def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
             counters=counters,
         )
         summary["teardown"] = teardown
+        summary["auth_ranks"] = sum(bool(r.get("curve")) for r in gen + ctx)
         summary["ok"] = (
             mismatches == 0
             and mismatches_at_done == 0
@@ -913,6 +987,7 @@ def run_demo(spec: DemoSpec, *, progress: bool = True) -> dict[str, Any]:
             and nbytes > 0
             and not teardown["killed"]
             and not teardown["exit_codes"]
+            and (summary["auth_ranks"] == len(gen + ctx) if spec.auth else summary["auth_ranks"] == 0)
         )
         return summary
     finally:
@@ -994,6 +1069,19 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cached-prefix-blocks", type=int, default=0, help="blocks the generation side already holds")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request bound in seconds")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--auth",
+        action="store_true",
+        help="CurveZMQ on the control plane: a fresh key pair per instance (so the allow-list really decides: "
+        "each rank admits exactly the two instances' public keys) in a private temporary directory "
+        "(0700, secrets 0600), removed when the demo ends",
+    )
+    p.add_argument(
+        "--two-hosts",
+        action="store_true",
+        help="context instance in namespaced host a, generation instance in host b, over a veth link "
+        "(needs root; --backend nixl or ucx, auto picks one of them; shm cannot cross hosts)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
 
@@ -1024,6 +1112,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cached_prefix_blocks=args.cached_prefix_blocks,
         timeout_s=args.timeout,
         seed=args.seed,
+        auth=args.auth,
+        two_hosts=args.two_hosts,
     )
     try:
         summary = run_demo(spec, progress=not args.json and sys.stderr.isatty())
@@ -1064,13 +1154,30 @@ def _print_summary(s: dict[str, Any]) -> None:
         model += ", Mamba-hybrid (conv + SSM state on odd layers)"
     t.add_row("model", f"{sp['layers']} layers, {model}, head dim {sp['head_dim']}, {sp['dtype']}")
     t.add_row("layout", f"{sp['layout']}, bounce {sp.get('bounce', 'auto')}")
-    t.add_row("requests", f"{s['requests']} ({s['done']} rank-outcomes DONE, {s['not_done']} not)")
+    if s.get("hosts"):
+        t.add_row("hosts", s["hosts"])
     t.add_row(
-        "bytes verified",
-        f"{s['bytes'] / 2**20:.1f} MiB, {s['mismatches']} mismatching elements "
-        f"(and at DONE, before release: {s['checked_at_done']} rank-requests, {s['mismatches_at_done']} mismatching)",
+        "authentication",
+        "on: CurveZMQ, one key pair per instance, allow-list of both public keys (temporary keys, removed)"
+        + (f"; {s['auth_ranks']} of {s['processes']} ranks serve CURVE" if "auth_ranks" in s else "")
+        if sp.get("auth")
+        else "off (control plane on loopback or an isolated link)",
     )
-    t.add_row("throughput", f"{s['gbps']:.2f} GB/s over {s['seconds']:.3f} s (all requests, receive side)")
+    t.add_row("requests", f"{s['requests']} ({s['done']} rank-outcomes DONE, {s['not_done']} not)")
+    if "timed_requests" in s:  # two hosts: checked after release; first contact timed apart
+        t.add_row("bytes verified", f"{s['bytes'] / 2**20:.1f} MiB, {s['mismatches']} mismatching elements")
+        t.add_row(
+            "throughput",
+            f"{s['gbps']:.2f} GB/s over {s['seconds']:.3f} s ({s['timed_requests']} requests after first contact, "
+            f"host a -> host b; first contact {s['first_contact_ms']:.1f} ms)",
+        )
+    else:
+        t.add_row(
+            "bytes verified",
+            f"{s['bytes'] / 2**20:.1f} MiB, {s['mismatches']} mismatching elements (and at DONE, before release: "
+            f"{s['checked_at_done']} rank-requests, {s['mismatches_at_done']} mismatching)",
+        )
+        t.add_row("throughput", f"{s['gbps']:.2f} GB/s over {s['seconds']:.3f} s (all requests, receive side)")
     if s.get("latency_ms_p50") is not None:
         t.add_row(
             "latency",

@@ -69,3 +69,84 @@ def test_demo_unknown_backend_fails_clearly() -> None:
     assert p.returncode == 1
     out = json.loads(p.stdout)
     assert not out["ok"] and "'nope' is not available" in out["error"]
+
+
+def _keydirs() -> set[str]:
+    import glob
+    import tempfile
+
+    return set(glob.glob(f"{tempfile.gettempdir()}/kvcore-demo-keys-*"))
+
+
+def test_demo_cli_auth_verifies_every_byte_and_removes_the_keys() -> None:
+    before = _keydirs()
+    cmd = ["kvcore", "demo", "--auth", "--backend", "shm", "--json", "--ctx-tp", "2", "--gen-tp", "2", *SMALL]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    summary = json.loads(p.stdout)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert summary["ok"] and summary["spec"]["auth"]
+    assert summary["auth_ranks"] == summary["processes"] == 4  # every rank served and connected with CURVE
+    assert summary["mismatches"] == 0 and summary["bytes"] > 0 and summary["not_done"] == 0
+    assert _keydirs() <= before  # the temporary key directory is gone
+
+
+def test_demo_cli_auth_table_says_authentication_was_on() -> None:
+    p = subprocess.run(
+        ["kvcore", "demo", "--auth", "--backend", "shm", *SMALL], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "every byte verified" in p.stdout and "CurveZMQ" in p.stdout
+
+
+def test_demo_cli_two_hosts_refuses_shm_clearly() -> None:
+    p = subprocess.run(
+        ["kvcore", "demo", "--two-hosts", "--backend", "shm", *SMALL], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 1
+    assert "Traceback" not in p.stderr
+    assert "--two-hosts needs a network transport" in p.stderr and "shm agent only reaches" in p.stderr
+
+
+def test_demo_cli_two_hosts_without_namespaces_says_why() -> None:
+    """As an unprivileged user (setpriv to nobody) namespaces cannot be made: one clear line, no traceback."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the CLI as an unprivileged user")
+    kvcore_cli = shutil.which("kvcore")
+    assert kvcore_cli is not None
+    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", kvcore_cli, "demo", "--two-hosts"]
+    p = subprocess.run([*cmd, "--backend", "nixl", *SMALL], capture_output=True, text=True, timeout=300, cwd="/")
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr
+    assert "cannot build namespaced hosts here" in p.stderr and "root" in p.stderr, p.stderr
+
+
+def test_demo_cli_two_hosts_nixl_verifies_every_byte() -> None:
+    from kvcore.testing.hosts import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    if not _installed("nixl"):
+        pytest.skip("transfer agent 'nixl' is not installed (pip install ./plugins/nixl)")
+    cmd = ["kvcore", "demo", "--two-hosts", "--backend", "nixl", "--json", "--ctx-tp", "1", "--gen-tp", "1", *SMALL]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    summary = json.loads(p.stdout)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert summary["ok"] and summary["backend"] == "nixl"
+    assert "198.18.0.1" in summary["hosts"] and "198.18.0.2" in summary["hosts"]
+    # 6 requests x 4 layers x K,V x 4 heads x 48 tokens x 32 dims x 2 bytes, every one compared with the oracle
+    assert summary["bytes"] == 6 * 4 * 2 * 4 * 48 * 32 * 2 and summary["mismatches"] == 0
+    assert summary["not_done"] == 0 and summary["gbps"] > 0 and not summary["leaks"]
+
+
+def test_two_hosts_spec_refuses_what_the_host_ranks_cannot_do() -> None:
+    from kvcore.demo import DemoSpec
+
+    for field, value in (("mamba", True), ("layerwise", True), ("cached_prefix_blocks", 1)):
+        with pytest.raises(ValueError, match=field):
+            DemoSpec(two_hosts=True, backend="nixl", **{field: value}).validate()
+    with pytest.raises(ValueError, match="network transport"):
+        DemoSpec(two_hosts=True, backend="shm").validate()
