@@ -359,6 +359,22 @@ def test_late_receiver_after_a_failed_send_gets_the_failure_at_once(closing: lis
     assert not early.flat[[3, 4]].any() and not late.flat[[3, 4]].any()
 
 
+def test_cancel_during_first_contact_lets_the_context_go_at_once(closing: list[Any]) -> None:
+    """A receive cancelled before its context instance was even reached: the context is told once it is."""
+    agent, _, ctx = make_rank("context", f"ctx-{os.getpid()}", timeout=60)
+    closing.extend([agent, ctx])
+    gen = Gen(timeout=60)
+    closing.append(gen)
+    ctx.start_send(3, [1])
+    gen.tx.start_receive(3, ctx.info_endpoint, [2])
+    assert gen.tx.cancel(3)  # first contact is still under way: nobody was asked yet
+    assert gen.tx.wait_all([3], 20)[3].state is SessionState.CANCELLED
+    out = ctx.wait_all([3], 20)[3]  # far sooner than its 60 s request timeout
+    assert out.state is SessionState.CANCELLED, out
+    assert "declined" in str(out.error)
+    assert not gen.flat[2].any()
+
+
 # --- fencing -------------------------------------------------------------------------------------------
 
 
