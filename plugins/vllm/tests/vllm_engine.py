@@ -293,6 +293,7 @@ def serve(spec: EngineSpec, out: Any) -> None:
                 watched[cmd["id"]] = {"loaded": False, "finished": False, "prompt_len": len(cmd["prompt"])}
             elif op == "abort":
                 engine.abort(cmd["id"])
+                watched[cmd["id"]]["aborted"] = True
             elif op == "state":
                 engine.step()
                 emit(
@@ -326,7 +327,7 @@ def serve(spec: EngineSpec, out: Any) -> None:
                     tokens=list(o.new_token_ids),
                     params=o.kv_transfer_params,
                 )
-            if w["finished"] and not w.get("freed") and req is None:
+            if (w["finished"] or w.get("aborted")) and not w.get("freed") and req is None:
                 w["freed"] = True
                 emit(event="freed", id=rid, free_blocks=engine.free_blocks())
     engine.close()

@@ -1,0 +1,145 @@
+"""A prefill and a decode vLLM instance in two processes, KV moved by kvcore through KvcoreConnector.
+
+Each process runs vLLM's real Scheduler and the worker-side connector over
+real KV views (see vllm_engine.py); the test is the router: it hands the
+prefill's ``kv_transfer_params`` to the decode request, and checks every KV
+byte the decode instance holds against the pattern computed here.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm_engine import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, NUM_LAYERS, SAMPLED_TOKEN, token_bytes
+
+TOKEN_NBYTES = NUM_KV_HEADS * 2 * HEAD_SIZE * 4
+
+
+def expected_kv(seed: int, prompt_len: int) -> bytes:
+    return b"".join(
+        token_bytes(seed, layer, pos, TOKEN_NBYTES).tobytes() for layer in range(NUM_LAYERS) for pos in range(prompt_len)
+    )
+
+
+def assert_kv(actual_hex: str, seed: int, prompt_len: int) -> None:
+    actual = np.frombuffer(bytes.fromhex(actual_hex), dtype=np.uint8)
+    expected = np.frombuffer(expected_kv(seed, prompt_len), dtype=np.uint8)
+    assert actual.size == expected.size, f"got {actual.size} KV bytes, expected {expected.size}"
+    bad = np.flatnonzero(actual != expected)
+    if bad.size:
+        token = int(bad[0]) // TOKEN_NBYTES
+        layer, pos = divmod(token, prompt_len)
+        raise AssertionError(f"{bad.size} KV bytes differ; first in layer {layer}, token {pos}")
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + i) % 997 + 1 for i in range(n)]
+
+
+def spec(role: str, backend: str, model_dir: str, **more: Any) -> dict[str, Any]:
+    return {
+        "role": role,
+        "backend": backend,
+        "model_dir": model_dir,
+        "engine_id": f"{role}-engine",
+        "shm_backing": role == "decode" and backend == "shm",
+        **more,
+    }
+
+
+def prefill(p: Any, rid: str, n: int, seed: int) -> dict[str, Any]:
+    """Run request ``rid``'s prefill on ``p``; the kv_transfer_params it returns (what a router forwards)."""
+    p.send(op="add", id=rid, prompt=prompt_of(n, seed), max_tokens=1, params={"do_remote_decode": True}, seed=seed)
+    done = p.wait("finished", id=rid)
+    assert done["tokens"] == [SAMPLED_TOKEN]
+    params = done["params"]
+    assert params["do_remote_prefill"] is True and params["kvcore"]["prompt_len"] == n
+    return params
+
+
+def assert_idle(e: Any, free_blocks: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        s = e.state()
+        kv = s["kvcore"]
+        idle = (
+            s["requests"] == 0
+            and s["free_blocks"] == free_blocks
+            and s["pending"] == 0
+            and kv["rx_sessions"] == 0
+            and kv["tx_sessions"] == 0
+            and kv["quarantined"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, f"{e.spec['role']} not back to baseline ({free_blocks} free blocks): {s}"
+
+
+@pytest.mark.parametrize(
+    ("backend", "layout"),
+    [("shm", "LBHNC"), ("shm", "LBNHC"), ("nixl", "LBHNC")],
+)
+def test_prefill_to_decode_every_byte(engines: Any, model_dir: str, backend: str, layout: str) -> None:
+    p = engines(**spec("prefill", backend, model_dir, layout=layout))
+    d = engines(**spec("decode", backend, model_dir, layout=layout))
+    base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
+    # Lengths: inside one block, exactly two blocks, a partial last block.
+    for i, n in enumerate((5, 2 * BLOCK_SIZE, 3 * BLOCK_SIZE + 7)):
+        rid, seed = f"req-{i}", 100 + i
+        params = prefill(p, rid, n, seed)
+        d.send(op="add", id=rid, prompt=prompt_of(n, seed), max_tokens=2, params=params, seed=seed)
+        assert_kv(d.wait("loaded", id=rid)["kv"], seed, n)
+        done = d.wait("finished", id=rid)
+        assert done["tokens"] == [SAMPLED_TOKEN] and "length" in done["reason"].lower()
+        p.wait("freed", id=rid)  # the prefill's blocks go back only after kvcore released the send
+        d.wait("freed", id=rid)
+    assert_idle(p, base_p)
+    assert_idle(d, base_d)
+
+
+def test_context_dies_load_error_and_blocks_freed(engines: Any, model_dir: str) -> None:
+    extra = {"first_contact_timeout_s": 3.0, "request_timeout_s": 10.0}
+    p = engines(**spec("prefill", "shm", model_dir, extra=extra))
+    d = engines(**spec("decode", "shm", model_dir, extra=extra))
+    base_d = d.ready["free_blocks"]
+    params = prefill(p, "doomed", 40, 7)
+    p.signal(signal.SIGKILL)
+    p.proc.wait(timeout=10)
+    d.send(op="add", id="doomed", prompt=prompt_of(40, 7), max_tokens=2, params=params, seed=7)
+    done = d.wait("finished", id="doomed", timeout=60)
+    assert "error" in done["reason"].lower()  # kv_load_failure_policy="fail": vLLM fails the request
+    assert not [e for e in d.events if e.get("event") == "loaded"]
+    d.wait("freed", id="doomed")
+    assert_idle(d, base_d)
+
+
+def test_decode_abort_holds_blocks_until_the_writer_is_done(engines: Any, model_dir: str) -> None:
+    p = engines(**spec("prefill", "shm", model_dir))
+    d = engines(**spec("decode", "shm", model_dir))
+    base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
+    # First contact happens on a normal request, so the stopped prefill below is a known, live peer.
+    params = prefill(p, "warm", 20, 1)
+    d.send(op="add", id="warm", prompt=prompt_of(20, 1), max_tokens=2, params=params, seed=1)
+    assert_kv(d.wait("loaded", id="warm")["kv"], 1, 20)
+    d.wait("freed", id="warm")
+    p.wait("freed", id="warm")
+
+    params = prefill(p, "aborted", 40, 2)
+    p.signal(signal.SIGSTOP)  # the writer exists but cannot answer
+    d.send(op="add", id="aborted", prompt=prompt_of(40, 2), max_tokens=2, params=params, seed=2)
+    time.sleep(1.0)
+    d.send(op="abort", id="aborted")
+    time.sleep(1.0)
+    held = d.state()
+    assert held["requests"] == 1 and held["free_blocks"] < base_d, f"blocks freed while the writer may write: {held}"
+    p.signal(signal.SIGCONT)
+    d.wait("freed", id="aborted", timeout=60)
+    p.wait("freed", id="aborted", timeout=60)
+    assert not [e for e in d.events if e.get("event") == "loaded" and e.get("id") == "aborted"]
+    assert_idle(p, base_p)
+    assert_idle(d, base_d)
