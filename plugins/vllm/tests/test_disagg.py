@@ -21,7 +21,9 @@ TOKEN_NBYTES = NUM_KV_HEADS * 2 * HEAD_SIZE * 4
 
 def expected_kv(seed: int, prompt_len: int) -> bytes:
     return b"".join(
-        token_bytes(seed, layer, pos, TOKEN_NBYTES).tobytes() for layer in range(NUM_LAYERS) for pos in range(prompt_len)
+        token_bytes(seed, layer, pos, TOKEN_NBYTES).tobytes()
+        for layer in range(NUM_LAYERS)
+        for pos in range(prompt_len)
     )
 
 

@@ -172,7 +172,9 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def add_request(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None, seed: int) -> None:
+    def add_request(
+        self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None, seed: int
+    ) -> None:
         from vllm import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -277,7 +279,12 @@ def serve(spec: EngineSpec, out: Any) -> None:
         out.flush()
 
     engine = Engine(spec)
-    emit(event="ready", pid=os.getpid(), info_endpoint=engine.worker.engine.info_endpoint, free_blocks=engine.free_blocks())
+    emit(
+        event="ready",
+        pid=os.getpid(),
+        info_endpoint=engine.worker.engine.info_endpoint,
+        free_blocks=engine.free_blocks(),
+    )
     watched: dict[str, dict[str, Any]] = {}  # request id -> what to report about it
     while True:
         busy = engine.scheduler.has_requests()

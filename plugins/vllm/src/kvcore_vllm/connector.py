@@ -128,7 +128,9 @@ class KvcoreConnector(KVConnectorBase_V1):
             self._tp_rank = self._worker_tp_rank(vllm_config)
             name = f"vllm-{self._engine_id[:8]}-{self._kvcore_role}-tp{self._tp_rank}-{os.getpid()}"
             self._agent = create_agent(self._config, agent_name=name)
-            log.info("kvcore %s worker (tp %d/%d) on backend %s", self._kvcore_role, self._tp_rank, tp, self._agent.backend)
+            log.info(
+                "kvcore %s worker (tp %d/%d) on backend %s", self._kvcore_role, self._tp_rank, tp, self._agent.backend
+            )
 
     @staticmethod
     def _worker_tp_rank(vllm_config: VllmConfig) -> int:
@@ -348,7 +350,9 @@ class KvcoreConnector(KVConnectorBase_V1):
         if not block_ids:
             return False, None
         if self._info_endpoint is None:
-            log.error("request %r: no kvcore endpoint known (handshake metadata not set); not sending", request.request_id)
+            log.error(
+                "request %r: no kvcore endpoint known (handshake metadata not set); not sending", request.request_id
+            )
             return False, None
         key = request_key(self._engine_id, request.request_id)
         prompt_len = request.num_computed_tokens

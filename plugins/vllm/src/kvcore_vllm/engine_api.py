@@ -160,7 +160,9 @@ class KvcoreEngine:
 
     def send(self, name: str, key: int, block_ids: Sequence[int], prompt_len: int) -> None:
         """Prefill side: the KV of request ``name`` (kvcore id ``key``) is complete in ``block_ids``."""
-        self._start(name, key, list(block_ids), lambda: self.transceiver.start_send(key, block_ids, prompt_len=prompt_len))
+        self._start(
+            name, key, list(block_ids), lambda: self.transceiver.start_send(key, block_ids, prompt_len=prompt_len)
+        )
 
     def receive(self, name: str, params: TransferParams, block_ids: Sequence[int]) -> None:
         """Decode side: fetch request ``name``'s KV into ``block_ids`` (the suffix not cached locally)."""
