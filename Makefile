@@ -41,8 +41,8 @@ $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS) plugins/vllm/requirements-vllm.txt 
 	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e '.[test]'
 	$(foreach p,'plugins/nixl[cu12]' plugins/mixers,$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e $(p) &&) true
 	$(VLLM_PY) -m pip install -q --no-deps vllm==$(VLLM_VERSION) xgrammar==0.2.8
-	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -r plugins/vllm/requirements-vllm.txt
-	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e 'plugins/vllm[test]'
+	$(VLLM_PY) -m pip install -q --no-warn-conflicts -c $(VLLM_CONSTRAINTS) -r plugins/vllm/requirements-vllm.txt
+	$(VLLM_PY) -m pip install -q --no-warn-conflicts -c $(VLLM_CONSTRAINTS) -e 'plugins/vllm[test]'
 	$(VLLM_PY) -c "import vllm, kvcore_vllm; print('vllm', vllm.__version__, 'in', '$(VLLM_VENV)')"
 	touch $@
 
