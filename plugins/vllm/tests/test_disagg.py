@@ -145,3 +145,41 @@ def test_decode_abort_holds_blocks_until_the_writer_is_done(engines: Any, model_
     assert not [e for e in d.events if e.get("event") == "loaded" and e.get("id") == "aborted"]
     assert_idle(p, base_p)
     assert_idle(d, base_d)
+
+
+def test_decode_prefix_cache_hit_moves_only_the_suffix(engines: Any, model_dir: str) -> None:
+    # The prefill recomputes every token (no prefix cache) with a new pattern for the second request; the decode
+    # instance caches the first request's blocks. If kvcore moved more than the uncached suffix, the decode side
+    # would hold the second pattern in its cached prefix.
+    p = engines(**spec("prefill", "shm", model_dir, prefix_caching=False))
+    d = engines(**spec("decode", "shm", model_dir))
+    n, cached = 3 * BLOCK_SIZE, 2 * BLOCK_SIZE  # vLLM caps a local hit below the last token: 2 full blocks
+    prompt = prompt_of(n, 1)
+    params = prefill(p, "first", n, 11)
+    d.send(op="add", id="first", prompt=prompt, max_tokens=2, params=params, seed=11)
+    assert_kv(d.wait("loaded", id="first")["kv"], 11, n)
+    d.wait("freed", id="first")
+    p.send(op="add", id="second", prompt=prompt, max_tokens=1, params={"do_remote_decode": True}, seed=22)
+    params = p.wait("finished", id="second")["params"]
+    d.send(op="add", id="second", prompt=prompt, max_tokens=2, params=params, seed=22)
+    got = bytes.fromhex(d.wait("loaded", id="second")["kv"])
+    per_layer = n * TOKEN_NBYTES
+    for layer in range(NUM_LAYERS):
+        for pos in range(n):
+            seed = 11 if pos < cached else 22
+            at = layer * per_layer + pos * TOKEN_NBYTES
+            want = token_bytes(seed, layer, pos, TOKEN_NBYTES).tobytes()
+            assert got[at : at + TOKEN_NBYTES] == want, f"layer {layer} token {pos}: expected seed {seed}'s bytes"
+    d.wait("freed", id="second")
+    p.wait("freed", id="second")
+
+
+def test_prefill_frees_blocks_when_no_decode_ever_asks(engines: Any, model_dir: str) -> None:
+    # The router lost the parameters: kvcore's request_timeout_s bounds how long the prefill holds the blocks.
+    p = engines(**spec("prefill", "shm", model_dir, extra={"request_timeout_s": 3.0}))
+    base = p.ready["free_blocks"]
+    prefill(p, "orphan", 40, 3)
+    held = p.state()
+    assert held["requests"] == 1 and held["free_blocks"] < base
+    p.wait("freed", id="orphan", timeout=60)
+    assert_idle(p, base)

@@ -75,6 +75,7 @@ class EngineSpec:
     extra: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config
     shm_backing: bool = False  # allocate the KV through the connector's agent (shm decode side)
     kv_load_failure_policy: str = "fail"
+    prefix_caching: bool = True
 
 
 class Engine:
@@ -108,7 +109,7 @@ class Engine:
             scheduler_config=SchedulerConfig(
                 max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=1024, is_encoder_decoder=False
             ),
-            cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+            cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=spec.prefix_caching),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KvcoreConnector",
                 kv_connector_module_path="kvcore_vllm.connector",

@@ -132,6 +132,17 @@ class KvcoreConnector(KVConnectorBase_V1):
                 "kvcore %s worker (tp %d/%d) on backend %s", self._kvcore_role, self._tp_rank, tp, self._agent.backend
             )
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Prefer head-major pages (``LBHNC``): re-sharding between TP sizes then moves whole heads, not tokens.
+
+        vLLM drops the preference (with a warning) when the attention backend cannot use it; every
+        page-contiguous layout works (see kvcore_vllm.layout).
+        """
+        if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+            return None
+        return "LBHNC"
+
     @staticmethod
     def _worker_tp_rank(vllm_config: VllmConfig) -> int:
         pc = vllm_config.parallel_config
@@ -192,6 +203,9 @@ class KvcoreConnector(KVConnectorBase_V1):
 
             collective = TorchCollective(get_tp_group().cpu_group)
         d = self._description
+        # Where the KV lives decides how the agent registers it (DRAM or VRAM).
+        first = next(iter(kv_caches.values()))
+        device = f"cuda:{first.device.index or 0}" if first.device.type == "cuda" else "cpu"
         tx = Transceiver(
             self._config,
             role=self._kvcore_role,
@@ -201,6 +215,7 @@ class KvcoreConnector(KVConnectorBase_V1):
             page_table=d.page_table,
             collective=collective,
             instance_name=f"vllm-{self._engine_id}",
+            device=device,
         )
         self._engine = KvcoreEngine(tx)
         log.info(
