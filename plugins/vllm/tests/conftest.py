@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 class EngineProcess:
     """One engine process (vllm_engine.py) spoken to over JSON lines; every wait has a deadline."""
 
-    def __init__(self, spec: dict[str, Any], log_path: Path) -> None:
+    def __init__(self, spec: dict[str, Any], log_path: Path, wait_ready: bool = True) -> None:
         self.spec = spec
         self.log_path = log_path
         self._log = open(log_path, "wb")
@@ -43,7 +43,7 @@ class EngineProcess:
         )
         self._buf = b""
         self.events: list[dict[str, Any]] = []
-        self.ready = self.wait("ready", timeout=180)
+        self.ready = self.wait("ready", timeout=180) if wait_ready else {}
 
     def send(self, **cmd: Any) -> None:
         assert self.proc.stdin is not None
@@ -107,8 +107,8 @@ def engines(tmp_path: Path) -> Iterator[Any]:
     """``start(spec) -> EngineProcess``; every process is closed (killed if it hangs) at teardown."""
     started: list[EngineProcess] = []
 
-    def start(**spec: Any) -> EngineProcess:
-        p = EngineProcess(spec, tmp_path / f"{spec['role']}-{len(started)}.log")
+    def start(wait_ready: bool = True, **spec: Any) -> EngineProcess:
+        p = EngineProcess(spec, tmp_path / f"{spec['role']}-{len(started)}.log", wait_ready)
         started.append(p)
         return p
 

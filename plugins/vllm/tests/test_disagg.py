@@ -183,3 +183,57 @@ def test_prefill_frees_blocks_when_no_decode_ever_asks(engines: Any, model_dir: 
     assert held["requests"] == 1 and held["free_blocks"] < base
     p.wait("freed", id="orphan", timeout=60)
     assert_idle(p, base)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _group_state(ranks: list[Any]) -> list[dict[str, Any]]:
+    for r in ranks:  # every rank steps on "state": send to all before waiting (the poll is collective)
+        r.send(op="state")
+    return [r.wait("state") for r in ranks]
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_prefill_tp1_to_decode_tp2(engines: Any, model_dir: str, layout: str) -> None:
+    # Heterogeneous TP: the prefill holds both KV heads, each decode rank one (kvcore-mixers re-shards).
+    # The decode instance is two processes (TP ranks over gloo, vLLM's distributed state initialized as on a
+    # CPU worker), each with a scheduler replica; kvcore's collective poll keeps their outcomes in step.
+    p = engines(**spec("prefill", "shm", model_dir, layout=layout))
+    port = _free_port()
+    ranks = [
+        engines(
+            wait_ready=False, **spec("decode", "shm", model_dir, layout=layout, tp_size=2, tp_rank=r, dist_port=port)
+        )
+        for r in range(2)
+    ]
+    for r in ranks:
+        r.ready = r.wait("ready", timeout=180)
+    base_p, base_d = p.ready["free_blocks"], ranks[0].ready["free_blocks"]
+    per_rank = TOKEN_NBYTES // 2
+    for i, n in enumerate((5, 2 * BLOCK_SIZE + 3)):
+        rid, seed = f"tp-{i}", 300 + i
+        params = prefill(p, rid, n, seed)
+        for r in ranks:
+            r.send(op="add", id=rid, prompt=prompt_of(n, seed), max_tokens=2, params=params, seed=seed)
+        for tp_rank, r in enumerate(ranks):
+            got = bytes.fromhex(r.wait("loaded", id=rid)["kv"])
+            want = b"".join(
+                token_bytes(seed, layer, pos, TOKEN_NBYTES).reshape(2, -1)[tp_rank].tobytes()
+                for layer in range(NUM_LAYERS)
+                for pos in range(n)
+            )
+            assert len(got) == len(want) == NUM_LAYERS * n * per_rank
+            assert got == want, f"decode TP rank {tp_rank}: KV differs from head {tp_rank} of the prefill's"
+        for r in ranks:
+            r.wait("finished", id=rid)
+            r.wait("freed", id=rid)
+        p.wait("freed", id=rid)
+    assert_idle(p, base_p)
+    for s in _group_state(ranks):
+        assert s["requests"] == 0 and s["free_blocks"] == base_d and s["pending"] == 0, s

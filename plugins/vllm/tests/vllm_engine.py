@@ -76,10 +76,19 @@ class EngineSpec:
     shm_backing: bool = False  # allocate the KV through the connector's agent (shm decode side)
     kv_load_failure_policy: str = "fail"
     prefix_caching: bool = True
+    tp_size: int = 1  # > 1: this process is TP rank tp_rank, with a scheduler replica (see Engine)
+    tp_rank: int = 0
+    dist_port: int = 0  # torch.distributed rendezvous (gloo) for tp_size > 1
 
 
 class Engine:
-    """One vLLM instance: scheduler, worker-side connector, KV views; ``step()`` is EngineCore.step."""
+    """One vLLM instance: scheduler, worker-side connector, KV views; ``step()`` is EngineCore.step.
+
+    With ``tp_size > 1`` the process is one TP rank: vLLM's distributed state is initialized over gloo (as a
+    CPU worker does) and the rank runs its own replica of the scheduler. Every rank gets the same commands,
+    so the replicas decide identically; kvcore's collective poll keeps the ranks' outcomes in step, which is
+    what vLLM's KVOutputAggregator would otherwise combine.
+    """
 
     def __init__(self, spec: EngineSpec) -> None:
         import torch
@@ -88,8 +97,10 @@ class Engine:
             DeviceConfig,
             KVTransferConfig,
             ModelConfig,
+            ParallelConfig,
             SchedulerConfig,
             VllmConfig,
+            set_current_vllm_config,
         )
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -118,13 +129,27 @@ class Engine:
                 engine_id=spec.engine_id or None,
                 kv_load_failure_policy=spec.kv_load_failure_policy,
             ),
+            parallel_config=ParallelConfig(tensor_parallel_size=spec.tp_size),
             device_config=DeviceConfig("cpu"),
         )
         vc = self.vllm_config
+        if spec.tp_size > 1:
+            from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+            with set_current_vllm_config(vc):
+                init_distributed_environment(
+                    world_size=spec.tp_size,
+                    rank=spec.tp_rank,
+                    distributed_init_method=f"tcp://127.0.0.1:{spec.dist_port}",
+                    local_rank=spec.tp_rank,
+                    backend="gloo",
+                )
+                initialize_model_parallel(tensor_model_parallel_size=spec.tp_size)
+        self.heads = NUM_KV_HEADS // spec.tp_size
         vc.cache_config.kv_cache_layout = spec.layout  # what the engine core's resolve_kv_cache_layout records
         specs = {
             f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
-                block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+                block_size=BLOCK_SIZE, num_kv_heads=self.heads, head_size=HEAD_SIZE, dtype=torch.float32
             )
             for i in range(NUM_LAYERS)
         }
@@ -145,8 +170,10 @@ class Engine:
             block_size=BLOCK_SIZE,
             log_stats=False,
         )
-        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): self.worker.get_handshake_metadata()})
-        self.token_nbytes = NUM_KV_HEADS * 2 * HEAD_SIZE * 4
+        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(
+            {(0, spec.tp_rank): self.worker.get_handshake_metadata()}
+        )
+        self.token_nbytes = self.heads * 2 * HEAD_SIZE * 4
         self.outputs: dict[str, Any] = {}  # request id -> its final EngineCoreOutput
         self.seeds: dict[str, int] = {}
 
@@ -239,7 +266,7 @@ class Engine:
                     for layer in range(NUM_LAYERS):
                         data = token_bytes(self.seeds[req_id], layer, pos, self.token_nbytes)
                         view = self.layer_bytes(layer)
-                        view[b, :, off, :] = torch.from_numpy(data.reshape(NUM_KV_HEADS, -1))
+                        view[b, :, off, :] = torch.from_numpy(data.reshape(self.heads, -1))
             sampled[req_id] = [SAMPLED_TOKEN] if end >= req.num_tokens else []
         return sampled
 

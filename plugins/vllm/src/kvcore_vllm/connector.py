@@ -316,10 +316,12 @@ class KvcoreConnector(KVConnectorBase_V1):
     # ==============================================================================================
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        """Learn the instance's kvcore info endpoint from its TP rank 0."""
-        md = metadata.get(0)
+        """Learn the instance's kvcore info endpoint (every rank reports the same one: its rank 0's)."""
+        if not metadata:
+            raise ConfigError("handshake metadata: expected one entry per worker, got none")
+        md = metadata.get(0) or next(iter(metadata.values()))
         if not isinstance(md, KvcoreHandshakeMetadata):
-            raise ConfigError(f"handshake metadata of TP rank 0: expected KvcoreHandshakeMetadata, got {md!r}")
+            raise ConfigError(f"handshake metadata: expected KvcoreHandshakeMetadata, got {type(md).__name__}")
         self._info_endpoint = md.info_endpoint
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
