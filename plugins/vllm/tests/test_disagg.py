@@ -237,3 +237,20 @@ def test_prefill_tp1_to_decode_tp2(engines: Any, model_dir: str, layout: str) ->
     assert_idle(p, base_p)
     for s in _group_state(ranks):
         assert s["requests"] == 0 and s["free_blocks"] == base_d and s["pending"] == 0, s
+
+
+def test_decode_abort_before_scheduling_releases_the_prefill(engines: Any, model_dir: str) -> None:
+    # The decode request is aborted in the same step it arrives, before vLLM ever allocates for it. The prefill
+    # must not hold its blocks until its (here very long) request_timeout_s: the decode side tells it to release.
+    extra = {"request_timeout_s": 600.0}
+    p = engines(**spec("prefill", "shm", model_dir, extra=extra))
+    d = engines(**spec("decode", "shm", model_dir, extra=extra))
+    base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
+    params = prefill(p, "never", 40, 5)
+    d.send(op="add", id="never", prompt=prompt_of(40, 5), max_tokens=2, params=params, seed=5)
+    d.send(op="abort", id="never")  # read together with "add": both act before the first schedule
+    d.wait("freed", id="never")
+    p.wait("freed", id="never", timeout=120)
+    assert not [e for e in d.events if e.get("event") == "loaded"]
+    assert_idle(p, base_p)
+    assert_idle(d, base_d)

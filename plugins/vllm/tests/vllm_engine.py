@@ -314,13 +314,18 @@ def serve(spec: EngineSpec, out: Any) -> None:
         free_blocks=engine.free_blocks(),
     )
     watched: dict[str, dict[str, Any]] = {}  # request id -> what to report about it
-    while True:
+    fd, buf, running = sys.stdin.fileno(), b"", True
+    while running:
         busy = engine.scheduler.has_requests()
-        ready, _, _ = select.select([sys.stdin], [], [], 0.002 if busy else 0.05)
+        ready, _, _ = select.select([fd], [], [], 0.002 if busy else 0.05)
         if ready:
-            line = sys.stdin.readline()
-            if not line:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
                 break
+            buf += chunk
+        # Every complete command before the next step: commands sent together act in the same step.
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
             cmd = json.loads(line)
             op = cmd["op"]
             if op == "add":
@@ -339,8 +344,10 @@ def serve(spec: EngineSpec, out: Any) -> None:
                     kvcore=engine.worker.engine.transceiver.stats(),
                 )
             elif op == "exit":
+                running = False
                 break
-            continue
+        if not running:
+            break
         if not busy:
             continue
         engine.step()

@@ -93,6 +93,7 @@ class KvcoreConnectorMetadata(KVConnectorMetadata):
 
     sends: dict[str, SendSpec] = field(default_factory=dict)
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
+    releases: dict[str, dict[str, Any]] = field(default_factory=dict)  # decode requests that will never load
 
 
 @dataclass
@@ -118,6 +119,7 @@ class KvcoreConnector(KVConnectorBase_V1):
         self._info_endpoint: str | None = None
         self._sends: dict[str, SendSpec] = {}
         self._recvs: dict[str, RecvSpec] = {}
+        self._releases: dict[str, dict[str, Any]] = {}
         # Worker side.
         self._agent: TransferAgent | None = None
         self._engine: KvcoreEngine | None = None
@@ -258,6 +260,11 @@ class KvcoreConnector(KVConnectorBase_V1):
                 log.error("request %r: %s", name, exc)
                 continue
             engine.receive(name, params, recv.block_ids)
+        for name, raw in meta.releases.items():
+            try:
+                engine.release_remote(name, TransferParams.from_dict(raw.get(PARAMS_KEY)))
+            except InvalidTransferParamsError as exc:
+                log.error("request %r: %s", name, exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-request and asynchronous: nothing to wait for per layer."""
@@ -345,14 +352,14 @@ class KvcoreConnector(KVConnectorBase_V1):
         # One transfer per request, even if vLLM calls this again (after the load, or on preemption).
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
-            # Local prefix cache covers the prompt. The prefill instance keeps its blocks until kvcore's
-            # request_timeout_s (no "release without transfer" call yet; see README).
+            # Nothing to load (the local prefix cache covers the prompt): let the prefill free its blocks now.
+            self._releases[request.request_id] = dict(params)
             return
         self._recvs[request.request_id] = RecvSpec(params=dict(params), block_ids=blocks.get_unhashed_block_ids())
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcoreConnectorMetadata:
-        meta = KvcoreConnectorMetadata(sends=self._sends, recvs=self._recvs)
-        self._sends, self._recvs = {}, {}
+        meta = KvcoreConnectorMetadata(sends=self._sends, recvs=self._recvs, releases=self._releases)
+        self._sends, self._recvs, self._releases = {}, {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -360,6 +367,12 @@ class KvcoreConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        if self._kvcore_role == "generation" and params and params.get("do_remote_prefill"):
+            # Finished (aborted) before it was ever scheduled: it will not load, tell the prefill to free.
+            params["do_remote_prefill"] = False
+            if isinstance(params.get(PARAMS_KEY), dict):
+                self._releases[request.request_id] = dict(params)
+            return False, None
         if self._kvcore_role != "context" or not params or not params.get("do_remote_decode"):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):

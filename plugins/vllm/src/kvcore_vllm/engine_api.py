@@ -131,6 +131,7 @@ class TransferResults:
 class _Pending:
     name: str
     block_ids: list[int]
+    report: bool = True  # False: vLLM forgot the request already (a release without transfer)
     delivered: bool | None = None  # None until kvcore reported an outcome
     error: E.KvcoreError | None = None
 
@@ -179,8 +180,24 @@ class KvcoreEngine:
             ),
         )
 
-    def _start(self, name: str, key: int, block_ids: list[int], start: Any) -> None:
-        entry = _Pending(name, block_ids)
+    def release_remote(self, name: str, params: TransferParams) -> None:
+        """Decode side: request ``name`` will not load (aborted before it was scheduled); let the prefill free now.
+
+        A receive into no blocks: nothing is written here, and the prefill instance's send completes at once
+        instead of holding its blocks until ``request_timeout_s``. Not reported to vLLM.
+        """
+        self._start(
+            name,
+            params.request_id,
+            [],
+            lambda: self.transceiver.start_receive(
+                params.request_id, params.ctx_endpoint, [], prompt_len=params.prompt_len, ctx_dp_rank=params.ctx_dp_rank
+            ),
+            report=False,
+        )
+
+    def _start(self, name: str, key: int, block_ids: list[int], start: Any, report: bool = True) -> None:
+        entry = _Pending(name, block_ids, report)
         if key in self._pending:
             # A 64-bit hash collision or a router replaying parameters: refuse this one, keep the live one intact.
             entry.delivered = False
@@ -200,14 +217,15 @@ class KvcoreEngine:
         self._keys[name] = key
 
     def is_pending(self, name: str) -> bool:
-        return name in self._keys
+        """True while a send or receive vLLM waits for is in flight (releases are not: vLLM forgot them)."""
+        key = self._keys.get(name)
+        return key is not None and self._pending[key].report
 
     def cancel(self, name: str, reason: str) -> bool:
-        """Cancel request ``name`` if it is in flight; it is still reported by :meth:`poll` once released."""
-        key = self._keys.get(name)
-        if key is None:
+        """Cancel request ``name`` if vLLM waits for it; it is still reported by :meth:`poll` once released."""
+        if not self.is_pending(name):
             return False
-        return self.transceiver.cancel(key, reason)
+        return self.transceiver.cancel(self._keys[name], reason)
 
     def poll(self) -> TransferResults:
         """Poll kvcore once (collective across the instance's ranks) and report what it released."""
@@ -224,6 +242,9 @@ class KvcoreEngine:
         self._failed_at_start = []
         for entry in released:
             self._keys.pop(entry.name, None)
+            if not entry.report:
+                log.debug("request %r: prefill told to release (%s)", entry.name, entry.error or "done")
+                continue
             ok = entry.delivered is True
             if self.role == "context":
                 if not ok:
