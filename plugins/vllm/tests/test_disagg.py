@@ -104,10 +104,11 @@ def test_prefill_to_decode_every_byte(engines: Any, model_dir: str, backend: str
     assert_idle(d, base_d)
 
 
-def test_context_dies_load_error_and_blocks_freed(engines: Any, model_dir: str) -> None:
+@pytest.mark.parametrize("backend", ["shm", "nixl"])
+def test_context_dies_load_error_and_blocks_freed(engines: Any, model_dir: str, backend: str) -> None:
     extra = {"first_contact_timeout_s": 3.0, "request_timeout_s": 10.0}
-    p = engines(**spec("prefill", "shm", model_dir, extra=extra))
-    d = engines(**spec("decode", "shm", model_dir, extra=extra))
+    p = engines(**spec("prefill", backend, model_dir, extra=extra))
+    d = engines(**spec("decode", backend, model_dir, extra=extra))
     base_d = d.ready["free_blocks"]
     params = prefill(p, "doomed", 40, 7)
     p.signal(signal.SIGKILL)
@@ -120,9 +121,10 @@ def test_context_dies_load_error_and_blocks_freed(engines: Any, model_dir: str) 
     assert_idle(d, base_d)
 
 
-def test_decode_abort_holds_blocks_until_the_writer_is_done(engines: Any, model_dir: str) -> None:
-    p = engines(**spec("prefill", "shm", model_dir))
-    d = engines(**spec("decode", "shm", model_dir))
+@pytest.mark.parametrize("backend", ["shm", "nixl"])
+def test_decode_abort_holds_blocks_until_the_writer_is_done(engines: Any, model_dir: str, backend: str) -> None:
+    p = engines(**spec("prefill", backend, model_dir))
+    d = engines(**spec("decode", backend, model_dir))
     base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
     # First contact happens on a normal request, so the stopped prefill below is a known, live peer.
     params = prefill(p, "warm", 20, 1)

@@ -135,6 +135,11 @@ class KvcoreConnector(KVConnectorBase_V1):
             )
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: kvcore registers the KV memory once, for the transceiver's lifetime (no unregister/restore yet)."""
+        return False
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """Prefer head-major pages (``LBHNC``): re-sharding between TP sizes then moves whole heads, not tokens.
 
