@@ -221,7 +221,8 @@ class KvcoreConnector(KVConnectorBase_V1):
             geometry=d.geometry,
             page_table=d.page_table,
             collective=collective,
-            instance_name=f"vllm-{self._engine_id}",
+            # Unique per vLLM engine: DP engines of one deployment may share the engine id.
+            instance_name=f"vllm-{self._engine_id}-dp{pc.data_parallel_index}",
             device=device,
         )
         self._engine = KvcoreEngine(tx)
