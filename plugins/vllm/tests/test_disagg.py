@@ -75,6 +75,8 @@ def assert_idle(e: Any, free_blocks: int) -> None:
             and kv["rx_sessions"] == 0
             and kv["tx_sessions"] == 0
             and kv["quarantined"] == 0
+            and kv["early_requests"] == 0
+            and kv["tombstones"] == 0
         )
         if idle or time.monotonic() > deadline:
             break
@@ -254,5 +256,22 @@ def test_decode_abort_before_scheduling_releases_the_prefill(engines: Any, model
     d.wait("freed", id="never")
     p.wait("freed", id="never", timeout=120)
     assert not [e for e in d.events if e.get("event") == "loaded"]
+    assert_idle(p, base_p)
+    assert_idle(d, base_d)
+
+
+@pytest.mark.parametrize(("policy", "reason"), [("fail", "error"), ("recompute", "length")])
+def test_decode_too_late_for_the_prefill_timeout(engines: Any, model_dir: str, policy: str, reason: str) -> None:
+    # No lease renewal yet: a decode instance that asks after the prefill's request_timeout_s finds the send gone.
+    # The load fails cleanly; vLLM then fails the request or recomputes it locally (kv_load_failure_policy).
+    p = engines(**spec("prefill", "shm", model_dir, extra={"request_timeout_s": 2.0}))
+    d = engines(**spec("decode", "shm", model_dir, extra={"request_timeout_s": 4.0}, kv_load_failure_policy=policy))
+    base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
+    params = prefill(p, "late", 40, 9)
+    p.wait("freed", id="late", timeout=60)  # the prefill gave up on it
+    d.send(op="add", id="late", prompt=prompt_of(40, 9), max_tokens=2, params=params, seed=9)
+    done = d.wait("finished", id="late", timeout=60)
+    assert reason in done["reason"].lower(), done
+    d.wait("freed", id="late")
     assert_idle(p, base_p)
     assert_idle(d, base_d)

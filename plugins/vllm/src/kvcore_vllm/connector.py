@@ -359,7 +359,8 @@ class KvcoreConnector(KVConnectorBase_V1):
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
             # Nothing to load (the local prefix cache covers the prompt): let the prefill free its blocks now.
-            self._releases[request.request_id] = dict(params)
+            if isinstance(params.get(PARAMS_KEY), dict):
+                self._releases[request.request_id] = dict(params)
             return
         self._recvs[request.request_id] = RecvSpec(params=dict(params), block_ids=blocks.get_unhashed_block_ids())
 
