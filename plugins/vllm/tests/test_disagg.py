@@ -104,6 +104,13 @@ def test_prefill_to_decode_every_byte(engines: Any, model_dir: str, backend: str
         d.wait("freed", id=rid)
     assert_idle(p, base_p)
     assert_idle(d, base_d)
+    # get_kv_connector_stats -> KVConnectorOutput -> SchedulerStats, as vLLM's loggers see them.
+    lengths = (5, 2 * BLOCK_SIZE, 3 * BLOCK_SIZE + 7)
+    moved = sum(NUM_LAYERS * -(-n // BLOCK_SIZE) * BLOCK_SIZE * TOKEN_NBYTES for n in lengths)
+    for e in (p, d):
+        stats = e.state()["connector_stats"]
+        assert stats["transfers_done"] == 3 and stats["transfers_failed"] == 0, stats
+    assert d.state()["connector_stats"]["bytes_moved"] == moved
 
 
 @pytest.mark.parametrize("backend", ["shm", "nixl"])

@@ -168,8 +168,9 @@ class Engine:
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(vc),
             block_size=BLOCK_SIZE,
-            log_stats=False,
+            log_stats=True,
         )
+        self.connector_stats: dict[str, int] = {}  # summed SchedulerStats.kv_connector_stats
         self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(
             {(0, spec.tp_rank): self.worker.get_handshake_metadata()}
         )
@@ -247,6 +248,9 @@ class Engine:
                 kv_connector_output=kv_out,
             )
         for eco in self.scheduler.update_from_output(so, mro).values():
+            stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
+            for key, value in (stats or {}).items():
+                self.connector_stats[key] = self.connector_stats.get(key, 0) + int(value)
             for out in eco.outputs:
                 if out.finished:
                     self.outputs[out.request_id] = out
@@ -342,6 +346,7 @@ def serve(spec: EngineSpec, out: Any) -> None:
                     free_blocks=engine.free_blocks(),
                     pending=engine.worker.engine.num_pending,
                     kvcore=engine.worker.engine.transceiver.stats(),
+                    connector_stats=engine.connector_stats,
                 )
             elif op == "exit":
                 running = False

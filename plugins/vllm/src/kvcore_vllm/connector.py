@@ -39,11 +39,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvcore.config import create_agent
 from kvcore.errors import ConfigError, KvcoreError
 from kvcore.topology import Topology
 from kvcore_vllm.engine_api import (
+    COUNTERS,
     PARAMS_KEY,
     InvalidTransferParamsError,
     KvcoreEngine,
@@ -65,7 +67,14 @@ if TYPE_CHECKING:
 
     from kvcore.agent import TransferAgent
 
-__all__ = ["KvcoreConnector", "KvcoreConnectorMetadata", "KvcoreHandshakeMetadata", "RecvSpec", "SendSpec"]
+__all__ = [
+    "KvcoreConnector",
+    "KvcoreConnectorMetadata",
+    "KvcoreConnectorStats",
+    "KvcoreHandshakeMetadata",
+    "RecvSpec",
+    "SendSpec",
+]
 
 log = logging.getLogger("kvcore_vllm.connector")
 
@@ -103,6 +112,30 @@ class KvcoreHandshakeMetadata(KVConnectorHandshakeMetadata):
     info_endpoint: str  # the instance's rank 0 (the one a decode instance contacts first)
     endpoint: str  # this rank's own control endpoint
     instance_name: str
+
+
+@dataclass
+class KvcoreConnectorStats(KVConnectorStats):
+    """kvcore outcomes and bytes per interval: ``transfers_done``, ``transfers_failed``, ``transfers_cancelled``,
+    ``bytes_moved`` (summed over workers and steps)."""
+
+    def __post_init__(self) -> None:
+        for key in COUNTERS:
+            self.data.setdefault(key, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(COUNTERS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key in COUNTERS:
+            self.data[key] = int(self.data.get(key, 0)) + int(other.data.get(key, 0))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: int(self.data.get(key, 0)) for key in COUNTERS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key, 0) for key in COUNTERS)
 
 
 class KvcoreConnector(KVConnectorBase_V1):
@@ -305,6 +338,17 @@ class KvcoreConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
+
+    def get_kv_connector_stats(self) -> KvcoreConnectorStats | None:
+        """This worker's kvcore outcomes and bytes since the last call (None on the scheduler side or when idle)."""
+        if self._engine is None:
+            return None
+        stats = KvcoreConnectorStats(data=dict(self._engine.take_counters()))
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvcoreConnectorStats:
+        return KvcoreConnectorStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of receives that failed, reported in the same step as their request's finished_recving."""

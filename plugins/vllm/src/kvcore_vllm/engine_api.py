@@ -127,6 +127,10 @@ class TransferResults:
     failed_block_ids: set[int] = field(default_factory=set)
 
 
+#: Counters :meth:`KvcoreEngine.take_counters` returns (per rank, since the last call).
+COUNTERS = ("transfers_done", "transfers_failed", "transfers_cancelled", "bytes_moved")
+
+
 @dataclass
 class _Pending:
     name: str
@@ -150,6 +154,12 @@ class KvcoreEngine:
         self._pending: dict[int, _Pending] = {}
         self._keys: dict[str, int] = {}  # vLLM request id -> kvcore id, for cancel
         self._failed_at_start: list[_Pending] = []
+        self._counters = dict.fromkeys(COUNTERS, 0)
+
+    def take_counters(self) -> dict[str, int]:
+        """Outcomes and bytes since the last call (this rank; the engine sums over ranks)."""
+        out, self._counters = self._counters, dict.fromkeys(COUNTERS, 0)
+        return out
 
     @property
     def role(self) -> str:
@@ -231,6 +241,11 @@ class KvcoreEngine:
         """Poll kvcore once (collective across the instance's ranks) and report what it released."""
         out = TransferResults()
         result = self.transceiver.poll()
+        c = self._counters
+        c["transfers_done"] += len(result.done)
+        c["transfers_failed"] += len(result.failed)
+        c["transfers_cancelled"] += len(result.cancelled)
+        c["bytes_moved"] += sum(o.nbytes for o in result.done)
         for o in result.done:
             if (entry := self._pending.get(o.request_id)) is not None:
                 entry.delivered = True
