@@ -116,8 +116,10 @@ class KvcoreHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 @dataclass
 class KvcoreConnectorStats(KVConnectorStats):
-    """kvcore outcomes and bytes per interval: ``transfers_done``, ``transfers_failed``, ``transfers_cancelled``,
-    ``bytes_moved`` (summed over workers and steps)."""
+    """kvcore's outcomes and bytes moved in one interval, summed over workers and steps.
+
+    Keys: ``transfers_done``, ``transfers_failed``, ``transfers_cancelled``, ``bytes_moved``.
+    """
 
     def __post_init__(self) -> None:
         for key in COUNTERS:
