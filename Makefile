@@ -19,6 +19,7 @@ demo: install
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check kvcore plugins
+	$(PYTHON) -m mypy kvcore
 
 test: install lint
 	$(PYTHON) -m pytest

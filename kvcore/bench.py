@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import heapq
 import itertools
 import json
 import multiprocessing as mp
@@ -137,6 +138,19 @@ class BenchSpec:
     timeout_s: float = 120.0  # bound on every command a rank runs
     agent_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # backend -> agent options
     seed: int = 1234
+    # the soak case (issue 9): many one-block requests with random cancels from both sides
+    requests: int = 10000
+    inflight: int = 512
+    cancel_rate: float = 0.1  # fraction of requests cancelled, half by each side, at a random moment
+    soak_request_timeout_s: float = 10.0  # the transceivers' request_timeout_s in the soak (tombstones live as long)
+    # the matrix case: request size x fragment size x requests in flight, Llama-3-70B-shaped bytes per token
+    matrix_tokens: list[int] = field(default_factory=lambda: [32, 256, 1024, 4096])
+    matrix_fragment_bytes: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 262144, 1048576, 0])
+    matrix_inflight: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    matrix_layers: int = 80  # Llama-3-70B; heads, head dim, dtype and block size are the fields above
+    matrix_iterations: int = 3  # timed rounds per cell, after one warm-up round
+    matrix_max_bytes: int = 4 << 30  # cells that would move more per round (requests x size) are skipped
+    matrix_pool_bytes: int = 2 << 30  # per side: request-sized slots the in-flight requests cycle through
 
     def validate(self) -> None:
         """Raise ``BenchError`` naming the first field out of range."""
@@ -150,6 +164,12 @@ class BenchSpec:
             "iterations",
             "small_requests",
             "latency_requests",
+            "requests",
+            "inflight",
+            "matrix_layers",
+            "matrix_iterations",
+            "matrix_max_bytes",
+            "matrix_pool_bytes",
         ):
             if int(getattr(self, name)) < 1:
                 raise BenchError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -160,12 +180,42 @@ class BenchSpec:
             raise BenchError(f"unknown case(s) {unknown}; known: {sorted(CASES)}")
         if not self.timeout_s > 0:
             raise BenchError(f"timeout_s must be > 0, got {self.timeout_s}")
+        for name in ("matrix_tokens", "matrix_inflight"):
+            values = getattr(self, name)
+            if not values or any(int(v) < 1 for v in values):
+                raise BenchError(f"{name} must be a non-empty list of integers >= 1, got {values!r}")
+        for f in self.matrix_fragment_bytes:
+            if f != 0 and (f < 512 or f % 512):
+                raise BenchError(f"matrix_fragment_bytes entries must be 0 (whole block) or multiples of 512, got {f}")
+        if self.inflight > 4000:
+            raise BenchError(f"inflight must be <= 4000 (max_inflight_requests), got {self.inflight}")
+        if not 0.0 <= self.cancel_rate <= 1.0:
+            raise BenchError(f"cancel_rate must be in [0, 1], got {self.cancel_rate}")
+        if not self.soak_request_timeout_s > 0:
+            raise BenchError(f"soak_request_timeout_s must be > 0, got {self.soak_request_timeout_s}")
         if not 0 <= self.poll_interval_s < 1:
             raise BenchError(f"poll_interval_s must be in [0, 1), got {self.poll_interval_s}")
 
     def llama_shape(self) -> Shape:
         return Shape(
             "llama8b", self.tokens, self.layers, self.kv_heads, self.head_dim, self.tokens_per_block, self.dtype
+        )
+
+    def matrix_block_bytes(self) -> int:
+        """One block of the matrix's model (all layers, K and V): the 'whole block' fragment size."""
+        from kvcore.topology import dtype_bytes
+
+        return self.matrix_layers * 2 * self.kv_heads * self.tokens_per_block * self.head_dim * dtype_bytes(self.dtype)
+
+    def quick_matrix(self) -> BenchSpec:
+        """The ``--quick`` matrix: 2 request sizes x 3 fragment sizes x 2 in-flight counts of a 2-layer model."""
+        return replace(
+            self,
+            matrix_tokens=[32, 64],
+            matrix_fragment_bytes=[4096, 16384, 0],
+            matrix_inflight=[1, 4],
+            matrix_layers=2,
+            matrix_iterations=1,
         )
 
     def frag16k_shape(self) -> Shape:
@@ -290,8 +340,11 @@ class _Rank:
 
     # --- per-case setup ------------------------------------------------------------------------
 
-    def op_init(self, shape: dict[str, Any]) -> dict[str, Any]:
-        """Allocate and fill (context) or zero (generation) the pool, build the page table, start a Transceiver."""
+    def op_init(self, shape: dict[str, Any], request_timeout_s: float | None = None) -> dict[str, Any]:
+        """Allocate and fill (context) or zero (generation) the pool, build the page table, start a Transceiver.
+
+        ``request_timeout_s`` overrides the transceivers' request bound for this case (the soak's is short).
+        """
         import torch
 
         from kvcore.builders import allocate_kv_cache, build_page_table
@@ -326,8 +379,11 @@ class _Rank:
                 _fill_logical(words, self.ids[region], logical[region], self.spec.seed)
             self.written: set[str] = set()
         self.page_table = build_page_table("head_major_pool", self.caches, topology=topology, geometry=geometry)
+        config = self.config
+        if request_timeout_s is not None:
+            config = replace(config, request_timeout_s=request_timeout_s)
         self.tx = Transceiver(
-            self.config,
+            config,
             role=self.role,
             agent=self.agent,
             topology=topology,
@@ -354,20 +410,26 @@ class _Rank:
                 delattr(self, attr)
         return {"stats": stats}
 
-    def _blocks(self, region: str, i: int) -> np.ndarray:
+    def _blocks(self, region: str, i: int, count: int | None = None, slot_blocks: int | None = None) -> np.ndarray:
+        """Request ``i``'s blocks: a small slot, the whole region, or the first ``count`` of slot ``i % slots``."""
         ids = self.ids[region]
         if region == "small":
             return ids[i % SMALL_SLOTS : i % SMALL_SLOTS + 1]
-        return ids
+        if slot_blocks:
+            k = i % (len(ids) // slot_blocks)
+            return ids[k * slot_blocks : k * slot_blocks + (count or slot_blocks)]
+        return ids[:count]
 
     # --- context: kvcore -----------------------------------------------------------------------
 
-    def op_send(self, rid0: int, n: int, region: str) -> dict[str, Any]:
+    def op_send(
+        self, rid0: int, n: int, region: str, count: int | None = None, slot_blocks: int | None = None
+    ) -> dict[str, Any]:
         """Start sending ``n`` requests (ids ``rid0..``); the serve loop polls them until released."""
         assert self.shape is not None
         now = time.monotonic()
         for i in range(n):
-            blocks = self._blocks(region, i)
+            blocks = self._blocks(region, i, count, slot_blocks)
             self.tx.start_send(rid0 + i, blocks, prompt_len=len(blocks) * self.shape.tokens_per_block)
             self.pending[rid0 + i] = now
         return {}
@@ -415,7 +477,7 @@ class _Rank:
         plan = self._plan(region, count)
         src, dst, sizes = plan.src, plan.dst, plan.sizes
         pool_base, pool_bytes = int(self.pool.data_ptr()), int(self.pool.numel())
-        state: dict[str, Any] = {"plan": plan}
+        state: dict[str, Any] = {"plan": plan, "count": count}
         if mode == "agent":
             ag = self._create_agent(self.config, f"bench-bare-{os.getpid()}-{region}")
             ag.register_memory(MemoryRegion(pool_base, pool_bytes))
@@ -560,8 +622,9 @@ class _Rank:
         assert self.shape is not None
         bb = self.shape.block_bytes
         out = torch.from_numpy(st["buf"]).reshape(-1, bb)
-        gen_big = _block_ids(self.shape, self.spec.seed, "generation")["big"]
-        ok = all(torch.equal(out[int(d)], self.pool[int(s)]) for s, d in zip(self.ids["big"], gen_big))
+        count = st.get("count")
+        gen_big = _block_ids(self.shape, self.spec.seed, "generation")["big"][:count]
+        ok = all(torch.equal(out[int(d)], self.pool[int(s)]) for s, d in zip(self.ids["big"][:count], gen_big))
         st["buf"].fill(0)
         return {"ok": ok}
 
@@ -604,6 +667,24 @@ class _Rank:
             return {"ok": True, "bad_bytes": 0, "bytes": int(got.numel())}
         return {"ok": False, "bad_bytes": int((got != want).sum()), "bytes": int(got.numel())}
 
+    def op_verify_slots(self, count: int, slot_blocks: int, slots: int) -> dict[str, Any]:
+        """The first ``count`` blocks of the first ``slots`` slots hold their expectation, the rest of the region is zero.
+
+        Then zero the region again, ready for the next cell.
+        """
+        import torch
+
+        assert self.shape is not None
+        ids = self.ids["big"]
+        rows = torch.from_numpy(np.concatenate([ids[k * slot_blocks : k * slot_blocks + count] for k in range(slots)]))
+        got, want = self.pool.index_select(0, rows), self.expected.index_select(0, rows)
+        bad = int((got != want).sum())
+        a, b = _region_span(self.shape, "big")
+        bad += int(self.pool[a:b].count_nonzero()) - int(got.count_nonzero())  # nothing outside the written rows
+        self.pool[a:b].zero_()
+        self.written.discard("big")  # zero again: the end-of-case check expects zeros there
+        return {"ok": bad == 0, "bad_bytes": bad}
+
     def op_verify_all(self) -> dict[str, Any]:
         """Written regions hold their expectation; the others are still zero (nothing landed outside its blocks)."""
         assert self.shape is not None
@@ -616,7 +697,16 @@ class _Rank:
                 bad += int(self.pool[a:b].count_nonzero())
         return {"ok": bad == 0, "bad_bytes": bad, "written": sorted(self.written)}
 
-    def op_receive(self, endpoint: str, rid0: int, n: int, region: str, pipelined: bool) -> dict[str, Any]:
+    def op_receive(
+        self,
+        endpoint: str,
+        rid0: int,
+        n: int,
+        region: str,
+        pipelined: bool,
+        count: int | None = None,
+        slot_blocks: int | None = None,
+    ) -> dict[str, Any]:
         """Receive ``n`` requests, one at a time (latency each) or all started at once (elapsed until all DONE)."""
         assert self.shape is not None
         tpb = self.shape.tokens_per_block
@@ -644,19 +734,157 @@ class _Rank:
         if pipelined:
             t0 = time.perf_counter()
             for i in range(n):
-                blocks = self._blocks(region, i)
+                blocks = self._blocks(region, i, count, slot_blocks)
                 self.tx.start_receive(rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb)
             done = wait(set(range(rid0, rid0 + n)))
             elapsed = max(done.values()) - t0
         else:
             t_all = time.perf_counter()
             for i in range(n):
-                blocks = self._blocks(region, i)
+                blocks = self._blocks(region, i, count, slot_blocks)
                 t0 = time.perf_counter()
                 self.tx.start_receive(rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb)
                 latency.append(wait({rid0 + i})[rid0 + i] - t0)
             elapsed = time.perf_counter() - t_all
         return {"latency_s": latency, "elapsed_s": elapsed, "not_done": not_done}
+
+    # --- both roles: the soak --------------------------------------------------------------------
+
+    def op_soak(
+        self, rid0: int, requests: int, inflight: int, cancel_rate: float, deadline_s: float, endpoint: str = ""
+    ) -> dict[str, Any]:
+        """Run this side of the soak: start, randomly cancel and poll ``requests`` one-block requests.
+
+        Request ``rid0 + i`` reads context block ``i % inflight`` (logical id ``i % inflight``) and lands in a
+        free generation slot, zeroed first and reused only after its release. Each side cancels about
+        ``cancel_rate / 2`` of the requests, 0-5 ms after starting them. Returns outcome counts, what broke
+        a promise (a request reported twice, released before its outcome, never released, wrong bytes),
+        latencies, and the transceiver's stats once it has settled (tombstones expired).
+        """
+        import torch
+
+        assert self.shape is not None
+        gen = self.role == "generation"
+        tpb = self.shape.tokens_per_block
+        rng = np.random.default_rng([self.spec.seed, 11 if gen else 12])
+        ids = self.ids["big"]
+        nslots = len(ids)
+        free = list(range(nslots))  # generation: free slots (indexes into ids)
+        slot_of: dict[int, int] = {}
+        src_of: dict[int, int] = {}
+        pending: dict[int, float] = {}  # started, not yet released -> start time
+        reported: dict[int, str] = {}
+        latency: dict[int, float] = {}
+        cancels: list[tuple[float, int]] = []  # heap of (due time, request id)
+        out: dict[str, Any] = {
+            "outcomes": {},
+            "error_kinds": {},
+            "cancel_calls": 0,
+            "cancels_accepted": 0,
+            "duplicate_outcomes": 0,
+            "released_before_outcome": 0,
+            "byte_mismatches": 0,
+            "errors": [],
+        }
+        from kvcore.transceiver import leaks
+
+        if not gen:
+            self.op_drain()  # the first-contact request is released by the serve loop's poll, not by ours
+        started, released = 0, 0
+        t0 = time.monotonic()
+        deadline = t0 + deadline_s
+
+        def handle(r: Any, now: float) -> int:
+            n = 0
+            for o in r.outcomes:
+                rid = o.request_id
+                if rid in reported:
+                    out["duplicate_outcomes"] += 1
+                    continue
+                state = o.state.value
+                reported[rid] = state
+                latency[rid] = now - pending.get(rid, now)
+                out["outcomes"][state] = out["outcomes"].get(state, 0) + 1
+                if o.error is not None:
+                    kind = type(o.error).__name__
+                    out["error_kinds"][kind] = out["error_kinds"].get(kind, 0) + 1
+                    if state != "CANCELLED" and len(out["errors"]) < 5:
+                        out["errors"].append(f"request {rid}: {kind}: {o.error}")
+                if gen and state == "DONE":
+                    row = int(ids[slot_of[rid]])
+                    want = int(self.ids["big"][src_of[rid]])
+                    if not torch.equal(self.pool[row], self.expected[want]):
+                        out["byte_mismatches"] += 1
+            for rid in r.released:
+                self.pending.pop(rid, None)  # a request started before the soak (not one of ours)
+                if rid not in reported:
+                    out["released_before_outcome"] += 1
+                if pending.pop(rid, None) is not None:
+                    n += 1
+                if gen and rid in slot_of:
+                    free.append(slot_of.pop(rid))
+            return n
+
+        # Every request ends within its timeout on a healthy transceiver: no release for two of them means stuck.
+        stall_s = 2 * self.tx.config.request_timeout_s + 5.0
+        progress = t0
+        while (started < requests or pending) and time.monotonic() < deadline:
+            if started == requests and time.monotonic() - progress > stall_s:
+                break
+            while started < requests and len(pending) < inflight and (free or not gen):
+                rid = rid0 + started
+                src = started % nslots
+                if gen:
+                    slot = free.pop()
+                    self.pool[int(ids[slot])].zero_()  # a missing write cannot pass for a done one
+                    slot_of[rid], src_of[rid] = slot, src
+                    pending[rid] = time.monotonic()
+                    self.tx.start_receive(rid, endpoint, ids[slot : slot + 1], prompt_len=tpb)
+                else:
+                    pending[rid] = time.monotonic()
+                    self.tx.start_send(rid, ids[src : src + 1], prompt_len=tpb)
+                if rng.random() < cancel_rate / 2:
+                    heapq.heappush(cancels, (time.monotonic() + float(rng.uniform(0.0, 0.005)), rid))
+                started += 1
+            now = time.monotonic()
+            while cancels and cancels[0][0] <= now:
+                _, rid = heapq.heappop(cancels)
+                if rid in pending:
+                    out["cancel_calls"] += 1
+                    out["cancels_accepted"] += bool(self.tx.cancel(rid, "soak: random cancel"))
+            n = handle(self.tx.poll(), time.monotonic())
+            if n:
+                released += n
+                progress = time.monotonic()
+            time.sleep(self.spec.poll_interval_s)
+        out["seconds"] = time.monotonic() - t0
+        out["started"], out["released"], out["unreleased"] = started, released, len(pending)
+        out["unreleased_ids"] = sorted(pending)[:10]
+        # Settle: tombstones and timers expire on the transceiver's own clock; keep polling so that
+        # anything still quiescent is released, then read the live counts.
+        settle = time.monotonic() + self.tx.config.request_timeout_s + 5.0
+        while time.monotonic() < settle:
+            handle(self.tx.poll(), time.monotonic())
+            st = self.tx.stats()
+            if not pending and not leaks(st):
+                break
+            time.sleep(0.05)
+        out["unreleased"] = len(pending)
+        out["stats"] = self.tx.stats()
+        out["leaks"] = leaks(out["stats"])
+        lat = sorted(latency.values())
+        done = sorted(v for rid, v in latency.items() if reported.get(rid) == "DONE")
+        out["latency_ms"] = {
+            "p50": _pct(lat, 50) * 1e3 if lat else None,
+            "p99": _pct(lat, 99) * 1e3 if lat else None,
+            "done_p50": _pct(done, 50) * 1e3 if done else None,
+            "done_p99": _pct(done, 99) * 1e3 if done else None,
+        }
+        if gen:
+            a, b = _region_span(self.shape, "big")
+            self.pool[a:b].zero_()  # slots hold other blocks' bytes: make the end-of-case pool check meaningful
+            self.written.discard("big")
+        return out
 
     def op_stats(self) -> dict[str, Any]:
         return {"stats": self.tx.stats() if self.tx is not None else {}}
@@ -717,6 +945,10 @@ class _RankProc:
         self.post(op, **args)
         return self._reply(timeout or self.spec.timeout_s + 30)
 
+    def reply(self, timeout: float) -> dict[str, Any]:
+        """The reply to a command sent with :meth:`post` (a rank error raises ``BenchError``)."""
+        return self._reply(timeout)
+
     def _reply(self, timeout: float) -> dict[str, Any]:
         try:
             msg = _recv(self.conn, timeout, self.who)
@@ -742,8 +974,11 @@ class _RankProc:
 class BackendRun:
     """One backend's pair of rank processes, handed to every case function."""
 
-    def __init__(self, backend: str, spec: BenchSpec, say: Callable[[str], None]) -> None:
+    def __init__(
+        self, backend: str, spec: BenchSpec, say: Callable[[str], None], tick: Callable[[int], None] | None = None
+    ) -> None:
         self.backend, self.spec, self.say = backend, spec, say
+        self._tick = tick
         self._rid = itertools.count(1)
         self.ctx: _RankProc | None = None
         self.gen: _RankProc | None = None
@@ -756,6 +991,11 @@ class BackendRun:
             self.close()
             raise
 
+    def tick(self, n: int = 1) -> None:
+        """Advance the progress bar by ``n`` of the units the case declared (``register_case(units=...)``)."""
+        if self._tick is not None:
+            self._tick(n)
+
     def rids(self, n: int) -> int:
         """``n`` fresh request ids; returns the first."""
         first = next(self._rid)
@@ -763,11 +1003,11 @@ class BackendRun:
             next(self._rid)
         return first
 
-    def open(self, shape: Shape) -> dict[str, Any]:
+    def open(self, shape: Shape, request_timeout_s: float | None = None) -> dict[str, Any]:
         """Set up both ranks for ``shape`` and make first contact (a one-block request, timed on its own)."""
         assert self.ctx is not None and self.gen is not None
-        c = self.ctx.call("init", shape=asdict(shape))
-        g = self.gen.call("init", shape=asdict(shape))
+        c = self.ctx.call("init", shape=asdict(shape), request_timeout_s=request_timeout_s)
+        g = self.gen.call("init", shape=asdict(shape), request_timeout_s=request_timeout_s)
         self.ctx.call("peer", rank_info=g["rank_info"])
         self.endpoint = c["endpoint"]
         rid = self.rids(1)
@@ -783,11 +1023,12 @@ class BackendRun:
         full = self.gen.call("verify_all")
         g_stats = self.gen.call("teardown")["stats"]
         c_stats = self.ctx.call("teardown")["stats"]
+        from kvcore.transceiver import leaks as _leaks
+
         leaks = {
             f"{side}.{k}": v
             for side, st in (("context", c_stats), ("generation", g_stats))
-            for k, v in st.items()
-            if v and k not in ("ctx_instances", "gen_peers")
+            for k, v in _leaks(st).items()
         }
         return {
             "context_outcomes": drain["outcomes"],
@@ -816,15 +1057,23 @@ class BackendRun:
 #: A case: ``fn(run) -> result dict``. Register more with :func:`register_case` (e.g. a TP2->TP4 bounce case).
 CaseFn = Callable[[BackendRun], dict[str, Any]]
 CASES: dict[str, CaseFn] = {}
+#: Progress units of a case for a spec; a case with units calls ``run.tick()`` that many times.
+CASE_UNITS: dict[str, Callable[[BenchSpec], int]] = {}
 
 
-def register_case(name: str) -> Callable[[CaseFn], CaseFn]:
-    """Decorator: make ``fn(run: BackendRun) -> dict`` selectable as ``kvcore bench --cases name``."""
+def register_case(name: str, units: Callable[[BenchSpec], int] | None = None) -> Callable[[CaseFn], CaseFn]:
+    """Decorator: make ``fn(run: BackendRun) -> dict`` selectable as ``kvcore bench --cases name``.
+
+    ``units(spec)`` is how many times the case calls ``run.tick()`` (its share of the progress bar); without
+    it the case counts as one unit, ticked when it returns.
+    """
 
     def deco(fn: CaseFn) -> CaseFn:
         if name in CASES:
             raise BenchError(f"benchmark case {name!r} is registered twice")
         CASES[name] = fn
+        if units is not None:
+            CASE_UNITS[name] = units
         return fn
 
     return deco
@@ -866,6 +1115,8 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
         # round is the warm-up (registration caches, connections, list preparation), reported apart.
         for it in range(spec.iterations + 1):
             run.say(f"{run.backend} {shape.name}: round {it}/{spec.iterations}")
+            if it:
+                run.tick()
             for m in modes:
                 memcpy = m.startswith("memcpy")
                 if not memcpy:
@@ -887,6 +1138,7 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
         for m in setup:
             run.ctx.call("unprepare", mode=m)
         shape_checks = run.close_shape()
+    run.tick()
     out["modes"] = {}
     for m in modes:
         res = _summarize(shape.nbytes, times[m], first[m])
@@ -918,13 +1170,13 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
     return out
 
 
-@register_case("llama8b")
+@register_case("llama8b", units=lambda spec: spec.iterations + 1)
 def case_llama8b(run: BackendRun) -> dict[str, Any]:
     """The Llama-3-8B-shaped request (``--tokens``/``--layers``... change it): every mode, same plan."""
     return _transfer_case(run, run.spec.llama_shape())
 
 
-@register_case("frag16k")
+@register_case("frag16k", units=lambda spec: spec.iterations + 1)
 def case_frag16k(run: BackendRun) -> dict[str, Any]:
     """``--fragments`` x 16 KiB fragments (4096 = 64 MiB by default): every mode, same plan."""
     return _transfer_case(run, run.spec.frag16k_shape())
@@ -1054,6 +1306,199 @@ def case_small(run: BackendRun) -> dict[str, Any]:
     return out
 
 
+@register_case("soak")
+def case_soak(run: BackendRun) -> dict[str, Any]:
+    """Issue 9's soak: ``--requests`` one-block requests, ``--inflight`` at a time, random cancels from both sides.
+
+    Both ranks run their side at once (separate processes). Every request must be reported exactly once and
+    released on both sides, DONE ones must hold the right bytes, and once the transceivers have settled every
+    live count (sessions, tombstones, quarantine, leases, transfers) must be back to zero.
+    """
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    shape = Shape("soak", tokens=spec.inflight * 32, layers=1, kv_heads=1, head_dim=128, tokens_per_block=32)
+    out: dict[str, Any] = {
+        "shape": asdict(shape),
+        "requests": spec.requests,
+        "inflight": spec.inflight,
+        "cancel_rate": spec.cancel_rate,
+        "request_timeout_s": spec.soak_request_timeout_s,
+    }
+    out.update(run.open(shape, request_timeout_s=spec.soak_request_timeout_s))
+    sides: dict[str, dict[str, Any]] = {}
+    try:
+        rid0 = run.rids(spec.requests)
+        # the loop's own bound: at least 50 requests/s, and never below --timeout
+        deadline_s = max(spec.timeout_s, spec.requests / 50.0)
+        args = {
+            "rid0": rid0,
+            "requests": spec.requests,
+            "inflight": spec.inflight,
+            "cancel_rate": spec.cancel_rate,
+            "deadline_s": deadline_s,
+        }
+        run.say(
+            f"{run.backend} soak: {spec.requests} requests, {spec.inflight} in flight, cancel rate {spec.cancel_rate}"
+        )
+        run.ctx.post("soak", **args)
+        run.gen.post("soak", endpoint=run.endpoint, **args)
+        wait = deadline_s + spec.soak_request_timeout_s + 60.0
+        sides["generation"] = run.gen.reply(wait)
+        sides["context"] = run.ctx.reply(wait)
+    finally:
+        shape_checks = run.close_shape()
+    for side in sides.values():
+        side.pop("kind", None)
+    out.update(sides)
+    out["seconds"] = max(side["seconds"] for side in sides.values())
+    out.update(shape_checks)
+    out["leaks"] = {
+        **{f"{name}.{k}": v for name, side in sides.items() for k, v in side["leaks"].items()},
+        **shape_checks["leaks"],
+    }
+    promises = {
+        name: {
+            "reported_once": side["duplicate_outcomes"] == 0 and sum(side["outcomes"].values()) == spec.requests,
+            "released_after_outcome": side["released_before_outcome"] == 0,
+            "all_released": side["unreleased"] == 0,
+            "bytes": side["byte_mismatches"] == 0,
+        }
+        for name, side in sides.items()
+    }
+    out["promises"] = promises
+    out["verified"] = (
+        all(all(p.values()) for p in promises.values())
+        and shape_checks["pool_verified"]
+        and out["first_contact_verified"]
+    )
+    return out
+
+
+def matrix_cells(spec: BenchSpec) -> list[tuple[int, int, int]]:
+    """The matrix's (fragment bytes, request tokens, in flight) cells that run (the others exceed matrix_max_bytes)."""
+    out = []
+    block = spec.matrix_block_bytes()
+    per_token = block // spec.tokens_per_block
+    for f in spec.matrix_fragment_bytes:
+        for tokens in sorted(spec.matrix_tokens):
+            for n in sorted(spec.matrix_inflight):
+                if n * tokens * per_token <= spec.matrix_max_bytes or n == 1:
+                    out.append((f or block, tokens, n))
+    return out
+
+
+@register_case("matrix", units=lambda spec: len(matrix_cells(spec)))
+def case_matrix(run: BackendRun) -> dict[str, Any]:
+    """GB/s over request size x fragment size x requests in flight: kvcore, the bare transport and memcpy.
+
+    A request of ``t`` tokens moves the bytes of ``t`` tokens of a Llama-3-70B-shaped cache (all layers, K and V),
+    cut into fragments of ``f`` bytes (as per-layer, per-head or per-token pools would cut them; 0 = one whole
+    block of the model per fragment). Each fragment size is one pool shape on both ranks (one fragment per
+    block, blocks scattered on both sides), opened once; within it every request size runs the bare modes
+    (one request) and kvcore with each in-flight count. In-flight requests cycle through request-sized slots
+    (``matrix_pool_bytes`` per side), so concurrent writes to one slot carry identical bytes and stay checkable.
+    """
+    from kvcore.topology import dtype_bytes
+
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    block = spec.matrix_block_bytes()
+    per_token = block // spec.tokens_per_block
+    bare = ["agent"] + (["nixl_initialize"] if run.backend == "nixl" else []) + ["memcpy", "memcpy_scattered"]
+    cells: list[dict[str, Any]] = []
+    out: dict[str, Any] = {
+        "model": {
+            "name": "Llama-3-70B-shaped",
+            "layers": spec.matrix_layers,
+            "kv_heads": spec.kv_heads,
+            "head_dim": spec.head_dim,
+            "dtype": spec.dtype,
+            "tokens_per_block": spec.tokens_per_block,
+            "block_bytes": block,
+            "bytes_per_token": per_token,
+        },
+        "iterations": spec.matrix_iterations,
+        "cells": cells,
+        "skipped": [],
+        "leaks": {},
+        "first_contact_ms": {},
+    }
+    todo = matrix_cells(spec)
+    ok = True
+    for frag in dict.fromkeys(f for f, _, _ in todo):
+        sizes = sorted({t for f, t, _ in todo if f == frag})
+        max_req = max(sizes) * per_token
+        max_n = max(n for f, _, n in todo if f == frag)
+        slot_blocks = -(-max_req // frag)
+        slots = max(1, min(max_n, spec.matrix_pool_bytes // max(1, slot_blocks * frag)))
+        head_dim = frag // (2 * dtype_bytes("bfloat16"))  # 1 layer, K and V, 1 head, 1 token per block: f bytes
+        shape = Shape(f"matrix-{frag}", slots * slot_blocks, 1, 1, head_dim, 1, "bfloat16")
+        opened = run.open(shape)
+        out["first_contact_ms"][str(frag)] = opened["first_contact_ms"]
+        ok = ok and opened["first_contact_verified"]
+        try:
+            for tokens in sizes:
+                nbytes = tokens * per_token
+                count = -(-nbytes // frag)
+                moved = count * frag
+                base = {"fragment_bytes": frag, "request_tokens": tokens, "request_bytes": moved, "fragments": count}
+                for mode in bare:
+                    run.say(f"{run.backend} matrix: {tokens} tokens, {frag} B fragments, {mode}")
+                    run.ctx.call("prepare", mode=mode, region="big", count=count)
+                    try:
+                        r = run.ctx.call("xfer", mode=mode, repeat=spec.matrix_iterations + 1)
+                        if mode.startswith("memcpy"):
+                            good = run.ctx.call("check", mode=mode)["ok"]
+                        else:
+                            good = run.gen.call("verify_slots", count=count, slot_blocks=slot_blocks, slots=1)["ok"]
+                    finally:
+                        run.ctx.call("unprepare", mode=mode)
+                    cells.append(
+                        {**base, "mode": mode, "inflight": 1, "verified": good}
+                        | _summarize(moved, r["seconds"][1:], r["seconds"][0])
+                    )
+                    ok = ok and good
+                for n in sorted({n for f, t, n in todo if f == frag and t == tokens}):
+                    run.say(f"{run.backend} matrix: {tokens} tokens, {frag} B fragments, kvcore x{n}")
+                    times, first = [], 0.0
+                    good = True
+                    for it in range(spec.matrix_iterations + 1):
+                        rid = run.rids(n)
+                        run.ctx.call("send", rid0=rid, n=n, region="big", count=count, slot_blocks=slot_blocks)
+                        rr = run.gen.call(
+                            "receive",
+                            endpoint=run.endpoint,
+                            rid0=rid,
+                            n=n,
+                            region="big",
+                            pipelined=True,
+                            count=count,
+                            slot_blocks=slot_blocks,
+                        )
+                        v = run.gen.call("verify_slots", count=count, slot_blocks=slot_blocks, slots=min(n, slots))
+                        good = good and v["ok"] and not rr["not_done"]
+                        if it == 0:
+                            first = rr["elapsed_s"]
+                        else:
+                            times.append(rr["elapsed_s"])
+                    cell = {**base, "mode": "kvcore", "inflight": n, "verified": good}
+                    cell |= _summarize(moved * n, times, first)
+                    cells.append(cell)
+                    ok = ok and good
+                    run.tick()
+        finally:
+            checks = run.close_shape()
+        out["leaks"].update({f"{frag}.{k}": v for k, v in checks["leaks"].items()})
+        ok = ok and checks["pool_verified"] and not checks["context_errors"]
+    for f in spec.matrix_fragment_bytes:
+        for tokens in spec.matrix_tokens:
+            for n in spec.matrix_inflight:
+                if (f or block, tokens, n) not in todo:
+                    out["skipped"].append({"fragment_bytes": f or block, "request_tokens": tokens, "inflight": n})
+    out["verified"] = ok
+    return out
+
+
 # --- entry points ------------------------------------------------------------------------------
 
 
@@ -1081,14 +1526,61 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def run_bench(spec: BenchSpec, *, say: Callable[[str], None] | None = None) -> dict[str, Any]:
+class BenchProgress:
+    """A progress bar on stderr (rich): the cases' units done of the total, the current step as its label."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(
+            TextColumn("{task.description}", style="bold"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._task: Any = None
+
+    def start(self, total: int) -> None:
+        self._bar.start()
+        self._task = self._bar.add_task("kvcore bench", total=max(1, total))
+
+    def say(self, message: str) -> None:
+        if self._task is not None:
+            self._bar.update(self._task, description=message)
+
+    def advance(self, n: int = 1) -> None:
+        if self._task is not None:
+            self._bar.advance(self._task, n)
+
+    def stop(self) -> None:
+        self._bar.stop()
+
+
+def run_bench(
+    spec: BenchSpec, *, say: Callable[[str], None] | None = None, progress: BenchProgress | None = None
+) -> dict[str, Any]:
     """Run every selected case on every selected backend; returns the JSON-able result (``ok`` says all verified).
 
     A backend that fails is reported under its name (``ok: false`` and the error) and the others still run.
+    ``progress`` (a :class:`BenchProgress`) shows a bar; ``say`` gets each step's label otherwise.
     """
     spec.validate()
-    say = say or (lambda _msg: None)
     backends = spec.backends or installed_backends()
+    if progress is not None:
+        progress.start(len(backends) * sum(CASE_UNITS.get(c, lambda _s: 1)(spec) for c in spec.cases))
+        try:
+            return _run_bench(spec, backends, progress.say, progress.advance)
+        finally:
+            progress.stop()
+    return _run_bench(spec, backends, say or (lambda _msg: None), None)
+
+
+def _run_bench(
+    spec: BenchSpec, backends: list[str], say: Callable[[str], None], tick: Callable[[int], None] | None
+) -> dict[str, Any]:
     result: dict[str, Any] = {"version": 1, "machine": _machine(), "spec": asdict(spec), "backends": {}}
     t0 = time.perf_counter()
     for backend in backends:
@@ -1100,9 +1592,11 @@ def run_bench(spec: BenchSpec, *, say: Callable[[str], None] | None = None) -> d
 
             resolve_backend(backend)  # a missing or broken backend fails here, before any process starts
             say(f"{backend}: starting rank processes")
-            run = BackendRun(backend, spec, say)
+            run = BackendRun(backend, spec, say, tick)
             for case in spec.cases:
                 entry["cases"][case] = CASES[case](run)
+                if case not in CASE_UNITS:
+                    run.tick()
             entry["ok"] = all(c.get("verified") and not c.get("leaks") for c in entry["cases"].values())
         except (KvcoreError, OSError, EOFError) as exc:
             entry["ok"] = False
@@ -1141,8 +1635,45 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound in seconds on every rank command")
     p.add_argument("--agent-options", default="{}", help='JSON: {"nixl": {...}, "ucx": {...}}')
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    soak = p.add_argument_group("soak case (--cases soak)")
+    soak.add_argument("--requests", type=int, default=d.requests, help="one-block requests in the soak")
+    soak.add_argument("--inflight", type=int, default=d.inflight, help="soak requests in flight on each side")
+    soak.add_argument("--cancel-rate", type=float, default=d.cancel_rate, help="fraction cancelled, half by each side")
+    soak.add_argument(
+        "--soak-request-timeout",
+        type=float,
+        default=d.soak_request_timeout_s,
+        help="the transceivers' request_timeout_s during the soak (seconds)",
+    )
+    mx = p.add_argument_group("matrix (--matrix)")
+    mx.add_argument(
+        "--matrix",
+        action="store_true",
+        help="GB/s over request size x fragment size x requests in flight (Llama-3-70B-shaped), bare and memcpy too",
+    )
+    mx.add_argument(
+        "--quick", action="store_true", help="a small matrix (2 x 3 x 2 cells of a 2-layer model); implies --matrix"
+    )
+    mx.add_argument("--matrix-tokens", default="", help=f"request sizes in tokens (default {d.matrix_tokens})")
+    mx.add_argument(
+        "--matrix-fragment-bytes",
+        default="",
+        help=f"fragment sizes in bytes, 0 = one whole block (default {d.matrix_fragment_bytes})",
+    )
+    mx.add_argument("--matrix-inflight", default="", help=f"requests in flight (default {d.matrix_inflight})")
+    mx.add_argument("--matrix-iterations", type=int, default=d.matrix_iterations, help="timed rounds per cell")
+    p.add_argument("--plot", metavar="FILE.png", default="", help="plot GB/s against fragment size (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     p.set_defaults(func=cmd_bench)
+
+
+def _int_list(text: str, name: str) -> list[int] | None:
+    if not text.strip():
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"{name}: expected comma-separated integers, got {text!r}") from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -1163,9 +1694,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             poll_interval_s=args.poll_interval_us / 1e6,
             agent_options=json.loads(args.agent_options),
+            requests=args.requests,
+            inflight=args.inflight,
+            cancel_rate=args.cancel_rate,
+            soak_request_timeout_s=args.soak_request_timeout,
+            matrix_iterations=args.matrix_iterations,
         )
+        if args.matrix or args.quick:
+            spec.cases = ["matrix"]
+        if args.quick:
+            spec = spec.quick_matrix()
+        for name in ("matrix_tokens", "matrix_fragment_bytes", "matrix_inflight"):
+            values = _int_list(getattr(args, name), "--" + name.replace("_", "-"))
+            if values is not None:
+                setattr(spec, name, values)
+        if args.plot and not args.plot.lower().endswith(".png"):
+            raise BenchError(f"--plot: expected a .png file name, got {args.plot!r}")
         quiet = args.json or not sys.stderr.isatty()
-        result = run_bench(spec, say=None if quiet else lambda m: print(f"  {m}", file=sys.stderr))
+        result = run_bench(spec, progress=None if quiet else BenchProgress())
+        if args.plot:
+            plot_result(result, args.plot)
     except (KvcoreError, ValueError) as exc:
         if args.json:
             print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
@@ -1256,7 +1804,159 @@ def print_result(result: dict[str, Any]) -> None:
                     f"{c['first_contact_ms']:.1f}",
                     "[green]yes[/]" if c["verified"] else "[red]NO[/]",
                 )
-    con.print(t)
+    if t.row_count:
+        con.print(t)
     if s.row_count:
         con.print(s)
+    _print_soak(con, result)
+    _print_matrix(con, result)
     con.print("[green]OK: every transfer verified, nothing leaked[/]" if result["ok"] else "[red]FAILED[/]")
+
+
+def _print_soak(con: Any, result: dict[str, Any]) -> None:
+    """The soak: outcomes per kind on each side, broken promises, leaks and latency."""
+    from rich.table import Table
+
+    t = Table(title="soak: every request reported once and released on both sides, nothing left behind")
+    for col in ("backend", "side", "outcomes", "error kinds", "cancels", "unreleased", "p50 ms", "p99 ms", "leaks"):
+        t.add_column(col, justify="left" if col in ("backend", "side", "outcomes", "error kinds", "leaks") else "right")
+    for backend, entry in result["backends"].items():
+        c = entry["cases"].get("soak")
+        if not c:
+            continue
+        for i, side in enumerate(("context", "generation")):
+            r = c.get(side)
+            if r is None:
+                continue
+            lat = r["latency_ms"]
+            broken = [k for k, ok in c["promises"][side].items() if not ok]
+            t.add_row(
+                backend if i == 0 else "",
+                side,
+                ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items())),
+                ", ".join(f"{k} {v}" for k, v in sorted(r["error_kinds"].items())) or "-",
+                f"{r['cancels_accepted']}/{r['cancel_calls']}",
+                f"[red]{r['unreleased']}[/]" if r["unreleased"] else "0",
+                f"{lat['p50']:.2f}" if lat["p50"] is not None else "-",
+                f"{lat['p99']:.2f}" if lat["p99"] is not None else "-",
+                ("[red]" + json.dumps(r["leaks"]) + "[/]" if r["leaks"] else "none")
+                + (f" [red]broken: {', '.join(broken)}[/]" if broken else ""),
+                end_section=i == 1,
+            )
+    if t.row_count:
+        con.print(t)
+
+
+def _matrix_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every matrix cell of every backend, with its backend."""
+    return [
+        {"backend": b, **cell}
+        for b, entry in result["backends"].items()
+        for cell in entry.get("cases", {}).get("matrix", {}).get("cells", [])
+    ]
+
+
+def _print_matrix(con: Any, result: dict[str, Any]) -> None:
+    """One row per (backend, request size, fragment size): kvcore at each in-flight count, bare, memcpy."""
+    from rich.table import Table
+
+    rows = _matrix_rows(result)
+    if not rows:
+        return
+    inflight = sorted({r["inflight"] for r in rows if r["mode"] == "kvcore"})
+    t = Table(title="matrix: GB/s (median); kvcore xN = N requests in flight; bare = the transport alone")
+    for col in ("backend", "request", "fragment", "fragments", *[f"kvcore x{n}" for n in inflight]):
+        t.add_column(col, justify="left" if col == "backend" else "right")
+    for col in ("bare", "memcpy", "memcpy scattered", "kvcore x1 / bare", "verified"):
+        t.add_column(col, justify="right")
+    keys = dict.fromkeys((r["backend"], r["request_tokens"], r["fragment_bytes"]) for r in rows)
+    for backend, tokens, frag in keys:
+        cell = {
+            (r["mode"], r["inflight"]): r
+            for r in rows
+            if (r["backend"], r["request_tokens"], r["fragment_bytes"]) == (backend, tokens, frag)
+        }
+        bare = cell.get(("nixl_initialize", 1)) or cell.get(("agent", 1))
+        kv1 = cell.get(("kvcore", 1))
+
+        def g(key: tuple[str, int], cell: dict[tuple[str, int], dict[str, Any]] = cell) -> str:
+            return f"{cell[key]['gbps_median']:.2f}" if key in cell else "-"
+
+        any_row = next(iter(cell.values()))
+        t.add_row(
+            backend,
+            f"{tokens} tok ({any_row['request_bytes'] / 2**20:.1f} MiB)",
+            f"{frag / 1024:g} KiB",
+            str(any_row["fragments"]),
+            *[g(("kvcore", n)) for n in inflight],
+            f"{bare['gbps_median']:.2f}" if bare else "-",
+            g(("memcpy", 1)),
+            g(("memcpy_scattered", 1)),
+            f"{kv1['gbps_median'] / bare['gbps_median']:.2f}" if kv1 and bare else "-",
+            "[green]yes[/]" if all(r["verified"] for r in cell.values()) else "[red]NO[/]",
+        )
+    con.print(t)
+
+
+def plot_result(result: dict[str, Any], path: str) -> None:
+    """Write a PNG of GB/s against fragment size per backend: one panel per request size, kvcore against bare.
+
+    Uses the matrix cells when the run has them, else the transfer cases (llama8b, frag16k). Needs matplotlib
+    (``pip install 'kvcore[plot]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise BenchError("--plot needs matplotlib: pip install 'kvcore[plot]'") from exc
+    rows = _matrix_rows(result)
+    if not rows:  # the transfer cases: one point per case and mode, all in one panel
+        for b, entry in result["backends"].items():
+            for c in entry.get("cases", {}).values():
+                for mode, r in c.get("modes", {}).items() if "fragment_bytes" in c else ():
+                    rows.append(
+                        {
+                            "backend": b,
+                            "mode": mode,
+                            "inflight": 1,
+                            "request_tokens": 0,
+                            "request_bytes": c["bytes"],
+                            "fragment_bytes": c["fragment_bytes"],
+                            "gbps_median": r["gbps_median"],
+                        }
+                    )
+    if not rows:
+        raise BenchError("--plot: this run has no matrix cells and no transfer cases to plot")
+    sizes = sorted({r["request_bytes"] for r in rows}) if any(r["request_tokens"] for r in rows) else [None]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4.2), squeeze=False, sharey=True)
+    styles = {"kvcore": "-", "agent": "--", "nixl_initialize": "--", "memcpy_scattered": ":"}
+    backends = list(result["backends"])
+    colors = {b: f"C{i}" for i, b in enumerate(backends)}
+    for ax, size in zip(axes[0], sizes):
+        here = [r for r in rows if size is None or r["request_bytes"] == size]
+        for b in backends:
+            for mode, style in styles.items():
+                if b == "nixl" and mode == "agent" and any(r["mode"] == "nixl_initialize" for r in here):
+                    continue  # bare NIXL is its own API
+                pts = sorted(
+                    (r["fragment_bytes"], r["gbps_median"])
+                    for r in here
+                    if r["backend"] == b and r["mode"] == mode and r["inflight"] == 1
+                )
+                if pts:
+                    label = f"{b} {'bare' if mode in ('agent', 'nixl_initialize') else mode}"
+                    ax.plot(*zip(*pts), style, marker="o", color=colors[b], label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # GB/s spans decades: one-block kvcore requests to memcpy
+        ax.set_xlabel("fragment size (bytes)")
+        ax.set_title("all requests" if size is None else f"request {size / 2**20:.1f} MiB")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("GB/s (1e9 B/s, median)")
+    axes[0][-1].legend(fontsize="small")
+    m = result["machine"]
+    fig.suptitle(f"kvcore bench: {m['cpus']} CPUs, load {m['loadavg']} -> {m.get('loadavg_end')}", fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -159,6 +159,7 @@ def build_head_major_pool(
         layout=layout,
         tokens_per_slot=geometry.tokens_per_block,
         window=window,
+        dtype=geometry.dtype,
     )
     return PageTable(pools=(pool,), views=(view,))
 
@@ -229,6 +230,7 @@ def build_token_major_layers(
         layout=layout,
         tokens_per_slot=tpb,
         window=window,
+        dtype=geometry.dtype,
     )
     return PageTable(pools=tuple(pools), views=(view,))
 
@@ -279,6 +281,7 @@ def build_mamba_state(
         layout=ViewLayout(
             kind=SECTIONED, num_shards=n, shard_index=i, num_replicas=r, replica_index=j, section_bytes=sections
         ),
+        dtype=geometry.conv_dtype,
     )
     ssm_view = PoolView(
         role="mamba_ssm",
@@ -296,6 +299,7 @@ def build_mamba_state(
             replica_index=j,
             unit_bytes=geometry.ssm_head_bytes(),
         ),
+        dtype=geometry.ssm_dtype,
     )
     return PageTable(pools=tuple(pools), views=(conv_view, ssm_view))
 

@@ -42,6 +42,18 @@ class TransceiverConfig:
     transfer_timeout_s: float = 30.0  # bound on one submitted transfer at the transport
     max_message_bytes: int = 16 * 1024 * 1024  # control-plane frame size bound
     max_inflight_requests: int = 4096
+    # Lifecycles (see docs/architecture.md): how long a silent peer stays SUSPECT before it is LOST; how long
+    # after that a writer on another host is still assumed able to write (fencing); refusals are remembered.
+    peer_lost_timeout_s: float = 5.0
+    fencing_grace_s: float = 60.0  # must exceed the writer's transfer_timeout_s
+    refused_peer_ttl_s: float = 30.0
+    quarantine_query_interval_s: float = 2.0  # re-ask a live writer for its final word on a quarantined request
+    # Caps on what peers can make this rank hold.
+    max_peers: int = 1024  # generation ranks registered with one context rank
+    max_early_requests: int = 4096  # RequestData waiting for start_send, in total ...
+    max_early_per_peer: int = 1024  # ... per generation rank ...
+    max_early_bytes: int = 64 * 1024 * 1024  # ... and their block lists in bytes
+    max_tombstones: int = 65536  # outcomes of released requests kept for late receivers (~512 B each)
     bounce_min_fragments: int = 256  # plans with at least this many fragments ...
     bounce_max_fragment_bytes: int = 4096  # ... all this small or smaller go through a bounce buffer
     bounce_enabled: bool = True
@@ -59,12 +71,25 @@ class TransceiverConfig:
             raise ConfigError(f"agent_options must be a mapping, got {type(self.agent_options).__name__}")
         if not (0 <= int(self.port) <= 65535):
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
-        for name in ("request_timeout_s", "first_contact_timeout_s", "transfer_timeout_s"):
+        for name in (
+            "request_timeout_s",
+            "first_contact_timeout_s",
+            "transfer_timeout_s",
+            "peer_lost_timeout_s",
+            "fencing_grace_s",
+            "refused_peer_ttl_s",
+            "quarantine_query_interval_s",
+        ):
             if not float(getattr(self, name)) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in (
             "max_message_bytes",
             "max_inflight_requests",
+            "max_peers",
+            "max_early_requests",
+            "max_early_per_peer",
+            "max_early_bytes",
+            "max_tombstones",
             "bounce_min_fragments",
             "bounce_max_fragment_bytes",
             "bounce_buffer_bytes",

@@ -417,8 +417,9 @@ class _Rank:
         self.conv: Any = None
         self.ssm: Any = None
         self.mamba_layers = [layer for layer in spec.mamba_layers if layer in self.layers] if spec.mamba else []
-        if self.mamba_layers:
-            mg = MambaGeometry(
+        # Model-wide, so every rank declares the same geometry whether or not it holds Mamba layers.
+        self.mamba = (
+            MambaGeometry(
                 layers=tuple(spec.mamba_layers),
                 conv_sections=spec.mamba_sections,
                 d_conv=spec.mamba_d_conv,
@@ -428,6 +429,12 @@ class _Rank:
                 conv_dtype=spec.dtype,
                 ssm_dtype=spec.mamba_ssm_dtype,
             )
+            if spec.mamba
+            else None
+        )
+        if self.mamba_layers:
+            mg = self.mamba
+            assert mg is not None
             self.conv, self.ssm = allocate_mamba_state(
                 self.topology, mg, spec.num_slots, allocator=agent.allocate_tensor
             )
@@ -554,6 +561,7 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
             page_table=me.page_table,
             collective=collective,
             instance_name=f"{role}-demo",
+            mamba=me.mamba,
         )
         warm, work = me.mine(spec.warm_ids), me.mine(range(spec.requests))
         if ctx:
@@ -704,13 +712,11 @@ def _mp_context() -> Any:
     return mp.get_context("spawn")
 
 
-#: Stats that count peers, not per-request resources: never a leak. Cumulative counters end in ``_total``.
-_NOT_LEAKS = ("ctx_instances", "gen_peers")
-
-
 def _leaks(stats: dict[str, int]) -> dict[str, int]:
     """Live per-request resources left over (sessions, leases, transfers...): all must be back at zero."""
-    return {k: v for k, v in stats.items() if v and k not in _NOT_LEAKS and not k.endswith("_total")}
+    from kvcore.transceiver import leaks
+
+    return leaks(stats)
 
 
 class _Ranks:

@@ -26,6 +26,7 @@ __all__ = [
     "MessageDecodeError",
     "MessageTooLargeError",
     "ProtocolVersionError",
+    "NotRegisteredError",
     "IncompatiblePeerError",
     "LayoutError",
     "MappingError",
@@ -120,6 +121,10 @@ class MessageTooLargeError(ProtocolError):
 
 class ProtocolVersionError(ProtocolError):
     """The peer speaks a protocol version this process cannot talk to."""
+
+
+class NotRegisteredError(ProtocolError):
+    """A context rank does not know the asking generation rank (incarnation): it took nothing; register and ask again."""
 
 
 class IncompatiblePeerError(KvcoreError):

@@ -42,7 +42,12 @@ def host_identity() -> str:
     """``"<boot id>/<pid namespace inode>"``: equal for two processes iff each can see the other's pids.
 
     Empty where ``/proc`` does not say (then no pid-based proof about a peer is possible).
+    ``KVCORE_HOST_ID`` overrides it: processes that must not trust each other's pids (or a test that
+    simulates another host) set different values.
     """
+    override = os.environ.get("KVCORE_HOST_ID")
+    if override is not None:
+        return override
     boot, pidns = _boot_id(), _ns_inode("pid")
     if not boot or not pidns:
         return ""

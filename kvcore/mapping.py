@@ -249,6 +249,8 @@ def _view_diffs(role: str, cv: PoolView, gv: PoolView) -> list[str]:
     cmp("state vs token view (tokens_per_slot)", cv.tokens_per_slot, gv.tokens_per_slot)
     cmp("buffers_per_layer", cv.buffers_per_layer, gv.buffers_per_layer)
     cmp("window", cv.window, gv.window)
+    if cv.dtype or gv.dtype:
+        cmp("dtype", cv.dtype or "(not declared)", gv.dtype or "(not declared)")
     cl, gl = cv.layout, gv.layout
     cmp("layout kind", cl.kind, gl.kind)
     if cl.kind != gl.kind:

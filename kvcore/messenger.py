@@ -43,6 +43,7 @@ class Source:
 Handler = Callable[[Source, wire.Message], None]
 ErrorHandler = Callable[[Source, KvcoreError], None]
 DisconnectHandler = Callable[[str], None]
+ConnectHandler = Callable[[str], None]
 
 
 def _is_loopback(host: str) -> bool:
@@ -66,12 +67,14 @@ class Messenger:
         max_message_bytes: int = 16 * 1024 * 1024,
         on_error: ErrorHandler | None = None,
         on_disconnect: DisconnectHandler | None = None,
+        on_connect: ConnectHandler | None = None,
         heartbeat_ms: int = 1000,
         name: str = "kvcore",
     ) -> None:
         self._handler = handler
         self._on_error = on_error
         self._on_disconnect = on_disconnect
+        self._on_connect = on_connect
         self._max = max_message_bytes
         self._heartbeat_ms = heartbeat_ms
         self.name = name
@@ -125,6 +128,10 @@ class Messenger:
             self._enqueue(("router", source.identity, wire.encode(msg)))
         elif source.endpoint is not None:
             self._enqueue(("dealer", source.endpoint, wire.encode(msg)))
+
+    def drop(self, endpoint: str) -> None:
+        """Close the DEALER to ``endpoint`` (a peer that is gone); a later ``send`` connects afresh."""
+        self._enqueue(("drop", endpoint, b""))
 
     def send_raw(self, endpoint: str, frame: bytes) -> None:
         """Send an arbitrary frame (fault-injection tests only)."""
@@ -200,6 +207,8 @@ class Messenger:
             if self._router in events:
                 self._drain_router()
             for sock in list(events):
+                if sock.closed:
+                    continue  # dropped by this turn's outbox
                 ep = self._monitors.get(sock)
                 if ep is not None:
                     self._drain_monitor(sock, ep, connected)
@@ -212,12 +221,34 @@ class Messenger:
             try:
                 if kind == "router":
                     self._router.send_multipart([dest, frame], zmq.NOBLOCK)  # type: ignore[list-item]
+                elif kind == "drop":
+                    self._close_dealer(dest)  # type: ignore[arg-type]
+                    continue
                 else:
                     self._dealer(dest).send(frame, zmq.NOBLOCK)  # type: ignore[arg-type]
                 self.counters["sent"] += 1
             except zmq.ZMQError as exc:
                 self.counters["send_failed"] += 1
                 log.warning("messenger %s: could not send to %r: %s", self.name, dest, exc)
+
+    def _close_dealer(self, endpoint: str) -> None:
+        sock = self._dealers.pop(endpoint, None)
+        if sock is None:
+            return
+        mon = next((m for m, ep in self._monitors.items() if ep == endpoint), None)
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        for s in (mon, sock):
+            if s is not None:
+                try:
+                    self._poller.unregister(s)
+                except KeyError:
+                    pass
+                s.close(0)
+        if mon is not None:
+            self._monitors.pop(mon, None)
 
     def _drain_router(self) -> None:
         while True:
@@ -250,6 +281,11 @@ class Messenger:
                 return
             if evt["event"] == zmq.EVENT_CONNECTED:
                 connected.add(endpoint)
+                if self._on_connect is not None:
+                    try:
+                        self._on_connect(endpoint)
+                    except Exception:  # pragma: no cover
+                        log.exception("connect handler failed")
             elif evt["event"] == zmq.EVENT_DISCONNECTED and endpoint in connected:
                 connected.discard(endpoint)
                 log.info("messenger %s: peer %s disconnected", self.name, endpoint)

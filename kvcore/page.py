@@ -184,6 +184,7 @@ class PoolView(msgspec.Struct, frozen=True, kw_only=True):
     layout: ViewLayout
     tokens_per_slot: int | None = None
     window: int | None = None
+    dtype: str = ""  # element type of the buffers ("" when the builder does not say): peers must agree
 
     def __post_init__(self) -> None:
         for name in ("layers", "pools", "offsets"):

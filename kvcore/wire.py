@@ -16,7 +16,7 @@ import msgspec
 from kvcore.errors import MessageDecodeError, MessageTooLargeError, ProtocolError, ProtocolVersionError
 from kvcore.mapping import RankLayout
 from kvcore.page import PageTable
-from kvcore.topology import AttentionGeometry, Topology
+from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -59,12 +59,15 @@ class RankInfo(msgspec.Struct, frozen=True):
     geometry: AttentionGeometry
     page_table: PageTable
     agent_descriptor: bytes
-    pid: int = 0  # with hostname: lets a same-host peer prove a writer is dead (fenced)
-    hostname: str = ""
+    pid: int = 0  # with host_id and start_time: lets a same-host peer prove a writer is dead (fenced)
+    hostname: str = ""  # for people reading logs; never used as a proof
+    host_id: str = ""  # kvcore.hostinfo.host_identity(): equal only where pids can be checked
+    start_time: int = 0  # the process's start time in clock ticks since boot (pid reuse guard)
+    mamba: MambaGeometry | None = None
 
     @property
     def layout(self) -> RankLayout:
-        return RankLayout(topology=self.topology, geometry=self.geometry, page_table=self.page_table)
+        return RankLayout(topology=self.topology, geometry=self.geometry, page_table=self.page_table, mamba=self.mamba)
 
 
 class _Msg(msgspec.Struct, tag_field="t", frozen=True):
@@ -116,6 +119,8 @@ class RequestData(_Msg, tag="request_data", frozen=True):
     bounce_addr: int = 0  # nonzero: write the packed fragments here (a lease in the receiver's arena)
     bounce_bytes: int = 0
     bounce_digest: bytes = b""  # kvcore.bounce.plan_digest of the receiver's view of the unmerged plan
+    ctx_incarnation: str = ""  # the context incarnation the receiver believes it asks
+    nonce: bytes = b""  # the receiver's secret for this request: every answer echoes it, its cancels carry it
 
 
 class TransferResult(_Msg, tag="transfer_result", frozen=True):
@@ -130,6 +135,8 @@ class TransferResult(_Msg, tag="transfer_result", frozen=True):
     error_kind: str = ""
     error: str = ""
     bounced: bool = False  # the bytes sit packed in the bounce lease; the receiver must scatter them
+    nonce: bytes = b""  # echo of RequestData.nonce: the receiver ignores answers without it
+    in_doubt: bool = False  # "failed" at the writer's deadline while the write may still land; a final result follows
 
 
 class Cancel(_Msg, tag="cancel", frozen=True):
@@ -139,6 +146,7 @@ class Cancel(_Msg, tag="cancel", frozen=True):
     instance: str
     rank: int
     reason: str = ""
+    nonce: bytes = b""  # the RequestData.nonce of the request being cancelled (generation -> context)
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):
@@ -212,6 +220,8 @@ def _validate(msg: Message) -> None:
             raise MessageDecodeError(f"timeout_ms must be > 0, got {msg.timeout_ms}")
         if msg.bounce_addr < 0 or msg.bounce_bytes < 0 or len(msg.bounce_digest) > 64:
             raise MessageDecodeError("bounce_addr/bounce_bytes must be >= 0 and bounce_digest at most 64 bytes")
+        if len(msg.nonce) > 64 or len(msg.ctx_incarnation) > 64:
+            raise MessageDecodeError("nonce and ctx_incarnation must be at most 64 bytes")
     elif isinstance(msg, RegisterRankInfo):
         parse_endpoint(msg.info.endpoint)
     elif isinstance(msg, InstanceInfo):

@@ -25,10 +25,29 @@ def geometry_kwargs(**over: Any) -> dict[str, Any]:
     return d
 
 
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (for restart-at-the-same-endpoint tests)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def make_rank(
-    role: str, name: str, backend: str = "shm", num_blocks: int = 64, timeout: float = 30.0, **geo: Any
+    role: str,
+    name: str,
+    backend: str = "shm",
+    num_blocks: int = 64,
+    timeout: float = 30.0,
+    config: dict[str, Any] | None = None,
+    instance_name: str | None = None,
+    **geo: Any,
 ) -> tuple[Any, Any, Any]:
-    """A one-rank instance in this process: ``(agent, head-major KV cache, Transceiver)``."""
+    """A one-rank instance in this process: ``(agent, head-major KV cache, Transceiver)``.
+
+    ``config`` overrides TransceiverConfig fields (ports, lifecycle timeouts).
+    """
     from kvcore.builders import allocate_kv_cache, build_page_table
     from kvcore.config import TransceiverConfig, create_agent
     from kvcore.topology import AttentionGeometry, Topology
@@ -36,18 +55,47 @@ def make_rank(
 
     geometry = AttentionGeometry(**geometry_kwargs(**geo))
     topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geometry.num_layers)
-    cfg = TransceiverConfig(backend=backend, request_timeout_s=timeout)
+    cfg = TransceiverConfig(backend=backend, request_timeout_s=timeout, **(config or {}))
     agent = create_agent(cfg, name)
     cache = allocate_kv_cache(topo, geometry, num_blocks, allocator=agent.allocate_tensor)
     table = build_page_table("head_major_pool", cache, topology=topo, geometry=geometry)
-    tx = Transceiver(cfg, role=role, agent=agent, topology=topo, geometry=geometry, page_table=table)
+    tx = Transceiver(
+        cfg, role=role, agent=agent, topology=topo, geometry=geometry, page_table=table, instance_name=instance_name
+    )
     return agent, cache, tx
 
 
-def _context_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: int, timeout: float) -> None:
+def _report(conn: Any, r: Any) -> None:
+    for o in r.outcomes:
+        conn.send_bytes(
+            msgspec.msgpack.encode(
+                {
+                    "outcome": o.request_id,
+                    "state": o.state.value,
+                    "error": f"{type(o.error).__name__}: {o.error}" if o.error else None,
+                }
+            )
+        )
+    for rid in r.released:
+        conn.send_bytes(msgspec.msgpack.encode({"released": rid}))
+
+
+def _context_main(
+    conn: Any, backend: str, geo: dict[str, Any], num_blocks: int, timeout: float, opts: dict[str, Any]
+) -> None:
     import torch
 
-    agent, cache, tx = make_rank("context", f"ctx-{os.getpid()}", backend, num_blocks, timeout, **geo)
+    os.environ.update(opts.get("env") or {})
+    agent, cache, tx = make_rank(
+        "context",
+        f"ctx-{os.getpid()}",
+        backend,
+        num_blocks,
+        timeout,
+        opts.get("config"),
+        opts.get("instance_name"),
+        **geo,
+    )
     flat = cache.view(num_blocks, -1).view(torch.uint8)
     conn.send_bytes(msgspec.msgpack.encode({"endpoint": tx.info_endpoint, "pid": os.getpid()}))
     try:
@@ -64,19 +112,7 @@ def _context_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: int,
                     tx.cancel(cmd["rid"])
                 elif cmd["op"] == "stats":
                     conn.send_bytes(msgspec.msgpack.encode({"stats": tx.stats()}))
-            r = tx.poll()
-            for o in r.outcomes:
-                conn.send_bytes(
-                    msgspec.msgpack.encode(
-                        {
-                            "outcome": o.request_id,
-                            "state": o.state.value,
-                            "error": f"{type(o.error).__name__}: {o.error}" if o.error else None,
-                        }
-                    )
-                )
-            for rid in r.released:
-                conn.send_bytes(msgspec.msgpack.encode({"released": rid}))
+            _report(conn, tx.poll())
     finally:
         tx.close()
         agent.close()
@@ -85,11 +121,24 @@ def _context_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: int,
 class ContextProcess:
     """Start a one-rank context instance; ``send``/``cancel``/``stats`` drive it; ``kill`` SIGKILLs it."""
 
-    def __init__(self, backend: str = "shm", num_blocks: int = 64, timeout: float = 30.0, **geo: Any) -> None:
+    def __init__(
+        self,
+        backend: str = "shm",
+        num_blocks: int = 64,
+        timeout: float = 30.0,
+        *,
+        config: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        instance_name: str | None = None,
+        **geo: Any,
+    ) -> None:
         self.geo = geometry_kwargs(**geo)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_context_main, args=(child, backend, self.geo, num_blocks, timeout), daemon=True)
+        opts = {"config": config, "env": env, "instance_name": instance_name}
+        self.proc = ctx.Process(
+            target=_context_main, args=(child, backend, self.geo, num_blocks, timeout, opts), daemon=True
+        )
         self.proc.start()
         hello = self._recv(60)
         self.endpoint: str = hello["endpoint"]
@@ -125,7 +174,7 @@ class ContextProcess:
         raise TimeoutError("no stats")
 
     def wait_released(self, rid: int, timeout: float = 20) -> dict[str, Any]:
-        """The context side's outcome of ``rid`` once it is released."""
+        """This side's outcome of ``rid`` once it is released."""
         deadline = time.monotonic() + timeout
         outcome = None
         while time.monotonic() < deadline:
@@ -153,8 +202,23 @@ class ContextProcess:
             self.kill()
 
 
-def _generation_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: int, timeout: float) -> None:
-    agent, _, tx = make_rank("generation", f"gen-{os.getpid()}", backend, num_blocks, timeout, **geo)
+def _generation_main(
+    conn: Any, backend: str, geo: dict[str, Any], num_blocks: int, timeout: float, opts: dict[str, Any]
+) -> None:
+    import torch
+
+    os.environ.update(opts.get("env") or {})
+    agent, cache, tx = make_rank(
+        "generation",
+        f"gen-{os.getpid()}",
+        backend,
+        num_blocks,
+        timeout,
+        opts.get("config"),
+        opts.get("instance_name"),
+        **geo,
+    )
+    flat = cache.view(num_blocks, -1).view(torch.uint8)
     conn.send_bytes(msgspec.msgpack.encode({"endpoint": tx.endpoint, "pid": os.getpid()}))
     try:
         while True:
@@ -164,7 +228,13 @@ def _generation_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: i
                     break
                 if cmd["op"] == "receive":
                     tx.start_receive(cmd["rid"], cmd["endpoint"], cmd["blocks"])
-            tx.poll()
+                elif cmd["op"] == "cancel":
+                    tx.cancel(cmd["rid"])
+                elif cmd["op"] == "stats":
+                    conn.send_bytes(msgspec.msgpack.encode({"stats": tx.stats()}))
+                elif cmd["op"] == "read":
+                    conn.send_bytes(msgspec.msgpack.encode({"bytes": flat[cmd["blocks"]].numpy().tobytes()}))
+            _report(conn, tx.poll())
     finally:
         tx.close()
         agent.close()
@@ -173,12 +243,24 @@ def _generation_main(conn: Any, backend: str, geo: dict[str, Any], num_blocks: i
 class GenerationProcess(ContextProcess):
     """A one-rank generation instance in its own process; ``receive`` asks a context instance for a request."""
 
-    def __init__(self, backend: str = "shm", num_blocks: int = 64, timeout: float = 30.0, **geo: Any) -> None:
+    def __init__(
+        self,
+        backend: str = "shm",
+        num_blocks: int = 64,
+        timeout: float = 30.0,
+        *,
+        config: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        instance_name: str | None = None,
+        **geo: Any,
+    ) -> None:
         self.geo = geometry_kwargs(**geo)
+        self.num_blocks = num_blocks
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
+        opts = {"config": config, "env": env, "instance_name": instance_name}
         self.proc = ctx.Process(
-            target=_generation_main, args=(child, backend, self.geo, num_blocks, timeout), daemon=True
+            target=_generation_main, args=(child, backend, self.geo, num_blocks, timeout, opts), daemon=True
         )
         self.proc.start()
         hello = self._recv(60)
@@ -187,6 +269,18 @@ class GenerationProcess(ContextProcess):
         self.events = []
 
     def receive(self, rid: int, endpoint: str, blocks: list[int]) -> None:
+        self._drain()
         self.conn.send_bytes(
             msgspec.msgpack.encode({"op": "receive", "rid": rid, "endpoint": endpoint, "blocks": blocks})
         )
+
+    def read(self, blocks: list[int], timeout: float = 10) -> bytes:
+        """The bytes of these destination blocks, as the generation process sees them."""
+        self.conn.send_bytes(msgspec.msgpack.encode({"op": "read", "blocks": blocks}))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self._recv(timeout)
+            if "bytes" in m:
+                return bytes(m["bytes"])
+            self.events.append(m)
+        raise TimeoutError("no bytes")

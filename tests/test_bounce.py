@@ -110,10 +110,12 @@ def test_token_major_head_mismatch_through_bounce_matches_direct(force: bool) ->
             st = g.stats()
             assert st["bounce_leases"] == 0 and st["rx_sessions"] == 0
         assert ctx.stats()["staging_leases"] == 0
+        bounced = ctx.stats()["bounced_writes_total"]
         if force:
-            assert ctx._staging is not None, "the bounce path was not taken"
+            assert bounced == len(gens), "the bounce path was not taken"
+            assert all(g.stats()["bounced_writes_total"] == 1 for g in gens), "a receiver did not unpack its lease"
         else:
-            assert ctx._staging is None
+            assert bounced == 0
     finally:
         for t in txs:
             t.close()

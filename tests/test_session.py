@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 
 from kvcore.errors import RequestCancelledError, SessionError
-from kvcore.session import ReceiverTask, RxSession, SessionState, TxSession, WriterState
+from kvcore.transceiver.peers import GenPeer
+from kvcore.transceiver.sessions import (
+    ReceiverTask,
+    RxSession,
+    SessionState,
+    TaskState,
+    Tombstones,
+    TxSession,
+    WriterState,
+)
 
 
 def _rx() -> RxSession:
@@ -48,14 +57,33 @@ def test_rx_quiescent_only_when_no_writer_may_still_write() -> None:
     assert s.quiescent
 
 
-def test_tx_quiescent_tracks_submitted_tasks() -> None:
+def test_tx_quiescent_only_when_every_task_has_its_final_answer() -> None:
     s = TxSession(request_id=2, deadline=time.monotonic() + 10)
-    t = ReceiverTask(
-        gen_key=("g", 0), endpoint="tcp://127.0.0.1:1", block_ids=np.zeros(1, np.int64), state_slot=-1, prompt_len=-1
-    )
-    s.tasks[t.gen_key] = t
-    assert s.quiescent
-    t.state = "submitted"
+    t = ReceiverTask(peer=GenPeer(), block_ids=np.zeros(1, np.int64), state_slot=-1, prompt_len=-1, nonce=b"n")
+    s.tasks[("g", 0)] = t
+    assert not s.quiescent  # asked, not answered: a receiver still waits for a final word
+    t.move(TaskState.SUBMITTED)
     assert not s.quiescent
-    t.state = "done"
+    t.move(TaskState.DONE)
     assert s.quiescent
+    with pytest.raises(SessionError, match="DONE -> SUBMITTED"):
+        t.move(TaskState.SUBMITTED)  # a finished task never writes again
+
+
+def test_writer_moves_follow_the_table() -> None:
+    s = _rx()
+    s.writers = {0: WriterState.ASKED}
+    assert s.settle(0, WriterState.NOT_ASKED)
+    assert s.settle(0, WriterState.ASKED)  # asked again after a re-registration
+    assert s.settle(0, WriterState.OK)
+    assert not s.settle(0, WriterState.FAILED)  # late news changes nothing
+    assert s.writers[0] is WriterState.OK
+
+
+def test_tombstones_are_bounded_in_number_and_age() -> None:
+    t = Tombstones(max_entries=3, ttl_s=10.0)
+    for rid in range(5):
+        t.put(rid, SessionState.CANCELLED)
+    assert len(t) == 3 and 0 not in t and 4 in t and t.evicted == 2
+    t.expire(time.monotonic() + 11)
+    assert len(t) == 0

@@ -15,7 +15,7 @@ from _instances import ContextProcess, fill_value, make_rank
 
 from kvcore import errors as E
 from kvcore import wire
-from kvcore.session import SessionState
+from kvcore.transceiver import SessionState, leaks
 
 
 class Gen:
@@ -75,8 +75,8 @@ def test_concurrent_requests_bytes_and_no_leaks(ctx: ContextProcess, gen: Gen) -
     for r in rids:
         _check_bytes(gen, r, src[r * 4 : (r + 1) * 4].tolist(), dst[r * 4 : (r + 1) * 4].tolist())
         assert ctx.wait_released(r)["state"] == "DONE"
-    assert all(v == 0 for k, v in gen.tx.stats().items() if k not in ("ctx_instances", "gen_peers"))
-    assert all(v == 0 for k, v in ctx.stats().items() if k not in ("ctx_instances", "gen_peers"))
+    assert gen.tx.leaks() == {}
+    assert leaks(ctx.stats()) == {}
 
 
 def test_prefix_cached_suffix_only(ctx: ContextProcess, gen: Gen) -> None:
@@ -137,7 +137,7 @@ def test_malformed_frame_answered_with_typed_error_while_requests_work(ctx: Cont
 def test_forged_result_from_unknown_incarnation_is_ignored(ctx: ContextProcess, gen: Gen) -> None:
     gen.tx.start_receive(3, ctx.endpoint, [0])
     deadline = time.monotonic() + 5
-    while not gen.tx._rx[3].writers and time.monotonic() < deadline:
+    while gen.tx.status(3) is not SessionState.TRANSFERRING and time.monotonic() < deadline:
         time.sleep(0.01)
     zctx = zmq.Context.instance()
     sock = zctx.socket(zmq.DEALER)
@@ -183,7 +183,7 @@ def test_dead_context_gives_peer_lost_and_fenced_release(gen: Gen) -> None:
     try:
         gen.tx.start_receive(6, c.endpoint, [1])
         deadline = time.monotonic() + 5
-        while not gen.tx._rx[6].writers and time.monotonic() < deadline:
+        while gen.tx.status(6) is not SessionState.TRANSFERRING and time.monotonic() < deadline:
             time.sleep(0.01)
         c.kill()
         out = gen.outcomes([6], 15.0)[6]
@@ -218,7 +218,7 @@ def test_stopped_writer_keeps_pages_quarantined_until_it_is_dead() -> None:
     try:
         g.tx.start_receive(11, c.endpoint, [4])
         deadline = time.monotonic() + 5
-        while not g.tx._rx[11].writers and time.monotonic() < deadline:
+        while g.tx.status(11) is not SessionState.TRANSFERRING and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)  # the RequestData reached the context rank
         os.kill(c.pid, signal.SIGSTOP)
@@ -258,7 +258,9 @@ def test_dead_receiver_fails_the_send_and_releases() -> None:
     try:
         gp.receive(21, tx.info_endpoint, [1, 2])
         deadline = time.monotonic() + 10
-        while not tx._early and time.monotonic() < deadline:  # its RequestData arrived before start_send
+        while (
+            not tx.stats()["early_requests"] and time.monotonic() < deadline
+        ):  # its RequestData arrived before start_send
             time.sleep(0.01)
         gp.kill()
         time.sleep(0.3)
@@ -354,13 +356,11 @@ def _soak(ctx: ContextProcess, gen: Gen) -> None:
     assert len(outcomes) == total
     assert states.count(SessionState.DONE) >= total - len(cancel_at)  # a cancel may lose the race to DONE
     assert set(states) <= {SessionState.DONE, SessionState.CANCELLED}
-    assert all(v == 0 for k, v in gen.tx.stats().items() if k not in ("ctx_instances", "gen_peers"))
+    assert gen.tx.leaks() == {}
     deadline = time.monotonic() + 40
-    while True:  # the context side settles cancelled requests and expires tombstones on its own timer
+    while True:  # the context side settles cancelled requests on its own timer
         st = ctx.stats()
-        if (st["tx_sessions"] == 0 and st["tombstones"] == 0) or time.monotonic() > deadline:
+        if not leaks(st) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert {k: v for k, v in st.items() if k not in ("ctx_instances", "gen_peers", "bounced_writes_total")} == {
-        k: 0 for k in st if k not in ("ctx_instances", "gen_peers", "bounced_writes_total")
-    }
+    assert leaks(st) == {}

@@ -531,10 +531,27 @@ class ShmAgent(TransferAgent):
 
     def _unload_remote(self, remote: RemoteAgent) -> None:
         peer: _Peer = remote.native
+        dead = self._owner_dead(peer)
         for seg in peer.segments.values():
             seg.close()
         peer.segments = {}
+        if dead:
+            # Its process died without cleaning up: remove every file of that agent (proven by its flock).
+            prefix = peer.control.name[: -len("-ctl")]
+            _unlink_quietly([os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith(prefix + "-")])
         peer.control.close()
+
+    @staticmethod
+    def _owner_dead(peer: _Peer) -> bool:
+        """True when the peer's process is gone: its exclusive flock on the control file is free."""
+        try:
+            fcntl.flock(peer.control.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return False
+        fcntl.flock(peer.control.fd, fcntl.LOCK_UN)
+        return int(peer.ctl[_W_ALIVE]) == 1  # closed cleanly (alive flag 0): it removed its files itself
 
     def _check_alive(self, peer_name: str, peer: _Peer) -> None:
         """Raise ``PeerLostError`` when the peer closed its agent or its process died (its flock is gone)."""

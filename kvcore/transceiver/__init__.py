@@ -1,0 +1,26 @@
+"""The transceiver an engine drives, split by role around explicit peer and request lifecycles.
+
+``Transceiver`` (:mod:`.facade`) is the engine-facing API; the context role lives in
+:mod:`.sender`, the generation role in :mod:`.receiver`, what both share (messenger,
+agent, worker thread) in :mod:`.link`. Request lifecycles are in :mod:`.sessions`,
+peer lifecycles in :mod:`.peers`.
+"""
+
+from __future__ import annotations
+
+from kvcore.transceiver.facade import CACHE_GAUGES, COUNTERS, Outcome, PollResult, Transceiver, leaks
+from kvcore.transceiver.peers import PeerState
+from kvcore.transceiver.sessions import SessionState, TaskState, WriterState
+
+__all__ = [
+    "COUNTERS",
+    "CACHE_GAUGES",
+    "leaks",
+    "Transceiver",
+    "PollResult",
+    "Outcome",
+    "SessionState",
+    "PeerState",
+    "TaskState",
+    "WriterState",
+]

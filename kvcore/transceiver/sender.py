@@ -1,0 +1,862 @@
+"""The context role: serve instance info, accept generation ranks, and write each finished request into them.
+
+A send session holds one task per generation rank (incarnation) that asked
+for the request. A task ends with exactly one final answer to its receiver,
+sent only when nothing of it is in flight at the transport; the session is
+quiescent when every task has its final answer. A terminal session never keeps
+an idle task: a receiver that asks after the outcome is answered at once, and
+after release a tombstone answers for it. Pages go back to the engine only
+when the session is quiescent: no transfer can still read them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from kvcore import bounce, wire
+from kvcore import errors as E
+from kvcore.agent import TransferOp, TransferStatus
+from kvcore.mapping import plan_transfer, validate_compatible
+from kvcore.messenger import Source
+from kvcore.peer import peer_ranks
+from kvcore.transceiver.link import Handler, Link
+from kvcore.transceiver.peers import GenPeer, PeerState, writer_fenced
+from kvcore.transceiver.role import Role, check_block_ids, check_request_id, max_slot
+from kvcore.transceiver.sessions import (
+    IDLE_TASK_STATES,
+    ReceiverTask,
+    SessionState,
+    TaskState,
+    Tombstones,
+    TxSession,
+)
+
+__all__ = ["Sender"]
+
+log = logging.getLogger("kvcore.transceiver")
+
+_Key = tuple[str, int]
+
+
+class Sender(Role):
+    """Context role of a transceiver."""
+
+    def __init__(self, link: Link) -> None:
+        super().__init__(link)
+        cfg = self.config
+        self.tx: dict[int, TxSession] = {}
+        self.peers: dict[_Key, GenPeer] = {}  # current incarnation (or refusal) per generation rank
+        self.retired: list[GenPeer] = []  # lost peers waiting for their transfers to end before unloading
+        self.early: dict[int, list[tuple[float, wire.RequestData, Source]]] = {}  # RequestData before start_send
+        self.early_bytes = 0
+        self.tombstones = Tombstones(cfg.max_tombstones, cfg.request_timeout_s)
+        self.inflight: dict[int, tuple[TxSession, ReceiverTask]] = {}  # id(task) -> its submitted write
+        self.orphans: list[Any] = []  # handles of abandoned transfers to dead peers, released once terminal
+        self.staging: bounce.Arena | None = None
+        self.bounce_on = link.bounce_on
+        self.counters = link.counters
+
+    @property
+    def sessions(self) -> dict[int, Any]:
+        return self.tx
+
+    def handlers(self) -> dict[type, Handler]:
+        return {
+            wire.InstanceInfoRequest: self.on_info_request,
+            wire.RegisterRankInfo: self.on_register,
+            wire.RequestData: self.on_request_data,
+            wire.Cancel: self.on_cancel,
+        }
+
+    # --- engine API ----------------------------------------------------------------------------
+
+    def start_send(
+        self, request_id: int, block_ids: Any, prompt_len: int, state_slot: int, layers_ready: int | None
+    ) -> None:
+        rid = check_request_id(request_id)
+        blocks = check_block_ids(block_ids, max_slot(self.link), f"request {rid} block_ids")
+        self.check_state_slot(rid, state_slot)
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)):
+            raise E.SessionError(f"request {rid}: prompt_len must be an integer (-1: unknown), got {prompt_len!r}")
+        with self.link.lock:
+            if rid in self.tx:
+                raise E.SessionError(f"request {rid} is already being sent")
+            self.admit()
+            s = TxSession(
+                request_id=rid,
+                deadline=time.monotonic() + self.config.request_timeout_s,
+                block_ids=blocks,
+                state_slot=int(state_slot),
+                prompt_len=int(prompt_len),
+                layers_upto=self._layers_upto(layers_ready),
+            )
+            self.tx[rid] = s
+            self.link.metrics.request_started()
+            tomb = self.tombstones.pop(rid)
+            if tomb is not None and tomb.state is SessionState.CANCELLED:
+                self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled earlier"))
+            for _, req, source in self.early.pop(rid, []):
+                self.early_bytes -= len(req.block_ids)
+                self._attach(s, req, source)
+        self.link.post(self._drive, rid)
+
+    def layers_ready(self, request_id: int, upto: int) -> None:
+        rid = check_request_id(request_id)
+        with self.link.lock:
+            s = self.tx.get(rid)
+            if s is None:
+                raise E.SessionError(f"request {rid} is not being sent; call start_send first")
+            if s.layers_upto is not None:
+                new = self._layers_upto(upto)
+                s.layers_upto = None if new is None else max(s.layers_upto, new)
+        self.link.post(self._drive, rid)
+
+    def _layers_upto(self, upto: int | None) -> int | None:
+        """None once every layer this rank holds is ready."""
+        if upto is None or upto >= self.link.topology.layer_range[1]:
+            return None
+        return int(upto)
+
+    def cancel(self, rid: int, reason: str) -> bool:
+        with self.link.lock:
+            s = self.tx.get(rid)
+            if s is None:
+                # Not started here (yet): a later start_send ends CANCELLED; waiting receivers are told now.
+                self.tombstones.put(rid, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid}: {reason}"))
+                for _, req, source in self.early.pop(rid, []):
+                    self.early_bytes -= len(req.block_ids)
+                    self._answer_unheld(req, source, self.tombstones.get(rid))
+                return False
+            if s.terminal:
+                return False
+            self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid}: {reason}"))
+        self.link.post(self._drive, rid)
+        return True
+
+    def release(self, rid: int) -> None:
+        s = self.tx.pop(rid, None)
+        if s is not None:
+            self.tombstones.put(rid, s.state, s.error)
+
+    def busy(self) -> bool:
+        return bool(self.inflight) or bool(self.orphans)
+
+    def peer_name(self, session: Any) -> str:
+        return next((t.peer.name for t in session.tasks.values()), "")
+
+    # --- sessions and tasks (lock held) ------------------------------------------------------------
+
+    def _end(self, s: TxSession, state: SessionState, error: E.KvcoreError | None = None) -> None:
+        """Make ``s`` terminal and give every idle task its final answer at once (nothing of it is in flight)."""
+        s.transition(state, error)
+        if not s.terminal:
+            return
+        for t in s.tasks.values():
+            if t.state in IDLE_TASK_STATES:
+                self._finish_for_session(s, t)
+
+    def _finish_for_session(self, s: TxSession, t: ReceiverTask) -> None:
+        cancelled = s.state is SessionState.CANCELLED
+        err = s.error or E.SessionError(f"request {s.request_id} ended {s.state.value}")
+        self._finish(
+            s, t, TaskState.CANCELLED if cancelled else TaskState.FAILED, kind=type(err).__name__, error=str(err)
+        )
+
+    def _finish(
+        self,
+        s: TxSession,
+        t: ReceiverTask,
+        state: TaskState,
+        *,
+        kind: str = "",
+        error: str = "",
+    ) -> None:
+        """Give a task its one final answer (the receiver may ask again: the same answer is re-sent)."""
+        t.move(state)
+        status = {TaskState.DONE: "ok", TaskState.CANCELLED: "cancelled"}.get(state, "failed")
+        if state is TaskState.DONE:
+            s.nbytes += t.total_bytes
+        t.final = self._result(
+            s.request_id,
+            t.nonce,
+            status=status,
+            kind=kind,
+            error=error,
+            nbytes=t.total_bytes,
+            fragments=t.total_fragments,
+            bounced=t.bounced,
+        )
+        self._send_to(t, t.final)
+        self.link.metrics.writer_service(t.peer.name, time.monotonic() - t.attached_at)
+
+    def _result(self, rid: int, nonce: bytes, *, status: str, kind: str = "", error: str = "", **kw: Any) -> Any:
+        return wire.TransferResult(
+            v=wire.PROTOCOL_VERSION,
+            request_id=rid,
+            ctx_rank=self.link.topology.rank,
+            ctx_incarnation=self.link.incarnation,
+            status=status,  # type: ignore[arg-type]
+            error_kind=kind,
+            error=error[:1000],
+            nonce=nonce,
+            **kw,
+        )
+
+    def _send_to(self, t: ReceiverTask, msg: wire.Message) -> None:
+        if t.peer.gone or t.peer.info is None:
+            return  # nobody left to tell
+        self.link.send(t.peer.info.endpoint, msg)
+
+    def _answer_unheld(self, req: wire.RequestData, source: Source, tomb: Any) -> None:
+        """Answer a receiver asking for a request this rank does not hold, from its tombstone (lock held)."""
+        if tomb is None:
+            msg = self._result(
+                req.request_id,
+                req.nonce,
+                status="failed",
+                kind="TransferTimeoutError",
+                error=f"context side never started sending request {req.request_id}",
+            )
+        elif tomb.state is SessionState.CANCELLED:
+            msg = self._result(req.request_id, req.nonce, status="cancelled", kind=tomb.error_kind, error=tomb.message)
+        elif tomb.state is SessionState.DONE:
+            msg = self._result(
+                req.request_id,
+                req.nonce,
+                status="failed",
+                kind="SessionError",
+                error=f"request {req.request_id} was already sent and its pages released here",
+            )
+        else:
+            msg = self._result(
+                req.request_id, req.nonce, status="failed", kind=tomb.error_kind or "SessionError", error=tomb.message
+            )
+        self.link.reply(source, msg)
+
+    # --- control-plane handlers (messenger I/O thread) ------------------------------------------
+
+    def on_info_request(self, source: Source, msg: wire.InstanceInfoRequest) -> None:
+        link = self.link
+        try:
+            version = wire.negotiate(msg.min_version, msg.max_version)
+        except E.ProtocolVersionError as exc:
+            link.reply(
+                source,
+                wire.InstanceInfo(v=wire.PROTOCOL_VERSION, instance_name=link.instance_name, ranks=[], error=str(exc)),
+            )
+            return
+        link.reply(source, wire.InstanceInfo(v=version, instance_name=link.instance_name, ranks=link.instance_ranks))
+
+    def _refuse(self, source: Source, info: wire.RankInfo, exc: E.KvcoreError) -> None:
+        self.link.reply(
+            source,
+            wire.RegisterResult(
+                v=wire.PROTOCOL_VERSION,
+                ctx_rank=self.link.topology.rank,
+                ok=False,
+                error_kind=type(exc).__name__,
+                error=str(exc)[:2000],
+            ),
+        )
+
+    def on_register(self, source: Source, msg: wire.RegisterRankInfo) -> None:
+        info, link = msg.info, self.link
+        key = (info.instance_name, info.rank)
+        try:
+            if info.incarnation == link.incarnation and info.instance_name == link.instance_name:
+                raise E.IncompatiblePeerError("a rank cannot register this rank's own identity with it")
+            validate_compatible(link.layout, info.layout)
+            if info.backend != link.agent.backend:
+                raise E.IncompatiblePeerError(
+                    f"transfer backend: generation rank uses {info.backend!r}, this context rank uses {link.agent.backend!r}"
+                )
+        except E.KvcoreError as exc:
+            with link.lock:
+                old = self.peers.get(key)
+                if old is None or old.state is PeerState.REFUSED:
+                    p = GenPeer(info=info)
+                    p.move(PeerState.REFUSED, deadline=time.monotonic() + self.config.refused_peer_ttl_s, error=exc)
+                    self.peers[key] = p
+            self._refuse(source, info, exc)
+            return
+        with link.lock:
+            old = self.peers.get(key)
+            if old is not None and old.incarnation == info.incarnation and not old.gone:
+                return  # duplicate registration
+            live = sum(1 for p in self.peers.values() if not p.gone)
+            if live >= self.config.max_peers:
+                exc2 = E.ResourceExhaustedError(f"{live} generation ranks are registered (max_peers)")
+                self._refuse(source, info, exc2)
+                return
+            if old is not None and not old.gone:
+                self._lose(old, E.PeerLostError(f"{old} was replaced by a new incarnation (it restarted)"))
+            elif old is not None:
+                self.peers.pop(key, None)
+            peer = GenPeer(info=info)
+            peer.move(PeerState.CONNECTING)
+            self.peers[key] = peer
+        link.post(self._load_peer, peer)
+
+    def on_request_data(self, source: Source, msg: wire.RequestData) -> None:
+        key = (msg.gen_instance, msg.gen_rank)
+        link = self.link
+        with link.lock:
+            peer = self.peers.get(key)
+            if peer is None or peer.incarnation != msg.gen_incarnation or peer.gone:
+                if peer is not None and peer.state is PeerState.REFUSED and peer.incarnation == msg.gen_incarnation:
+                    err = peer.error or E.IncompatiblePeerError("refused")
+                    link.reply(
+                        source,
+                        self._result(
+                            msg.request_id, msg.nonce, status="failed", kind=type(err).__name__, error=str(err)
+                        ),
+                    )
+                else:
+                    self._not_registered(source, msg, f"generation rank {key} is not registered with this context rank")
+                return
+            if msg.ctx_incarnation and msg.ctx_incarnation != link.incarnation:
+                self._not_registered(
+                    source, msg, f"asked of context incarnation {msg.ctx_incarnation}; this is {link.incarnation}"
+                )
+                return
+            s = self.tx.get(msg.request_id)
+            if s is None:
+                tomb = self.tombstones.get(msg.request_id)
+                if tomb is not None:
+                    self._answer_unheld(msg, source, tomb)
+                    return
+                per_peer = sum(
+                    1 for lst in self.early.values() for _, r, _ in lst if (r.gen_instance, r.gen_rank) == key
+                )
+                count = sum(len(v) for v in self.early.values())
+                cfg = self.config
+                if (
+                    count >= cfg.max_early_requests
+                    or per_peer >= cfg.max_early_per_peer
+                    or self.early_bytes + len(msg.block_ids) > cfg.max_early_bytes
+                ):
+                    link.reply(
+                        source,
+                        self._result(
+                            msg.request_id,
+                            msg.nonce,
+                            status="failed",
+                            kind="ResourceExhaustedError",
+                            error=f"{count} requests ({self.early_bytes} bytes) already wait for start_send here",
+                        ),
+                    )
+                    return
+                # Kept until the receiver's deadline (bounded by ours); then it is answered with a failure.
+                ttl = min(msg.timeout_ms / 1000.0, self.config.request_timeout_s)
+                self.early.setdefault(msg.request_id, []).append((time.monotonic() + ttl, msg, source))
+                self.early_bytes += len(msg.block_ids)
+                return
+            self._attach(s, msg, source)
+        link.post(self._drive, msg.request_id)
+
+    def _not_registered(self, source: Source, msg: wire.RequestData, why: str) -> None:
+        self.link.reply(
+            source, self._result(msg.request_id, msg.nonce, status="failed", kind="NotRegisteredError", error=why)
+        )
+
+    def _attach(self, s: TxSession, msg: wire.RequestData, source: Source) -> None:
+        """A receiver asked for ``s`` (lock held): add its task, or answer at once if ``s`` is already terminal."""
+        peer = self.peers[(msg.gen_instance, msg.gen_rank)]
+        key = (msg.gen_instance, msg.gen_rank)
+        old = s.tasks.get(key)
+        if old is not None:
+            if old.peer is peer and old.nonce == msg.nonce:
+                if old.final is not None:
+                    self._send_to(old, old.final)  # asked again: same final answer
+                return
+            if old.peer is peer or old.state not in IDLE_TASK_STATES | {TaskState.SUBMITTED}:
+                return  # one task per receiver incarnation; a second ask with another secret is ignored
+        t = ReceiverTask(
+            peer=peer,
+            block_ids=np.zeros(0, np.int64),
+            state_slot=msg.state_slot,
+            prompt_len=msg.prompt_len,
+            nonce=msg.nonce,
+            reply_to=source,
+            deadline=time.monotonic() + min(msg.timeout_ms / 1000.0, self.config.request_timeout_s),
+            bounce_addr=msg.bounce_addr,
+            bounce_bytes=msg.bounce_bytes,
+            bounce_digest=msg.bounce_digest,
+        )
+        s.tasks[key] = t
+        assert peer.info is not None
+        if s.expected_receivers is None:
+            s.expected_receivers = len(peer_ranks(self.link.topology, peer.info.topology, peer.info.topology.dp_rank))
+        if s.terminal:
+            self._finish_for_session(s, t)
+            return
+        try:
+            raw = np.frombuffer(msg.block_ids, dtype="<i8")
+            t.block_ids = check_block_ids(
+                raw, max_slot(peer.info.page_table), f"request {s.request_id} destination block_ids"
+            )
+            if s.prompt_len >= 0 and msg.prompt_len >= 0 and s.prompt_len != msg.prompt_len:
+                raise E.MappingError(
+                    f"request {s.request_id} prompt_len: context {s.prompt_len}, generation {msg.prompt_len}"
+                )
+            if len(t.block_ids) > len(s.block_ids):
+                raise E.MappingError(
+                    f"request {s.request_id} block count: the generation side expects {len(t.block_ids)} blocks, "
+                    f"the context side holds {len(s.block_ids)}"
+                )
+        except E.KvcoreError as exc:
+            log.warning("request %d from %s: %s", s.request_id, peer, exc)
+            self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
+            self._end(s, SessionState.FAILED, exc)
+
+    def on_cancel(self, source: Source, msg: wire.Cancel) -> None:
+        """A receiver cancels (or asks for the final word on) its part of a request."""
+        key = (msg.instance, msg.rank)
+        with self.link.lock:
+            peer = self.peers.get(key)
+            if peer is None or peer.gone:
+                self.counters["ignored_cancels"] += 1
+                return
+            s = self.tx.get(msg.request_id)
+            t = s.tasks.get(key) if s is not None else None
+            if t is None or t.peer is not peer:
+                early = self.early.get(msg.request_id, [])
+                mine = [e for e in early if (e[1].gen_instance, e[1].gen_rank) == key and e[1].nonce == msg.nonce]
+                for e in mine:
+                    early.remove(e)
+                    self.early_bytes -= len(e[1].block_ids)
+                if not early:
+                    self.early.pop(msg.request_id, None)
+                tomb = self.tombstones.get(msg.request_id)
+                if s is None and tomb is None and mine:
+                    # Cancelled before start_send: remember, so the engine's later start_send ends CANCELLED.
+                    self.tombstones.put(
+                        msg.request_id, SessionState.CANCELLED, E.RequestCancelledError(f"cancelled by {peer}")
+                    )
+                    tomb = self.tombstones.get(msg.request_id)
+                # Nothing of this receiver's is in flight here: say so (the receiver may release its pages).
+                status = "cancelled" if tomb is None or tomb.state is not SessionState.DONE else "failed"
+                self.link.send(
+                    peer.info.endpoint,  # type: ignore[union-attr]
+                    self._result(
+                        msg.request_id,
+                        msg.nonce,
+                        status=status,
+                        kind="RequestCancelledError",
+                        error=msg.reason or "nothing in flight for this receiver",
+                    ),
+                )
+                return
+            if t.nonce != msg.nonce:
+                self.counters["forged_messages"] += 1
+                return
+            if t.state in IDLE_TASK_STATES:
+                self._finish(s, t, TaskState.CANCELLED, kind="RequestCancelledError", error=msg.reason)  # type: ignore[arg-type]
+            elif t.final is not None:
+                self._send_to(t, t.final)
+            # A submitted write cannot be recalled: its final answer follows when the transport finishes.
+        self.link.post(self._drive, msg.request_id)
+
+    def on_disconnect(self, endpoint: str) -> None:
+        with self.link.lock:
+            now = time.monotonic()
+            for peer in list(self.peers.values()):
+                if peer.gone or peer.info is None or peer.info.endpoint != endpoint:
+                    continue
+                dead, _ = writer_fenced(peer.info, None, self.config.fencing_grace_s, now)
+                if dead:
+                    self._lose(peer, E.PeerLostError(f"{peer} at {endpoint} died"))
+                elif peer.state in (PeerState.READY, PeerState.CONNECTING):
+                    peer.move(PeerState.SUSPECT, deadline=now + self.config.peer_lost_timeout_s)
+
+    def on_connect(self, endpoint: str) -> None:
+        with self.link.lock:
+            for peer in self.peers.values():
+                if peer.state is PeerState.SUSPECT and peer.info is not None and peer.info.endpoint == endpoint:
+                    peer.move(PeerState.READY if peer.agent_name else PeerState.CONNECTING)
+        self.link.post(self._drive_all)
+
+    def _lose(self, peer: GenPeer, error: E.KvcoreError) -> None:
+        """A generation rank is gone (lock held): its waiting tasks fail, its requests fail, it is unloaded later."""
+        if not peer.move(PeerState.LOST, error=error):
+            return
+        peer.lost_at = time.monotonic()
+        self.counters["peers_lost"] += 1
+        log.warning("%s", error)
+        key = peer.key
+        if self.peers.get(key) is peer:
+            del self.peers[key]
+        self.retired.append(peer)
+        for s in self.tx.values():
+            t = s.tasks.get(key)
+            if t is not None and t.peer is peer:
+                if t.state in IDLE_TASK_STATES:
+                    t.move(TaskState.FAILED)  # nobody to answer
+                self._end(s, SessionState.FAILED, error)
+        for rid in list(self.early):
+            lst = [e for e in self.early[rid] if (e[1].gen_instance, e[1].gen_rank) != key]
+            self.early_bytes -= sum(len(e[1].block_ids) for e in self.early[rid] if e not in lst)
+            if lst:
+                self.early[rid] = lst
+            else:
+                del self.early[rid]
+
+    # --- worker thread -----------------------------------------------------------------------------
+
+    def _load_peer(self, peer: GenPeer) -> None:
+        assert peer.info is not None
+        if peer.state is not PeerState.CONNECTING:
+            return
+        try:
+            name = self.link.agent.load_remote_agent(peer.info.agent_descriptor)
+        except E.KvcoreError as exc:
+            with self.link.lock:
+                peer.move(PeerState.REFUSED, deadline=time.monotonic() + self.config.refused_peer_ttl_s, error=exc)
+                for s in list(self.tx.values()):
+                    t = s.tasks.get(peer.key)
+                    if t is not None and t.peer is peer and t.state in IDLE_TASK_STATES:
+                        self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
+                        self._end(s, SessionState.FAILED, exc)
+            self.link.send(
+                peer.info.endpoint,
+                wire.RegisterResult(
+                    v=wire.PROTOCOL_VERSION,
+                    ctx_rank=self.link.topology.rank,
+                    ok=False,
+                    error_kind=type(exc).__name__,
+                    error=str(exc)[:2000],
+                ),
+            )
+            return
+        with self.link.lock:
+            peer.agent_name = name
+            if peer.state is PeerState.CONNECTING:
+                peer.move(PeerState.READY)
+                peer.ready_at = time.monotonic()
+                self.link.metrics.first_contact(peer.name, peer.ready_at - peer.created)
+            rids = [rid for rid, s in self.tx.items() if peer.key in s.tasks]
+        for rid in rids:
+            self._drive(rid)
+
+    def _drive_all(self) -> None:
+        with self.link.lock:
+            rids = list(self.tx)
+        for rid in rids:
+            self._drive(rid)
+
+    def _drive(self, rid: int) -> None:
+        """Submit every ready task of a send session; settle the session when all are final."""
+        with self.link.lock:
+            s = self.tx.get(rid)
+            if s is None:
+                return
+            todo = []
+            for t in s.tasks.values():
+                if t.state not in IDLE_TASK_STATES:
+                    continue
+                if s.terminal:
+                    self._finish_for_session(s, t)
+                    continue
+                if t.peer.state is not PeerState.READY:
+                    continue  # descriptor still loading, or the peer is suspect
+                layers = self._next_slice(s, t)
+                if layers is False:
+                    continue  # layer-wise: nothing new is ready for this receiver
+                # Claimed under the lock: from here a write may be in flight, so a cancel that arrives now
+                # waits for the transport's final word instead of answering (and releasing) at once.
+                t.move(TaskState.SUBMITTED)
+                todo.append((t, layers))
+            if todo and s.state in (SessionState.INIT, SessionState.READY):
+                s.transition(SessionState.TRANSFERRING)
+        for t, layers in todo:
+            self._submit(s, t, layers)
+        self._settle(s)
+
+    def _next_slice(self, s: TxSession, t: ReceiverTask) -> tuple[int, int] | bool | None:
+        """The global layer range to write next: None for the whole request, False when nothing is ready."""
+        start, stop = self.link.topology.layer_range
+        lo = max(t.sent_upto, start)
+        hi = stop if s.layers_upto is None else s.layers_upto
+        if t.sent_upto < 0 and s.layers_upto is None:
+            return None  # everything at once: the common, fastest case
+        return (lo, hi) if hi > lo else False
+
+    def _slice_done(self, s: TxSession, t: ReceiverTask) -> None:
+        """A slice landed (or was empty): answer the task, or wait for more layers (lock held)."""
+        t.total_bytes += t.nbytes
+        t.total_fragments += t.fragments
+        if t.sent_upto >= self.link.topology.layer_range[1]:
+            self._finish(s, t, TaskState.DONE)
+        else:
+            t.move(TaskState.PARTIAL)
+            if s.terminal:
+                self._finish_for_session(s, t)
+            else:
+                self.link.post(self._drive, s.request_id)  # more layers may be ready already
+
+    def _plan(self, s: TxSession, t: ReceiverTask, *, layers: tuple[int, int] | None, merge: bool) -> Any:
+        assert t.peer.info is not None
+        return plan_transfer(
+            self.link.layout,
+            t.peer.info.layout,
+            s.block_ids,
+            t.block_ids,
+            mappers=self.link.mappers,
+            src_state_slot=s.state_slot if s.state_slot >= 0 else None,
+            dst_state_slot=t.state_slot if t.state_slot >= 0 else None,
+            prompt_len=s.prompt_len if s.prompt_len >= 0 else (t.prompt_len if t.prompt_len >= 0 else None),
+            layer_range=layers,
+            merge=merge,
+        )
+
+    def _fail_task(self, s: TxSession, t: ReceiverTask, exc: E.KvcoreError) -> None:
+        log.warning("request %d to %s: %s", s.request_id, t.peer, exc)
+        with self.link.lock:
+            self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
+            self._end(s, SessionState.FAILED, exc)
+
+    def _submit(self, s: TxSession, t: ReceiverTask, layers: tuple[int, int] | bool | None) -> None:
+        """Write the claimed task's next slice (worker thread; the task is SUBMITTED)."""
+        t0 = time.monotonic()
+        self.link.metrics.queued(t.peer.name, max(0.0, t0 - max(s.created, t.attached_at, t.peer.ready_at)))
+        if layers is None and t.bounce_addr and self.bounce_on and self._submit_bounced(s, t, t0):
+            return
+        try:
+            plan = self._plan(s, t, layers=layers if isinstance(layers, tuple) else None, merge=True)
+            t1 = time.monotonic()
+            upto = self.link.topology.layer_range[1] if layers is None else layers[1]  # type: ignore[index]
+            if plan.count == 0:
+                with self.link.lock:
+                    t.sent_upto = upto
+                    t.nbytes = t.fragments = 0
+                    self._slice_done(s, t)
+                return
+            assert t.peer.agent_name is not None
+            handle = self.link.agent.submit(TransferOp.WRITE, t.peer.agent_name, plan.src, plan.dst, plan.sizes)
+        except E.KvcoreError as exc:
+            self._fail_task(s, t, exc)
+            return
+        t2 = time.monotonic()
+        self.link.metrics.transfer_posted(t.peer.name, plan.nbytes, plan.count, t1 - t0, t2 - t1)
+        self._track(s, t, handle, plan.nbytes, plan.count, upto)
+
+    def _track(self, s: TxSession, t: ReceiverTask, handle: Any, nbytes: int, count: int, upto: int) -> None:
+        with self.link.lock:
+            t.handle, t.nbytes, t.fragments, t.sent_upto = handle, nbytes, count, upto
+            t.posted_at = time.monotonic()
+            t.peer.inflight += 1
+            self.inflight[id(t)] = (s, t)
+            t.deadline = min(t.deadline, time.monotonic() + self.config.transfer_timeout_s)
+        self._check_transfer(s, t, time.monotonic())  # same-host transports are often done already
+
+    def _submit_bounced(self, s: TxSession, t: ReceiverTask, t0: float) -> bool:
+        """Gather the unmerged plan into staging and write it with one fragment; False: use the direct path."""
+        try:
+            plan = self._plan(s, t, layers=None, merge=False)
+        except E.KvcoreError:
+            return False  # the direct path reports the error
+        if plan.nbytes != t.bounce_bytes or bounce.plan_digest(plan.dst, plan.sizes) != t.bounce_digest:
+            self.counters["bounce_fallback_plan_mismatch"] += 1
+            log.warning(
+                "request %d: receiver's bounce plan differs from ours; writing fragments directly", s.request_id
+            )
+            return False
+        if self.staging is None:
+            self.staging = self.link.new_arena()
+        off = self.staging.lease(plan.nbytes)
+        if off is None:
+            self.counters["bounce_fallback_staging_full"] += 1
+            return False
+        staging = self.staging.address + off
+        try:
+            bounce.gather(plan.src, plan.sizes, staging)
+            t1 = time.monotonic()  # the gather counts as planning
+            assert t.peer.agent_name is not None
+            handle = self.link.agent.submit(
+                TransferOp.WRITE,
+                t.peer.agent_name,
+                np.array([staging], np.uint64),
+                np.array([t.bounce_addr], np.uint64),
+                np.array([plan.nbytes], np.uint64),
+            )
+        except E.KvcoreError as exc:
+            self.staging.release(off)
+            self._fail_task(s, t, exc)
+            return True
+        t.staging, t.bounced = off, True
+        self.counters["bounced_writes_total"] += 1
+        self.link.metrics.transfer_posted(
+            t.peer.name, plan.nbytes, plan.count, t1 - t0, time.monotonic() - t1, bounced=True
+        )
+        self._track(s, t, handle, plan.nbytes, plan.count, self.link.topology.layer_range[1])
+        return True
+
+    def _check_transfer(self, s: TxSession, t: ReceiverTask, now: float) -> None:
+        """Poll one submitted write; answer the receiver as soon as the transport says it is terminal."""
+        agent = self.link.agent
+        status = agent.poll(t.handle)
+        if status is TransferStatus.PENDING:
+            if now > t.deadline and not t.doubt_sent:
+                # Logical timeout; the write may still land, so the receiver keeps its pages quarantined.
+                t.doubt_sent = True
+                with self.link.lock:
+                    self._end(
+                        s,
+                        SessionState.TIMED_OUT,
+                        E.TransferTimeoutError(
+                            f"request {s.request_id}: transfer to {t.peer} still pending at its deadline"
+                        ),
+                    )
+                    self._send_to(
+                        t,
+                        self._result(
+                            s.request_id,
+                            t.nonce,
+                            status="failed",
+                            kind="TransferTimeoutError",
+                            error="transfer still in flight at its deadline",
+                            in_doubt=True,
+                        ),
+                    )
+            return
+        err = t.handle.error
+        self.link.metrics.transfer_finished(t.peer.name, status is TransferStatus.DONE, now - t.posted_at)
+        agent.release(t.handle)
+        if t.staging is not None and self.staging is not None:
+            self.staging.release(t.staging)  # the transport no longer reads it
+            t.staging = None
+        with self.link.lock:
+            self.inflight.pop(id(t), None)
+            t.peer.inflight -= 1
+            t.handle = None
+            if status is TransferStatus.DONE:
+                self._slice_done(s, t)
+            else:
+                exc = err or E.TransferFailedError("transfer failed")
+                self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
+                self._end(s, SessionState.FAILED, exc)
+        self._settle(s)
+
+    def _settle(self, s: TxSession) -> None:
+        with self.link.lock:
+            if s.terminal or s.expected_receivers is None or len(s.tasks) < s.expected_receivers:
+                return
+            states = {t.state for t in s.tasks.values()}
+            if states <= {TaskState.DONE}:
+                s.transition(SessionState.DONE)
+            elif not states & (IDLE_TASK_STATES | {TaskState.SUBMITTED}):
+                if TaskState.FAILED in states:
+                    self._end(s, SessionState.FAILED, E.TransferFailedError(f"request {s.request_id}: a write failed"))
+                else:
+                    self._end(
+                        s,
+                        SessionState.CANCELLED,
+                        E.RequestCancelledError(f"request {s.request_id} was cancelled by its receivers"),
+                    )
+
+    # --- timers (worker thread) ------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        with self.link.lock:
+            inflight = list(self.inflight.values())
+        for s, t in inflight:
+            self._check_transfer(s, t, now)
+        self._reap_orphans()
+        with self.link.lock:
+            self._reap(now)
+            unload = [p for p in self.retired if p.inflight == 0]
+            self.retired = [p for p in self.retired if p.inflight > 0]
+        for peer in unload:
+            self._unload(peer)
+
+    def _reap(self, now: float) -> None:
+        cfg = self.config
+        for s in self.tx.values():
+            if not s.terminal and now > s.deadline:
+                self._end(
+                    s,
+                    SessionState.TIMED_OUT,
+                    E.TransferTimeoutError(
+                        f"request {s.request_id}: receivers did not all ask within {cfg.request_timeout_s}s"
+                    ),
+                )
+        for rid in [r for r, lst in self.early.items() if lst and now > min(d for d, _, _ in lst)]:
+            keep = []
+            for expiry, req, source in self.early.pop(rid):
+                if now > expiry:
+                    self.early_bytes -= len(req.block_ids)
+                    self._answer_unheld(req, source, None)
+                else:
+                    keep.append((expiry, req, source))
+            if keep:
+                self.early[rid] = keep
+        self.tombstones.expire(now)
+        for key, peer in list(self.peers.items()):
+            if peer.state is PeerState.SUSPECT and peer.deadline is not None and now > peer.deadline:
+                self._lose(peer, E.PeerLostError(f"{peer} unreachable for {cfg.peer_lost_timeout_s}s"))
+            elif peer.state is PeerState.REFUSED and peer.deadline is not None and now > peer.deadline:
+                peer.move(PeerState.UNLOADED)
+                del self.peers[key]
+        # A lost peer's writes that never end: the transport only *reads* our pages for a WRITE, so once the
+        # fencing grace ran out the task may end (its pages go back) while the handle waits to be released.
+        for peer in self.retired:
+            if peer.lost_at is None or now - peer.lost_at < cfg.fencing_grace_s:
+                continue
+            for key_t, (_, t) in list(self.inflight.items()):
+                if t.peer is peer:
+                    del self.inflight[key_t]
+                    self.orphans.append(t.handle)
+                    t.handle = None
+                    peer.inflight -= 1
+                    if t.staging is not None:
+                        t.staging = None  # leaked deliberately: the transport may still read it
+                    t.move(TaskState.FAILED)
+                    self.counters["abandoned_transfers"] += 1
+
+    def _reap_orphans(self) -> None:
+        keep = []
+        for h in self.orphans:
+            if self.link.agent.poll(h) is TransferStatus.PENDING:
+                keep.append(h)
+            else:
+                self.link.agent.release(h)
+        self.orphans = keep
+
+    def _unload(self, peer: GenPeer) -> None:
+        assert peer.info is not None
+        if peer.agent_name:
+            self.link.unload_agent(peer.agent_name, peer.incarnation)
+        with self.link.lock:
+            in_use = any(p.info is not None and p.info.endpoint == peer.info.endpoint for p in self.peers.values())
+            peer.move(PeerState.UNLOADED)
+            if not any(p.name == peer.name for p in self.peers.values()):
+                self.link.metrics.forget_peer(peer.name)
+        if not in_use:
+            try:
+                self.link.messenger.drop(peer.info.endpoint)
+            except E.KvcoreError:
+                pass
+
+    # --- stats and close ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        with self.link.lock:
+            return {
+                "tx_sessions": len(self.tx),
+                "early_requests": sum(len(v) for v in self.early.values()),
+                "early_request_bytes": self.early_bytes,
+                "tombstones": len(self.tombstones),
+                "gen_peers": sum(1 for p in self.peers.values() if not p.gone),
+                "retired_peers": len(self.retired),
+                "staging_leases": self.staging.leased if self.staging else 0,
+                "orphan_transfers": len(self.orphans),
+            }
+
+    def close(self) -> None:
+        for peer in list(self.peers.values()) + self.retired:
+            if peer.agent_name:
+                self.link.unload_agent(peer.agent_name, peer.incarnation)

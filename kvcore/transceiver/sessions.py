@@ -1,0 +1,306 @@
+"""Request lifecycles: send and receive sessions, the tasks and writers inside them, and their tombstones.
+
+::
+
+    INIT ──► READY ──► TRANSFERRING ──► DONE
+      │        │            │
+      └────────┴────────────┴──► FAILED | CANCELLED | TIMED_OUT
+
+A session reaches exactly one terminal state, once: later transitions are
+ignored (duplicate, late or replayed messages change nothing). Terminal is a
+*logical* outcome; *quiescent* is the physical one: no task or writer can
+still produce a write or a result for this request. Pages go back to the
+engine only when a session is both terminal and quiescent ("released").
+
+Inside a session, each peer's part has its own small state machine with the
+same discipline (one table of allowed moves): a context rank's
+:class:`ReceiverTask` (one per generation rank that asked) and a generation
+rank's :class:`WriterState` (one per context rank that may write).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvcore.errors import KvcoreError, SessionError
+
+if TYPE_CHECKING:
+    from kvcore.transceiver.peers import CtxInstance, GenPeer
+
+__all__ = [
+    "SessionState",
+    "TERMINAL",
+    "Session",
+    "RxSession",
+    "TxSession",
+    "TaskState",
+    "WriterState",
+    "ReceiverTask",
+    "Tombstone",
+    "Tombstones",
+]
+
+
+class SessionState(str, Enum):
+    INIT = "INIT"  # created; peers not yet known or contacted
+    READY = "READY"  # every peer known; nothing in flight yet
+    TRANSFERRING = "TRANSFERRING"  # at least one write submitted / requested
+    DONE = "DONE"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    TIMED_OUT = "TIMED_OUT"
+
+
+TERMINAL = frozenset({SessionState.DONE, SessionState.FAILED, SessionState.CANCELLED, SessionState.TIMED_OUT})
+
+# The one place the allowed session transitions live.
+_ALLOWED: dict[SessionState, frozenset[SessionState]] = {
+    SessionState.INIT: frozenset({SessionState.READY, SessionState.TRANSFERRING}) | TERMINAL,
+    SessionState.READY: frozenset({SessionState.TRANSFERRING}) | TERMINAL,
+    SessionState.TRANSFERRING: TERMINAL,
+    **{s: frozenset() for s in TERMINAL},
+}
+
+
+@dataclass(eq=False)
+class Session:
+    """Common lifecycle of a send or receive session."""
+
+    request_id: int
+    deadline: float  # time.monotonic() bound on reaching a terminal state
+    state: SessionState = SessionState.INIT
+    error: KvcoreError | None = None
+    created: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    released: bool = False  # reported to the engine as safe to reuse
+    reported: bool = False  # terminal outcome handed to the engine
+    nbytes: int = 0  # bytes moved for this request on this rank
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def transition(self, new: SessionState, error: KvcoreError | None = None) -> bool:
+        """Move to ``new`` if allowed; returns False (and changes nothing) for a transition from a terminal state."""
+        if new is self.state:
+            return False
+        if new not in _ALLOWED[self.state]:
+            if self.terminal:
+                return False  # committed once; late news changes nothing
+            raise SessionError(f"request {self.request_id}: illegal transition {self.state.value} -> {new.value}")
+        self.state = new
+        if new in TERMINAL:
+            self.error = error
+            self.finished = time.monotonic()
+        return True
+
+    @property
+    def quiescent(self) -> bool:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+# --- generation side: one writer per context rank that may write ------------------------------------
+
+
+class WriterState(str, Enum):
+    """A context rank's part of a receive session, as the generation rank sees it."""
+
+    ASKED = "ASKED"  # RequestData sent: the writer may be writing
+    OK = "OK"  # reported its writes landed
+    FAILED = "FAILED"  # reported a failure: nothing more will be written
+    CANCELLED = "CANCELLED"  # confirmed cancelled: nothing was or will be written
+    NOT_ASKED = "NOT_ASKED"  # the writer proved it never took the request (not registered / unknown)
+    FENCED = "FENCED"  # the writer is known dead (or its fencing grace ran out): it can write nothing more
+
+
+#: Writers that can no longer put a byte into the request's pages.
+WRITER_SETTLED = frozenset(set(WriterState) - {WriterState.ASKED})
+
+_WRITER_ALLOWED: dict[WriterState, frozenset[WriterState]] = {
+    WriterState.ASKED: frozenset(WRITER_SETTLED),
+    WriterState.NOT_ASKED: frozenset({WriterState.ASKED}),  # re-asked after a re-registration
+    **{s: frozenset() for s in WRITER_SETTLED - {WriterState.NOT_ASKED}},
+}
+
+
+@dataclass(eq=False)
+class RxSession(Session):
+    """Generation side: waits for every expected context rank to report its writes."""
+
+    ctx_endpoint: str = ""
+    block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    state_slot: int = -1
+    prompt_len: int = -1
+    ctx_dp_rank: int = 0
+    instance: CtxInstance | None = None  # the context incarnation this request was asked of
+    writers: dict[int, WriterState] = field(default_factory=dict)  # ctx rank -> state
+    nonces: dict[int, bytes] = field(default_factory=dict)  # ctx rank -> the secret its answers must echo
+    leases: dict[int, int] = field(default_factory=dict)  # ctx rank -> bounce arena offset
+    unpack: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # ctx rank -> (dst, sizes)
+    bounced: set[int] = field(default_factory=set)  # writers whose bytes sit packed in their lease
+    last_query: float = 0.0  # when the quarantined writers were last asked for their final word
+    asked_at: dict[int, float] = field(default_factory=dict)  # ctx rank -> when its RequestData was sent
+
+    @property
+    def quiescent(self) -> bool:
+        return all(w in WRITER_SETTLED for w in self.writers.values())
+
+    def all_ok(self) -> bool:
+        return bool(self.writers) and all(w is WriterState.OK for w in self.writers.values())
+
+    def settle(self, ctx_rank: int, new: WriterState) -> bool:
+        """Move one writer along its table; False when the move is not allowed (late or duplicate news)."""
+        old = self.writers.get(ctx_rank)
+        if old is None or new not in _WRITER_ALLOWED[old]:
+            return False
+        self.writers[ctx_rank] = new
+        return True
+
+
+# --- context side: one task per generation rank that asked ------------------------------------------
+
+
+class TaskState(str, Enum):
+    """The write of one request into one generation rank, as the context rank sees it."""
+
+    WAITING = "WAITING"  # asked; nothing submitted yet (descriptor loading, or layers not ready)
+    PARTIAL = "PARTIAL"  # layer-wise: some layers written, nothing in flight, more to come
+    SUBMITTED = "SUBMITTED"  # a write is in flight at the transport
+    DONE = "DONE"  # every slice landed and the receiver was told
+    FAILED = "FAILED"  # the receiver was told it failed; nothing in flight
+    CANCELLED = "CANCELLED"  # the receiver was told it was cancelled; nothing in flight
+
+
+#: Tasks with nothing in flight that may still have layers to write.
+IDLE_TASK_STATES = frozenset({TaskState.WAITING, TaskState.PARTIAL})
+#: Tasks whose receiver has its final answer and that can write nothing more.
+FINAL_TASK_STATES = frozenset({TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED})
+
+_TASK_ALLOWED: dict[TaskState, frozenset[TaskState]] = {
+    TaskState.WAITING: frozenset({TaskState.SUBMITTED, TaskState.PARTIAL}) | FINAL_TASK_STATES,
+    TaskState.PARTIAL: frozenset({TaskState.SUBMITTED}) | FINAL_TASK_STATES,
+    TaskState.SUBMITTED: frozenset({TaskState.PARTIAL}) | FINAL_TASK_STATES,
+    **{s: frozenset() for s in FINAL_TASK_STATES},
+}
+
+
+@dataclass(eq=False)
+class ReceiverTask:
+    """Context side: the write of this request into one generation rank (incarnation)."""
+
+    peer: GenPeer
+    block_ids: np.ndarray
+    state_slot: int
+    prompt_len: int
+    nonce: bytes  # the receiver's secret for this request: echoed in every answer, required on its cancels
+    reply_to: Any = None  # messenger Source the receiver's RequestData came from (answers go back there)
+    state: TaskState = TaskState.WAITING
+    handle: Any = None
+    nbytes: int = 0
+    fragments: int = 0
+    deadline: float = 0.0
+    bounce_addr: int = 0
+    bounce_bytes: int = 0
+    bounce_digest: bytes = b""
+    staging: int | None = None  # offset of this task's lease in the sender's staging arena
+    bounced: bool = False
+    doubt_sent: bool = False
+    sent_upto: int = -1  # layer-wise: global layers below this were submitted (-1: nothing yet)
+    total_bytes: int = 0  # over every slice written so far
+    total_fragments: int = 0
+    final: Any = None  # the final TransferResult sent, re-sent when the receiver asks again
+    attached_at: float = field(default_factory=time.monotonic)  # when its RequestData arrived
+    posted_at: float = 0.0  # when its current write was submitted
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.peer.key
+
+    def move(self, new: TaskState) -> None:
+        """Move along the task table; an illegal move is a bug in kvcore, never a peer's doing."""
+        if new is self.state:
+            return
+        if new not in _TASK_ALLOWED[self.state]:
+            who = self.peer if self.peer.info is not None else "a receiver"
+            raise SessionError(f"receiver task of {who}: illegal transition {self.state.value} -> {new.value}")
+        self.state = new
+
+
+@dataclass(eq=False)
+class TxSession(Session):
+    """Context side: writes one request's KV to every generation rank that asks for it."""
+
+    block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    state_slot: int = -1
+    prompt_len: int = -1
+    tasks: dict[tuple[str, int], ReceiverTask] = field(default_factory=dict)
+    expected_receivers: int | None = None  # known once the first receiver asked
+    layers_upto: int | None = None  # layer-wise sending: layers below this are ready; None: all are
+
+    @property
+    def quiescent(self) -> bool:
+        """Every receiver that asked has its final answer and nothing is in flight.
+
+        A terminal session never keeps an idle task: it is answered at once (see
+        the sender), so this is also "no task can still produce a write or a result".
+        """
+        return all(t.state in FINAL_TASK_STATES for t in self.tasks.values())
+
+
+# --- tombstones --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """The final word on a request this rank no longer holds: late or repeated messages get it at once."""
+
+    state: SessionState
+    error_kind: str
+    message: str
+    at: float
+
+
+class Tombstones:
+    """Outcomes of released (or pre-cancelled) requests, bounded in number and age; the oldest go first."""
+
+    #: Bytes one tombstone costs at most (entry, key, message capped at 200 characters).
+    ENTRY_BYTES = 512
+
+    def __init__(self, max_entries: int, ttl_s: float) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._items: OrderedDict[int, Tombstone] = OrderedDict()
+        self.evicted = 0
+
+    def put(self, rid: int, state: SessionState, error: KvcoreError | None = None) -> None:
+        kind = type(error).__name__ if error is not None else ""
+        self._items.pop(rid, None)
+        self._items[rid] = Tombstone(state, kind, str(error or "")[:200], time.monotonic())
+        while len(self._items) > self.max_entries:
+            self._items.popitem(last=False)
+            self.evicted += 1
+
+    def get(self, rid: int) -> Tombstone | None:
+        return self._items.get(rid)
+
+    def pop(self, rid: int) -> Tombstone | None:
+        return self._items.pop(rid, None)
+
+    def expire(self, now: float) -> None:
+        while self._items:
+            rid, t = next(iter(self._items.items()))
+            if now - t.at <= self.ttl_s:
+                break
+            del self._items[rid]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._items
