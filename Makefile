@@ -39,7 +39,7 @@ vllm-env: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS) plugins/vllm/requirements-vllm.txt plugins/vllm/pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e '.[test]'
+	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e .
 	$(foreach p,'plugins/nixl[cu12]' plugins/mixers,$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e $(p) &&) true
 	$(VLLM_PY) -m pip install -q --no-deps vllm==$(VLLM_VERSION) xgrammar==0.2.8
 	$(VLLM_PY) -m pip install -q --no-warn-conflicts -c $(VLLM_CONSTRAINTS) -r plugins/vllm/requirements-vllm.txt

@@ -67,17 +67,8 @@ def assert_idle(e: Any, free_blocks: int) -> None:
     deadline = time.monotonic() + 30
     while True:
         s = e.state()
-        kv = s["kvcore"]
-        idle = (
-            s["requests"] == 0
-            and s["free_blocks"] == free_blocks
-            and s["pending"] == 0
-            and kv["rx_sessions"] == 0
-            and kv["tx_sessions"] == 0
-            and kv["quarantined"] == 0
-            and kv["early_requests"] == 0
-            and kv["tombstones"] == 0
-        )
+        # kvcore's own leak check: every per-request resource (sessions, quarantine, leases, transfers) released.
+        idle = s["requests"] == 0 and s["free_blocks"] == free_blocks and s["pending"] == 0 and s["leaks"] == {}
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -346,6 +346,7 @@ def serve(spec: EngineSpec, out: Any) -> None:
                     free_blocks=engine.free_blocks(),
                     pending=engine.worker.engine.num_pending,
                     kvcore=engine.worker.engine.transceiver.stats(),
+                    leaks=engine.worker.engine.transceiver.leaks(),
                     connector_stats=engine.connector_stats,
                 )
             elif op == "exit":
