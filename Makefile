@@ -27,3 +27,29 @@ test: install lint
 # Break each guarantee on purpose (tools/mutations.toml) and require the tests to catch it; slow (minutes), not in CI.
 mutations:
 	$(PYTHON) tools/mutations.py
+
+# --- vLLM connector (plugins/vllm): its own environment, so the core's .venv never sees vLLM -----------------
+# vLLM goes in with --no-deps (its wheel pins torch 2.14 and CUDA-only packages); then only the pure-Python
+# packages it imports on the connector's paths, under plugins/vllm/constraints.txt (torch stays 2.13.0 CPU).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_VERSION ?= 0.33.0
+VLLM_CONSTRAINTS := plugins/vllm/constraints.txt
+
+.PHONY: vllm-env test-vllm
+
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS) plugins/vllm/requirements-vllm.txt plugins/vllm/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e .
+	$(foreach p,'plugins/nixl[cu12]' plugins/mixers,$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e $(p) &&) true
+	$(VLLM_PY) -m pip install -q --no-deps vllm==$(VLLM_VERSION) xgrammar==0.2.8
+	$(VLLM_PY) -m pip install -q --no-warn-conflicts -c $(VLLM_CONSTRAINTS) -r plugins/vllm/requirements-vllm.txt
+	$(VLLM_PY) -m pip install -q --no-warn-conflicts -c $(VLLM_CONSTRAINTS) -e 'plugins/vllm[test]'
+	$(VLLM_PY) -c "import vllm, kvcore_vllm; print('vllm', vllm.__version__, 'in', '$(VLLM_VENV)')"
+	touch $@
+
+test-vllm: vllm-env
+	$(VLLM_PY) -m pytest plugins/vllm/tests -q

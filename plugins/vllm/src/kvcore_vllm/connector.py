@@ -1,0 +1,450 @@
+"""``KvcoreConnector``: a vLLM V1 KV connector that moves disaggregated-prefill KV with kvcore.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "KvcoreConnector",
+"kv_connector_module_path": "kvcore_vllm.connector", "kv_role": "kv_producer"
+| "kv_consumer", "kv_connector_extra_config": {"backend": "nixl", ...}}'``.
+
+How a request flows (push: the prefill instance writes into the decode
+instance's blocks once the decode side asked):
+
+* prefill scheduler, ``request_finished``: keeps the blocks (returns True) and
+  returns ``kv_transfer_params`` carrying kvcore's transfer parameters; the
+  next step's metadata tells the worker to ``start_send``.
+* decode scheduler: ``get_num_new_matched_tokens`` reports the prompt tokens
+  from the parameters as an asynchronous load; ``update_state_after_alloc``
+  records the blocks allocated for them; the metadata carries them to the
+  worker, whose ``start_load_kv`` calls ``start_receive``.
+* both workers: ``get_transfer_results`` polls kvcore and reports a request
+  only once kvcore released it: finished sending (the prefill frees its
+  blocks), finished receiving (the decode schedules it), with failed receives
+  also in ``failed_recving`` and their blocks in
+  ``get_block_ids_with_load_errors``.
+
+Only the worker side talks to kvcore (through :mod:`kvcore_vllm.engine_api`);
+the scheduler side learns the prefill instance's endpoint from the workers'
+handshake metadata, as vLLM's NIXL connector does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvcore.config import create_agent
+from kvcore.errors import ConfigError, KvcoreError
+from kvcore.topology import Topology
+from kvcore_vllm.engine_api import (
+    COUNTERS,
+    PARAMS_KEY,
+    InvalidTransferParamsError,
+    KvcoreEngine,
+    TransferParams,
+    request_key,
+)
+from kvcore_vllm.layout import KvDescription, describe_kv_caches
+from kvcore_vllm.options import transceiver_config, transceiver_role
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from kvcore.agent import TransferAgent
+
+__all__ = [
+    "KvcoreConnector",
+    "KvcoreConnectorMetadata",
+    "KvcoreConnectorStats",
+    "KvcoreHandshakeMetadata",
+    "RecvSpec",
+    "SendSpec",
+]
+
+log = logging.getLogger("kvcore_vllm.connector")
+
+
+@dataclass
+class SendSpec:
+    """Prefill side: send request ``key``'s KV from ``block_ids`` (token order)."""
+
+    key: int
+    block_ids: list[int]
+    prompt_len: int
+
+
+@dataclass
+class RecvSpec:
+    """Decode side: receive the request described by ``params`` into ``block_ids``."""
+
+    params: dict[str, Any]
+    block_ids: list[int]
+
+
+@dataclass
+class KvcoreConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: the sends and receives to start."""
+
+    sends: dict[str, SendSpec] = field(default_factory=dict)
+    recvs: dict[str, RecvSpec] = field(default_factory=dict)
+    releases: dict[str, dict[str, Any]] = field(default_factory=dict)  # decode requests that will never load
+
+
+@dataclass
+class KvcoreHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at start-up: where this rank's kvcore transceiver listens."""
+
+    info_endpoint: str  # the instance's rank 0 (the one a decode instance contacts first)
+    endpoint: str  # this rank's own control endpoint
+    instance_name: str
+
+
+@dataclass
+class KvcoreConnectorStats(KVConnectorStats):
+    """kvcore's outcomes and bytes moved in one interval, summed over workers and steps.
+
+    Keys: ``transfers_done``, ``transfers_failed``, ``transfers_cancelled``, ``bytes_moved``.
+    """
+
+    def __post_init__(self) -> None:
+        for key in COUNTERS:
+            self.data.setdefault(key, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(COUNTERS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key in COUNTERS:
+            self.data[key] = int(self.data.get(key, 0)) + int(other.data.get(key, 0))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: int(self.data.get(key, 0)) for key in COUNTERS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key, 0) for key in COUNTERS)
+
+
+class KvcoreConnector(KVConnectorBase_V1):
+    """vLLM V1 KV connector on kvcore; ``kv_role`` ``kv_producer`` (prefill) or ``kv_consumer`` (decode)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        self._kvcore_role = transceiver_role(ktc.kv_role)
+        self._config = transceiver_config(ktc.kv_connector_extra_config)
+        self._engine_id: str = ktc.engine_id or ""
+        self._block_size: int = vllm_config.cache_config.block_size
+        # Scheduler side.
+        self._info_endpoint: str | None = None
+        self._sends: dict[str, SendSpec] = {}
+        self._recvs: dict[str, RecvSpec] = {}
+        self._releases: dict[str, dict[str, Any]] = {}
+        # Worker side.
+        self._agent: TransferAgent | None = None
+        self._engine: KvcoreEngine | None = None
+        self._description: KvDescription | None = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.WORKER:
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            self._tp_rank = self._worker_tp_rank(vllm_config)
+            name = f"vllm-{self._engine_id[:8]}-{self._kvcore_role}-tp{self._tp_rank}-{os.getpid()}"
+            self._agent = create_agent(self._config, agent_name=name)
+            log.info(
+                "kvcore %s worker (tp %d/%d) on backend %s", self._kvcore_role, self._tp_rank, tp, self._agent.backend
+            )
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: kvcore registers the KV memory once, for the transceiver's lifetime (no unregister/restore yet)."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Prefer head-major pages (``LBHNC``): re-sharding between TP sizes then moves whole heads, not tokens.
+
+        vLLM drops the preference (with a warning) when the attention backend cannot use it; every
+        page-contiguous layout works (see kvcore_vllm.layout).
+        """
+        if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+            return None
+        return "LBHNC"
+
+    @staticmethod
+    def _worker_tp_rank(vllm_config: VllmConfig) -> int:
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"pipeline_parallel_size: KvcoreConnector supports 1 for now, got {pc.pipeline_parallel_size}"
+            )
+        if pc.tensor_parallel_size == 1:
+            return 0
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return int(get_tp_group().rank_in_group)
+
+    # ==============================================================================================
+    # Worker side
+    # ==============================================================================================
+
+    def allocate_kv_backing(self, nbytes: int) -> torch.Tensor:
+        """A zeroed int8 buffer of ``nbytes`` this rank's transfer agent can expose to peers.
+
+        Decode instances on the ``shm`` backend must keep their KV in such memory
+        (the shm agent only exports its own segments); NIXL and UCX register any
+        memory. vLLM allocates its KV itself, so the shm backend serves engines
+        that let the connector allocate; ``vllm serve`` needs nixl or ucx.
+        """
+        import torch
+
+        if self._agent is None:
+            raise ConfigError("allocate_kv_backing: only the worker-side connector has a transfer agent")
+        return self._agent.allocate_tensor((nbytes,), torch.int8)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Describe vLLM's KV views to kvcore and start this rank's transceiver."""
+        from kvcore.collective import LocalCollective, TorchCollective
+        from kvcore.transceiver import Transceiver
+
+        assert self._agent is not None
+        vc = self._vllm_config
+        pc = vc.parallel_config
+        topology = Topology.create(
+            tp_size=pc.tensor_parallel_size,
+            pp_size=1,
+            rank=self._tp_rank,
+            num_layers=vc.model_config.get_total_num_hidden_layers(),
+        )
+        self._description = describe_kv_caches(
+            kv_caches,
+            topology=topology,
+            num_kv_heads=vc.model_config.get_total_num_kv_heads(),
+            head_size=vc.model_config.get_head_size(),
+            block_size=self._block_size,
+        )
+        collective: Any = LocalCollective()
+        if pc.tensor_parallel_size > 1:
+            # kvcore's poll is collective over the instance's ranks; vLLM calls get_transfer_results once per step
+            # on every worker, so the TP group's CPU (gloo) group keeps them in step.
+            from vllm.distributed.parallel_state import get_tp_group
+
+            collective = TorchCollective(get_tp_group().cpu_group)
+        d = self._description
+        # Where the KV lives decides how the agent registers it (DRAM or VRAM).
+        first = next(iter(kv_caches.values()))
+        device = f"cuda:{first.device.index or 0}" if first.device.type == "cuda" else "cpu"
+        tx = Transceiver(
+            self._config,
+            role=self._kvcore_role,
+            agent=self._agent,
+            topology=d.topology,
+            geometry=d.geometry,
+            page_table=d.page_table,
+            collective=collective,
+            # Unique per vLLM engine: DP engines of one deployment may share the engine id.
+            instance_name=f"vllm-{self._engine_id}-dp{pc.data_parallel_index}",
+            device=device,
+        )
+        self._engine = KvcoreEngine(tx)
+        log.info(
+            "kvcore %s: %d layers, %s pages, info endpoint %s",
+            self._kvcore_role,
+            len(d.layer_names),
+            d.kind,
+            tx.info_endpoint,
+        )
+
+    @property
+    def kv_description(self) -> KvDescription | None:
+        """How this rank's KV was described to kvcore (after ``register_kv_caches``)."""
+        return self._description
+
+    @property
+    def engine(self) -> KvcoreEngine | None:
+        """The kvcore adapter of this worker (after ``register_kv_caches``)."""
+        return self._engine
+
+    def get_handshake_metadata(self) -> KvcoreHandshakeMetadata | None:
+        if self._engine is None:
+            return None
+        tx = self._engine.transceiver
+        return KvcoreHandshakeMetadata(
+            info_endpoint=tx.info_endpoint, endpoint=tx.endpoint, instance_name=tx.instance_name
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start this step's sends (prefill) and receives (decode); both run asynchronously."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvcoreConnectorMetadata)
+        engine = self._require_engine()
+        for name, send in meta.sends.items():
+            engine.send(name, send.key, send.block_ids, send.prompt_len)
+        for name, recv in meta.recvs.items():
+            try:
+                params = TransferParams.from_dict(recv.params.get(PARAMS_KEY))
+            except InvalidTransferParamsError as exc:  # the scheduler side checked them already
+                log.error("request %r: %s", name, exc)
+                continue
+            engine.receive(name, params, recv.block_ids)
+        for name, raw in meta.releases.items():
+            try:
+                engine.release_remote(name, TransferParams.from_dict(raw.get(PARAMS_KEY)))
+            except InvalidTransferParamsError as exc:
+                log.error("request %r: %s", name, exc)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request and asynchronous: nothing to wait for per layer."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        """kvcore reads the KV from vLLM's blocks after the request finished: nothing to save per layer."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to save: sends start from the blocks themselves."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Poll kvcore; report requests it released. Cancels the receives of requests vLLM finished (aborts)."""
+        engine = self._require_engine()
+        if engine.role == "generation":
+            for name in finished_req_ids:
+                if engine.is_pending(name):
+                    engine.cancel(name, "request finished (aborted) on the decode instance")
+        r = engine.poll()
+        for name, error in r.failed_recving.items():
+            log.warning("request %r: KV load failed: %s", name, error)
+        if len(self._kv_cache_config.kv_cache_groups) == 1:
+            # Block ids are unique only within one KV cache group; vLLM refuses block-level errors otherwise.
+            self._load_errors |= r.failed_block_ids
+        return KVConnectorTransferResults(
+            finished_sending=r.finished_sending,
+            finished_recving=r.finished_recving,
+            failed_recving=set(r.failed_recving),
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_kv_connector_stats(self) -> KvcoreConnectorStats | None:
+        """This worker's kvcore outcomes and bytes since the last call (None on the scheduler side or when idle)."""
+        if self._engine is None:
+            return None
+        stats = KvcoreConnectorStats(data=dict(self._engine.take_counters()))
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvcoreConnectorStats:
+        return KvcoreConnectorStats(data=dict(data or {}))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of receives that failed, reported in the same step as their request's finished_recving."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
+
+    def _require_engine(self) -> KvcoreEngine:
+        if self._engine is None:
+            raise KvcoreError("KvcoreConnector: register_kv_caches was not called on this worker")
+        return self._engine
+
+    # ==============================================================================================
+    # Scheduler side
+    # ==============================================================================================
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Learn the instance's kvcore info endpoint (every rank reports the same one: its rank 0's)."""
+        if not metadata:
+            raise ConfigError("handshake metadata: expected one entry per worker, got none")
+        md = metadata.get(0) or next(iter(metadata.values()))
+        if not isinstance(md, KvcoreHandshakeMetadata):
+            raise ConfigError(f"handshake metadata: expected KvcoreHandshakeMetadata, got {type(md).__name__}")
+        self._info_endpoint = md.info_endpoint
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Decode side: the prompt tokens the prefill instance holds beyond the local prefix, loaded asynchronously."""
+        params = request.kv_transfer_params
+        if self._kvcore_role != "generation" or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        try:
+            tp = TransferParams.from_dict(params.get(PARAMS_KEY))
+        except InvalidTransferParamsError as exc:
+            log.warning("request %r: %s; computing its prefill locally", request.request_id, exc)
+            return 0, False
+        count = min(tp.prompt_len, len(request.prompt_token_ids or ())) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Decode side: remember the blocks allocated for the remote tokens; the worker starts the receive."""
+        params = request.kv_transfer_params
+        if self._kvcore_role != "generation" or not params or not params.get("do_remote_prefill"):
+            return
+        # One transfer per request, even if vLLM calls this again (after the load, or on preemption).
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            # Nothing to load (the local prefix cache covers the prompt): let the prefill free its blocks now.
+            if isinstance(params.get(PARAMS_KEY), dict):
+                self._releases[request.request_id] = dict(params)
+            return
+        self._recvs[request.request_id] = RecvSpec(params=dict(params), block_ids=blocks.get_unhashed_block_ids())
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcoreConnectorMetadata:
+        meta = KvcoreConnectorMetadata(sends=self._sends, recvs=self._recvs, releases=self._releases)
+        self._sends, self._recvs, self._releases = {}, {}, {}
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill side: keep the blocks until kvcore released the send; return the parameters for the router."""
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if self._kvcore_role == "generation" and params and params.get("do_remote_prefill"):
+            # Finished (aborted) before it was ever scheduled: it will not load, tell the prefill to free.
+            params["do_remote_prefill"] = False
+            if isinstance(params.get(PARAMS_KEY), dict):
+                self._releases[request.request_id] = dict(params)
+            return False, None
+        if self._kvcore_role != "context" or not params or not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted before its prefill completed: nothing to send
+        if not block_ids:
+            return False, None
+        if self._info_endpoint is None:
+            log.error(
+                "request %r: no kvcore endpoint known (handshake metadata not set); not sending", request.request_id
+            )
+            return False, None
+        key = request_key(self._engine_id, request.request_id)
+        prompt_len = request.num_computed_tokens
+        self._sends[request.request_id] = SendSpec(key=key, block_ids=list(block_ids), prompt_len=prompt_len)
+        kvcore_params = TransferParams(ctx_endpoint=self._info_endpoint, request_id=key, prompt_len=prompt_len)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self._engine_id,
+            "remote_request_id": request.request_id,
+            PARAMS_KEY: kvcore_params.to_dict(),
+        }

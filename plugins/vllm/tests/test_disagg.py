@@ -1,0 +1,275 @@
+"""A prefill and a decode vLLM instance in two processes, KV moved by kvcore through KvcoreConnector.
+
+Each process runs vLLM's real Scheduler and the worker-side connector over
+real KV views (see vllm_engine.py); the test is the router: it hands the
+prefill's ``kv_transfer_params`` to the decode request, and checks every KV
+byte the decode instance holds against the pattern computed here.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm_engine import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, NUM_LAYERS, SAMPLED_TOKEN, token_bytes
+
+TOKEN_NBYTES = NUM_KV_HEADS * 2 * HEAD_SIZE * 4
+
+
+def expected_kv(seed: int, prompt_len: int) -> bytes:
+    return b"".join(
+        token_bytes(seed, layer, pos, TOKEN_NBYTES).tobytes()
+        for layer in range(NUM_LAYERS)
+        for pos in range(prompt_len)
+    )
+
+
+def assert_kv(actual_hex: str, seed: int, prompt_len: int) -> None:
+    actual = np.frombuffer(bytes.fromhex(actual_hex), dtype=np.uint8)
+    expected = np.frombuffer(expected_kv(seed, prompt_len), dtype=np.uint8)
+    assert actual.size == expected.size, f"got {actual.size} KV bytes, expected {expected.size}"
+    bad = np.flatnonzero(actual != expected)
+    if bad.size:
+        token = int(bad[0]) // TOKEN_NBYTES
+        layer, pos = divmod(token, prompt_len)
+        raise AssertionError(f"{bad.size} KV bytes differ; first in layer {layer}, token {pos}")
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + i) % 997 + 1 for i in range(n)]
+
+
+def spec(role: str, backend: str, model_dir: str, **more: Any) -> dict[str, Any]:
+    return {
+        "role": role,
+        "backend": backend,
+        "model_dir": model_dir,
+        "engine_id": f"{role}-engine",
+        "shm_backing": role == "decode" and backend == "shm",
+        **more,
+    }
+
+
+def prefill(p: Any, rid: str, n: int, seed: int) -> dict[str, Any]:
+    """Run request ``rid``'s prefill on ``p``; the kv_transfer_params it returns (what a router forwards)."""
+    p.send(op="add", id=rid, prompt=prompt_of(n, seed), max_tokens=1, params={"do_remote_decode": True}, seed=seed)
+    done = p.wait("finished", id=rid)
+    assert done["tokens"] == [SAMPLED_TOKEN]
+    params = done["params"]
+    assert params["do_remote_prefill"] is True and params["kvcore"]["prompt_len"] == n
+    return params
+
+
+def assert_idle(e: Any, free_blocks: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        s = e.state()
+        # kvcore's own leak check: every per-request resource (sessions, quarantine, leases, transfers) released.
+        idle = s["requests"] == 0 and s["free_blocks"] == free_blocks and s["pending"] == 0 and s["leaks"] == {}
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, f"{e.spec['role']} not back to baseline ({free_blocks} free blocks): {s}"
+
+
+@pytest.mark.parametrize(
+    ("backend", "layout"),
+    [("shm", "LBHNC"), ("shm", "LBNHC"), ("nixl", "LBHNC")],
+)
+def test_prefill_to_decode_every_byte(engines: Any, model_dir: str, backend: str, layout: str) -> None:
+    p = engines(**spec("prefill", backend, model_dir, layout=layout))
+    d = engines(**spec("decode", backend, model_dir, layout=layout))
+    base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
+    # Lengths: inside one block, exactly two blocks, a partial last block.
+    for i, n in enumerate((5, 2 * BLOCK_SIZE, 3 * BLOCK_SIZE + 7)):
+        rid, seed = f"req-{i}", 100 + i
+        params = prefill(p, rid, n, seed)
+        d.send(op="add", id=rid, prompt=prompt_of(n, seed), max_tokens=2, params=params, seed=seed)
+        assert_kv(d.wait("loaded", id=rid)["kv"], seed, n)
+        done = d.wait("finished", id=rid)
+        assert done["tokens"] == [SAMPLED_TOKEN] and "length" in done["reason"].lower()
+        p.wait("freed", id=rid)  # the prefill's blocks go back only after kvcore released the send
+        d.wait("freed", id=rid)
+    assert_idle(p, base_p)
+    assert_idle(d, base_d)
+    # get_kv_connector_stats -> KVConnectorOutput -> SchedulerStats, as vLLM's loggers see them.
+    lengths = (5, 2 * BLOCK_SIZE, 3 * BLOCK_SIZE + 7)
+    moved = sum(NUM_LAYERS * -(-n // BLOCK_SIZE) * BLOCK_SIZE * TOKEN_NBYTES for n in lengths)
+    for e in (p, d):
+        stats = e.state()["connector_stats"]
+        assert stats["transfers_done"] == 3 and stats["transfers_failed"] == 0, stats
+    assert d.state()["connector_stats"]["bytes_moved"] == moved
+
+
+@pytest.mark.parametrize("backend", ["shm", "nixl"])
+def test_context_dies_load_error_and_blocks_freed(engines: Any, model_dir: str, backend: str) -> None:
+    extra = {"first_contact_timeout_s": 3.0, "request_timeout_s": 10.0}
+    p = engines(**spec("prefill", backend, model_dir, extra=extra))
+    d = engines(**spec("decode", backend, model_dir, extra=extra))
+    base_d = d.ready["free_blocks"]
+    params = prefill(p, "doomed", 40, 7)
+    p.signal(signal.SIGKILL)
+    p.proc.wait(timeout=10)
+    d.send(op="add", id="doomed", prompt=prompt_of(40, 7), max_tokens=2, params=params, seed=7)
+    done = d.wait("finished", id="doomed", timeout=60)
+    assert "error" in done["reason"].lower()  # kv_load_failure_policy="fail": vLLM fails the request
+    assert not [e for e in d.events if e.get("event") == "loaded"]
+    d.wait("freed", id="doomed")
+    assert_idle(d, base_d)
+
+
+@pytest.mark.parametrize("backend", ["shm", "nixl"])
+def test_decode_abort_holds_blocks_until_the_writer_is_done(engines: Any, model_dir: str, backend: str) -> None:
+    p = engines(**spec("prefill", backend, model_dir))
+    d = engines(**spec("decode", backend, model_dir))
+    base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
+    # First contact happens on a normal request, so the stopped prefill below is a known, live peer.
+    params = prefill(p, "warm", 20, 1)
+    d.send(op="add", id="warm", prompt=prompt_of(20, 1), max_tokens=2, params=params, seed=1)
+    assert_kv(d.wait("loaded", id="warm")["kv"], 1, 20)
+    d.wait("freed", id="warm")
+    p.wait("freed", id="warm")
+
+    params = prefill(p, "aborted", 40, 2)
+    p.signal(signal.SIGSTOP)  # the writer exists but cannot answer
+    d.send(op="add", id="aborted", prompt=prompt_of(40, 2), max_tokens=2, params=params, seed=2)
+    time.sleep(1.0)
+    d.send(op="abort", id="aborted")
+    time.sleep(1.0)
+    held = d.state()
+    assert held["requests"] == 1 and held["free_blocks"] < base_d, f"blocks freed while the writer may write: {held}"
+    p.signal(signal.SIGCONT)
+    d.wait("freed", id="aborted", timeout=60)
+    p.wait("freed", id="aborted", timeout=60)
+    assert not [e for e in d.events if e.get("event") == "loaded" and e.get("id") == "aborted"]
+    assert_idle(p, base_p)
+    assert_idle(d, base_d)
+
+
+def test_decode_prefix_cache_hit_moves_only_the_suffix(engines: Any, model_dir: str) -> None:
+    # The prefill recomputes every token (no prefix cache) with a new pattern for the second request; the decode
+    # instance caches the first request's blocks. If kvcore moved more than the uncached suffix, the decode side
+    # would hold the second pattern in its cached prefix.
+    p = engines(**spec("prefill", "shm", model_dir, prefix_caching=False))
+    d = engines(**spec("decode", "shm", model_dir))
+    n, cached = 3 * BLOCK_SIZE, 2 * BLOCK_SIZE  # vLLM caps a local hit below the last token: 2 full blocks
+    prompt = prompt_of(n, 1)
+    params = prefill(p, "first", n, 11)
+    d.send(op="add", id="first", prompt=prompt, max_tokens=2, params=params, seed=11)
+    assert_kv(d.wait("loaded", id="first")["kv"], 11, n)
+    d.wait("freed", id="first")
+    p.send(op="add", id="second", prompt=prompt, max_tokens=1, params={"do_remote_decode": True}, seed=22)
+    params = p.wait("finished", id="second")["params"]
+    d.send(op="add", id="second", prompt=prompt, max_tokens=2, params=params, seed=22)
+    got = bytes.fromhex(d.wait("loaded", id="second")["kv"])
+    per_layer = n * TOKEN_NBYTES
+    for layer in range(NUM_LAYERS):
+        for pos in range(n):
+            seed = 11 if pos < cached else 22
+            at = layer * per_layer + pos * TOKEN_NBYTES
+            want = token_bytes(seed, layer, pos, TOKEN_NBYTES).tobytes()
+            assert got[at : at + TOKEN_NBYTES] == want, f"layer {layer} token {pos}: expected seed {seed}'s bytes"
+    d.wait("freed", id="second")
+    p.wait("freed", id="second")
+
+
+def test_prefill_frees_blocks_when_no_decode_ever_asks(engines: Any, model_dir: str) -> None:
+    # The router lost the parameters: kvcore's request_timeout_s bounds how long the prefill holds the blocks.
+    p = engines(**spec("prefill", "shm", model_dir, extra={"request_timeout_s": 3.0}))
+    base = p.ready["free_blocks"]
+    prefill(p, "orphan", 40, 3)
+    held = p.state()
+    assert held["requests"] == 1 and held["free_blocks"] < base
+    p.wait("freed", id="orphan", timeout=60)
+    assert_idle(p, base)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _group_state(ranks: list[Any]) -> list[dict[str, Any]]:
+    for r in ranks:  # every rank steps on "state": send to all before waiting (the poll is collective)
+        r.send(op="state")
+    return [r.wait("state") for r in ranks]
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_prefill_tp1_to_decode_tp2(engines: Any, model_dir: str, layout: str) -> None:
+    # Heterogeneous TP: the prefill holds both KV heads, each decode rank one (kvcore-mixers re-shards).
+    # The decode instance is two processes (TP ranks over gloo, vLLM's distributed state initialized as on a
+    # CPU worker), each with a scheduler replica; kvcore's collective poll keeps their outcomes in step.
+    p = engines(**spec("prefill", "shm", model_dir, layout=layout))
+    port = _free_port()
+    ranks = [
+        engines(
+            wait_ready=False, **spec("decode", "shm", model_dir, layout=layout, tp_size=2, tp_rank=r, dist_port=port)
+        )
+        for r in range(2)
+    ]
+    for r in ranks:
+        r.ready = r.wait("ready", timeout=180)
+    base_p, base_d = p.ready["free_blocks"], ranks[0].ready["free_blocks"]
+    per_rank = TOKEN_NBYTES // 2
+    for i, n in enumerate((5, 2 * BLOCK_SIZE + 3)):
+        rid, seed = f"tp-{i}", 300 + i
+        params = prefill(p, rid, n, seed)
+        for r in ranks:
+            r.send(op="add", id=rid, prompt=prompt_of(n, seed), max_tokens=2, params=params, seed=seed)
+        for tp_rank, r in enumerate(ranks):
+            got = bytes.fromhex(r.wait("loaded", id=rid)["kv"])
+            want = b"".join(
+                token_bytes(seed, layer, pos, TOKEN_NBYTES).reshape(2, -1)[tp_rank].tobytes()
+                for layer in range(NUM_LAYERS)
+                for pos in range(n)
+            )
+            assert len(got) == len(want) == NUM_LAYERS * n * per_rank
+            assert got == want, f"decode TP rank {tp_rank}: KV differs from head {tp_rank} of the prefill's"
+        for r in ranks:
+            r.wait("finished", id=rid)
+            r.wait("freed", id=rid)
+        p.wait("freed", id=rid)
+    assert_idle(p, base_p)
+    for s in _group_state(ranks):
+        assert s["requests"] == 0 and s["free_blocks"] == base_d and s["pending"] == 0, s
+
+
+def test_decode_abort_before_scheduling_releases_the_prefill(engines: Any, model_dir: str) -> None:
+    # The decode request is aborted in the same step it arrives, before vLLM ever allocates for it. The prefill
+    # must not hold its blocks until its (here very long) request_timeout_s: the decode side tells it to release.
+    extra = {"request_timeout_s": 600.0}
+    p = engines(**spec("prefill", "shm", model_dir, extra=extra))
+    d = engines(**spec("decode", "shm", model_dir, extra=extra))
+    base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
+    params = prefill(p, "never", 40, 5)
+    d.send(op="add", id="never", prompt=prompt_of(40, 5), max_tokens=2, params=params, seed=5)
+    d.send(op="abort", id="never")  # read together with "add": both act before the first schedule
+    d.wait("freed", id="never")
+    p.wait("freed", id="never", timeout=120)
+    assert not [e for e in d.events if e.get("event") == "loaded"]
+    assert_idle(p, base_p)
+    assert_idle(d, base_d)
+
+
+@pytest.mark.parametrize(("policy", "reason"), [("fail", "error"), ("recompute", "length")])
+def test_decode_too_late_for_the_prefill_timeout(engines: Any, model_dir: str, policy: str, reason: str) -> None:
+    # No lease renewal yet: a decode instance that asks after the prefill's request_timeout_s finds the send gone.
+    # The load fails cleanly; vLLM then fails the request or recomputes it locally (kv_load_failure_policy).
+    p = engines(**spec("prefill", "shm", model_dir, extra={"request_timeout_s": 2.0}))
+    d = engines(**spec("decode", "shm", model_dir, extra={"request_timeout_s": 4.0}, kv_load_failure_policy=policy))
+    base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
+    params = prefill(p, "late", 40, 9)
+    p.wait("freed", id="late", timeout=60)  # the prefill gave up on it
+    d.send(op="add", id="late", prompt=prompt_of(40, 9), max_tokens=2, params=params, seed=9)
+    done = d.wait("finished", id="late", timeout=60)
+    assert reason in done["reason"].lower(), done
+    d.wait("freed", id="late")
+    assert_idle(p, base_p)
+    assert_idle(d, base_d)
