@@ -121,6 +121,9 @@ def _context_main(
 class ContextProcess:
     """Start a one-rank context instance; ``send``/``cancel``/``stats`` drive it; ``kill`` SIGKILLs it."""
 
+    #: The function the child process runs (the generation subclass runs its own).
+    _main: Any = None
+
     def __init__(
         self,
         backend: str = "shm",
@@ -133,12 +136,12 @@ class ContextProcess:
         **geo: Any,
     ) -> None:
         self.geo = geometry_kwargs(**geo)
+        self.num_blocks = num_blocks
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         opts = {"config": config, "env": env, "instance_name": instance_name}
-        self.proc = ctx.Process(
-            target=_context_main, args=(child, backend, self.geo, num_blocks, timeout, opts), daemon=True
-        )
+        main = type(self)._main or _context_main
+        self.proc = ctx.Process(target=main, args=(child, backend, self.geo, num_blocks, timeout, opts), daemon=True)
         self.proc.start()
         hello = self._recv(60)
         self.endpoint: str = hello["endpoint"]
@@ -243,30 +246,7 @@ def _generation_main(
 class GenerationProcess(ContextProcess):
     """A one-rank generation instance in its own process; ``receive`` asks a context instance for a request."""
 
-    def __init__(
-        self,
-        backend: str = "shm",
-        num_blocks: int = 64,
-        timeout: float = 30.0,
-        *,
-        config: dict[str, Any] | None = None,
-        env: dict[str, str] | None = None,
-        instance_name: str | None = None,
-        **geo: Any,
-    ) -> None:
-        self.geo = geometry_kwargs(**geo)
-        self.num_blocks = num_blocks
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        opts = {"config": config, "env": env, "instance_name": instance_name}
-        self.proc = ctx.Process(
-            target=_generation_main, args=(child, backend, self.geo, num_blocks, timeout, opts), daemon=True
-        )
-        self.proc.start()
-        hello = self._recv(60)
-        self.endpoint = hello["endpoint"]
-        self.pid = hello["pid"]
-        self.events = []
+    _main = staticmethod(_generation_main)
 
     def receive(self, rid: int, endpoint: str, blocks: list[int]) -> None:
         self._drain()
