@@ -213,29 +213,20 @@ class Sender(Role):
 
     def _answer_unheld(self, req: wire.RequestData, source: Source, tomb: Any) -> None:
         """Answer a receiver asking for a request this rank does not hold, from its tombstone (lock held)."""
+        rid = req.request_id
         if tomb is None:
-            msg = self._result(
-                req.request_id,
-                req.nonce,
-                status="failed",
-                kind="TransferTimeoutError",
-                error=f"context side never started sending request {req.request_id}",
-            )
+            status, kind, error = "failed", "TransferTimeoutError", f"context side never started sending request {rid}"
         elif tomb.state is SessionState.CANCELLED:
-            msg = self._result(req.request_id, req.nonce, status="cancelled", kind=tomb.error_kind, error=tomb.message)
+            status, kind, error = "cancelled", tomb.error_kind, tomb.message
         elif tomb.state is SessionState.DONE:
-            msg = self._result(
-                req.request_id,
-                req.nonce,
-                status="failed",
-                kind="SessionError",
-                error=f"request {req.request_id} was already sent and its pages released here",
+            status, kind, error = (
+                "failed",
+                "SessionError",
+                f"request {rid} was already sent and its pages released here",
             )
         else:
-            msg = self._result(
-                req.request_id, req.nonce, status="failed", kind=tomb.error_kind or "SessionError", error=tomb.message
-            )
-        self.link.reply(source, msg)
+            status, kind, error = "failed", tomb.error_kind or "SessionError", tomb.message
+        self.link.reply(source, self._result(rid, req.nonce, status=status, kind=kind, error=error))
 
     # --- control-plane handlers (messenger I/O thread) ------------------------------------------
 
