@@ -255,7 +255,7 @@ def test_repeated_kill_of_the_context_side_leaves_the_generation_at_baseline(bac
 
 
 def _soak_count(backend: str) -> int:
-    return int(os.environ.get("KVCORE_SOAK_REQUESTS", "10000" if backend == "shm" else "3000"))
+    return int(os.environ.get("KVCORE_SOAK_REQUESTS", "10000"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
