@@ -24,6 +24,26 @@ from kvcore.plugins import KVCORE_PLUGIN_API, get_plugin_manager, make_plugin_ma
 
 __version__ = "0.1.0"
 
+#: The engine-facing API, imported on first use (``import kvcore`` stays cheap: no ZeroMQ, no plugin).
+_LAZY = {
+    "Transceiver": "kvcore.transceiver",
+    "PollResult": "kvcore.transceiver",
+    "Outcome": "kvcore.transceiver",
+    "RequestStatus": "kvcore.transceiver",
+    "SessionState": "kvcore.transceiver",
+    "TransferParams": "kvcore.params",
+    "new_ticket": "kvcore.params",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcore' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
 __all__ = [
     "__version__",
     "hookimpl",
@@ -42,5 +62,6 @@ __all__ = [
     "resolve_backend",
     "get_plugin_manager",
     "make_plugin_manager",
+    *_LAZY,
     *_errors_all,
 ]

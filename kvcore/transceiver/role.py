@@ -9,20 +9,11 @@ from typing import Any
 import numpy as np
 
 from kvcore import errors as E
-from kvcore import wire
+from kvcore.params import check_request_id
 from kvcore.transceiver.link import Handler, Link
 from kvcore.transceiver.sessions import Session, SessionState
 
 __all__ = ["Role", "check_request_id", "check_block_ids", "max_slot"]
-
-
-def check_request_id(request_id: Any) -> int:
-    """A request id as the wire carries it: an integer in 0..2**64-1 (bools and floats refused)."""
-    if isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer)):
-        raise E.SessionError(f"request_id must be an integer in 0..2**64-1, got {request_id!r}")
-    if not 0 <= int(request_id) <= wire.MAX_U64:
-        raise E.SessionError(f"request_id must be an integer in 0..2**64-1, got {request_id!r}")
-    return int(request_id)
 
 
 def check_block_ids(block_ids: Iterable[int] | np.ndarray, num_slots: int, what: str) -> np.ndarray:
