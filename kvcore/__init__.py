@@ -44,6 +44,7 @@ def __getattr__(name: str) -> object:
 
     return getattr(importlib.import_module(module), name)
 
+
 __all__ = [
     "__version__",
     "hookimpl",

@@ -69,7 +69,9 @@ class TransceiverConfig:
     bounce_enabled: bool = True
     bounce_buffer_bytes: int = 64 * 1024 * 1024  # receiver arena and sender staging buffer, per rank
     required_plugins: list[str] = field(default_factory=list)
-    transfer_mode: str = "push"  # per request default: "push" (the context writes) or "pull" (the generation side reads)
+    transfer_mode: str = (
+        "push"  # per request default: "push" (the context writes) or "pull" (the generation side reads)
+    )
     require_tickets: bool = True  # serve a request only to a receiver presenting its ticket (from TransferParams)
     max_aux_bytes: int = 64 * 1024  # bound on one request's aux payload (first token, draft tokens...)
     lease_s: float = 60.0  # the context keeps a request's pages this long after start_send or the last renewal

@@ -49,6 +49,8 @@ from typing import Any
 
 import msgspec
 
+from kvcore.params import derive_ticket
+
 __all__ = [
     "BOUNCE_MODES",
     "MAX_PROCESSES",
@@ -588,15 +590,29 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
                 me.fill(r)
             if rank == 0:
                 _send(conn, {"kind": "endpoint", "endpoint": tx.info_endpoint, "backend": agent.backend})
-            _recv(conn, spec.timeout_s)  # go
+            go = _recv(conn, spec.timeout_s)
+            secret = go["secret"]  # every request's ticket is derived from the run's secret (both sides know it)
             for w in warm:
-                tx.start_send(w, me.blocks[w], prompt_len=spec.tokens_per_block, state_slot=me.state_slot(w))
+                tx.start_send(
+                    w,
+                    me.blocks[w],
+                    prompt_len=spec.tokens_per_block,
+                    state_slot=me.state_slot(w),
+                    ticket=derive_ticket(secret, w),
+                )
             _drive(tx, collective, spec, warm)
             t0 = time.perf_counter()
             first, stop = me.topology.layer_range
             half = first + (stop - first) // 2 if spec.layerwise else None
             for r in work:
-                tx.start_send(r, me.blocks[r], prompt_len=spec.tokens, state_slot=me.state_slot(r), layers_ready=half)
+                tx.start_send(
+                    r,
+                    me.blocks[r],
+                    prompt_len=spec.tokens,
+                    state_slot=me.state_slot(r),
+                    layers_ready=half,
+                    ticket=derive_ticket(secret, r),
+                )
             if spec.layerwise:
                 tx.poll()  # let the first slices go out before the rest is declared ready
                 for r in work:
@@ -626,6 +642,7 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
                     prompt_len=prompt_len,
                     state_slot=me.state_slot(r),
                     ctx_dp_rank=spec.dp_group("context", r),
+                    ticket=derive_ticket(go["secret"], r),
                 )
 
             starts: dict[int, float] = {}
@@ -913,8 +930,9 @@ def _run_local(spec: DemoSpec, *, progress: bool) -> dict[str, Any]:
         first = ranks.wait([("context", 0)], t_spawned + spec.timeout_s)[("context", 0)]
         t_ready = time.monotonic()
         summary["backend"] = first["backend"]
+        secret = os.urandom(32)  # the run's ticket secret: only this driver and its ranks know it
         for c in ranks.conns.values():
-            _send(c, {"kind": "go", "endpoint": first["endpoint"]})
+            _send(c, {"kind": "go", "endpoint": first["endpoint"], "secret": secret})
         gen_keys = [k for k in ranks.conns if k[0] == "generation"]
         shown = len([r for r in range(spec.requests) if spec.dp_group("generation", r) == 0])
         on_progress = None

@@ -16,6 +16,7 @@ in: parameters come from another process, so nothing in them is trusted.
 from __future__ import annotations
 
 import binascii
+import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
@@ -33,6 +34,7 @@ __all__ = [
     "api_id",
     "TransferParams",
     "new_ticket",
+    "derive_ticket",
     "check_request_id",
     "check_ticket",
     "MAX_REQUEST_ID_CHARS",
@@ -79,6 +81,22 @@ def api_id(rid: InternalId) -> RequestId:
 def new_ticket() -> bytes:
     """A fresh unguessable ticket (16 random bytes from the OS), for parameters made before ``start_send``."""
     return os.urandom(TICKET_BYTES)
+
+
+def derive_ticket(secret: bytes, request_id: RequestId) -> bytes:
+    """A request's ticket derived from a secret shared by whoever starts both sides (keyed BLAKE2b, 16 bytes).
+
+    For tools and deployments where one party (a router, a test driver, ``kvcore
+    demo``) starts the request on both instances: both derive the same ticket
+    without forwarding it. The secret must be at least 16 random bytes and stay
+    with that party; anyone who knows it can receive any request.
+    """
+    if not isinstance(secret, bytes) or len(secret) < 16:
+        raise E.TicketError("derive_ticket needs a secret of at least 16 bytes")
+    rid = check_request_id(request_id)
+    kind = b"i" if isinstance(rid, int) else (b"s" if isinstance(rid, str) else b"b")
+    body = str(rid).encode() if isinstance(rid, (int, str)) else rid
+    return hashlib.blake2b(kind + body, key=secret[:64], digest_size=TICKET_BYTES).digest()
 
 
 def check_request_id(request_id: Any) -> RequestId:

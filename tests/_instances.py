@@ -9,6 +9,19 @@ from typing import Any
 
 import msgspec
 
+#: The secret the tests derive every request's ticket from (both sides of a test know it, as a router would).
+TEST_TICKET_SECRET = b"kvcore-tests-ticket-secret-0001"
+
+
+def ticket_for(request: Any) -> bytes:
+    """The ticket a test request carries on both sides (``kvcore.params.derive_ticket`` from the test secret)."""
+    from kvcore.params import derive_ticket
+
+    try:
+        return derive_ticket(TEST_TICKET_SECRET, request)
+    except Exception:
+        return b"\0" * 16  # an invalid request id: the call under test refuses it before the ticket matters
+
 
 def fill_value(request: int, block_ids: Any, nbytes_per_block: int) -> Any:
     """Per-block byte pattern of a request (independent of kvcore): uint8 ``[blocks, bytes]``."""
@@ -107,7 +120,7 @@ def _context_main(
                 if cmd["op"] == "send":
                     blocks = cmd["blocks"]
                     flat[blocks] = torch.from_numpy(fill_value(cmd["rid"], blocks, flat.shape[1]))
-                    tx.start_send(cmd["rid"], blocks)
+                    tx.start_send(cmd["rid"], blocks, ticket=ticket_for(cmd["rid"]))
                 elif cmd["op"] == "cancel":
                     tx.cancel(cmd["rid"])
                 elif cmd["op"] == "stats":
@@ -230,7 +243,7 @@ def _generation_main(
                 if cmd["op"] == "exit":
                     break
                 if cmd["op"] == "receive":
-                    tx.start_receive(cmd["rid"], cmd["endpoint"], cmd["blocks"])
+                    tx.start_receive(cmd["rid"], cmd["endpoint"], cmd["blocks"], ticket=ticket_for(cmd["rid"]))
                 elif cmd["op"] == "cancel":
                     tx.cancel(cmd["rid"])
                 elif cmd["op"] == "stats":

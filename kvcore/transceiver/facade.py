@@ -361,7 +361,9 @@ class Transceiver:
         if request_id is not None and internal_id(request_id) != rid:
             raise E.SessionError(f"start_receive({request_id!r}) got parameters of request {params.request_id!r}")
         if ctx_endpoint is not None and ctx_endpoint != params.endpoint:
-            raise E.SessionError(f"start_receive: ctx_endpoint {ctx_endpoint!r} but the parameters name {params.endpoint!r}")
+            raise E.SessionError(
+                f"start_receive: ctx_endpoint {ctx_endpoint!r} but the parameters name {params.endpoint!r}"
+            )
         if params.prompt_len >= 0 and prompt_len >= 0 and params.prompt_len != prompt_len:
             raise E.MappingError(f"request {rid!r} prompt_len: context {params.prompt_len}, generation {prompt_len}")
         rx.start_receive(

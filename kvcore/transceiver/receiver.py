@@ -92,7 +92,11 @@ class Receiver(Role):
         blocks = check_block_ids(block_ids, max_slot(self.link), f"request {rid} block_ids")
         self.check_state_slot(rid, state_slot)
         wire.parse_endpoint(ctx_endpoint)
-        for name, value in (("prompt_len", prompt_len), ("ctx_dp_rank", ctx_dp_rank), ("ctx_state_slot", ctx_state_slot)):
+        for name, value in (
+            ("prompt_len", prompt_len),
+            ("ctx_dp_rank", ctx_dp_rank),
+            ("ctx_state_slot", ctx_state_slot),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise E.SessionError(f"request {rid}: {name} must be an integer, got {value!r}")
         ctx_blocks = np.asarray(list(ctx_block_ids), dtype=np.int64) if mode == "pull" else np.zeros(0, np.int64)

@@ -49,6 +49,7 @@ def blocks_digest(block_ids: np.ndarray, state_slot: int, incarnation: str) -> b
     h.update(incarnation.encode())
     return h.digest()
 
+
 log = logging.getLogger("kvcore.transceiver")
 
 _Key = tuple[str, int]
@@ -595,7 +596,11 @@ class Sender(Role):
                 self.link.reply(
                     source,
                     self._result(
-                        rid, msg.nonce, status="failed", kind="SessionError", error=f"request {rid} is sent in push mode"
+                        rid,
+                        msg.nonce,
+                        status="failed",
+                        kind="SessionError",
+                        error=f"request {rid} is sent in push mode",
                     ),
                 )
                 return
