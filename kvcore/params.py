@@ -146,6 +146,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     state_slot: int = -1
     #: Pull mode: the context incarnation the blocks belong to (a restarted context holds other data there).
     incarnation: str = ""
+    #: The context's lease on the request (ms; 0: unknown): a waiting receiver renews it at a third of this.
+    lease_ms: int = 0
     version: int = PARAMS_VERSION
 
     def __post_init__(self) -> None:
@@ -153,12 +155,14 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         check_ticket(self.ticket, "TransferParams.ticket")
         if self.mode not in ("push", "pull"):
             raise E.SessionError(f"TransferParams.mode must be 'push' or 'pull', got {self.mode!r}")
-        for name in ("dp_rank", "prompt_len", "state_slot", "version"):
+        for name in ("dp_rank", "prompt_len", "state_slot", "version", "lease_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise E.SessionError(f"TransferParams.{name} must be an integer, got {value!r}")
-        if self.dp_rank < 0:
-            raise E.SessionError(f"TransferParams.dp_rank must be >= 0, got {self.dp_rank}")
+        if self.dp_rank < 0 or self.lease_ms < 0:
+            raise E.SessionError(
+                f"TransferParams.dp_rank and lease_ms must be >= 0, got {self.dp_rank}, {self.lease_ms}"
+            )
         if self.version != PARAMS_VERSION:
             raise E.ProtocolVersionError(
                 f"TransferParams version {self.version}; this kvcore reads version {PARAMS_VERSION}"
@@ -224,6 +228,7 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         block_ids: Iterable[int] = (),
         state_slot: int = -1,
         incarnation: str = "",
+        lease_ms: int = 0,
     ) -> TransferParams:
         """Build parameters (a fresh ticket unless one is given), e.g. in an engine's scheduler before prefill."""
         tk = new_ticket() if ticket is None else check_ticket(ticket)
@@ -237,4 +242,5 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             block_ids=[int(b) for b in block_ids],
             state_slot=int(state_slot),
             incarnation=incarnation,
+            lease_ms=int(lease_ms),
         )

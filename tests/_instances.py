@@ -23,6 +23,15 @@ def ticket_for(request: Any) -> bytes:
         return b"\0" * 16  # an invalid request id: the call under test refuses it before the ticket matters
 
 
+def _pattern_id(request: Any) -> int:
+    """An int for ``fill_value`` from any request id (str and bytes ids hashed, independently of kvcore)."""
+    if isinstance(request, int):
+        return request
+    import zlib
+
+    return zlib.crc32(request.encode() if isinstance(request, str) else request)
+
+
 def fill_value(request: int, block_ids: Any, nbytes_per_block: int) -> Any:
     """Per-block byte pattern of a request (independent of kvcore): uint8 ``[blocks, bytes]``."""
     import numpy as np
@@ -119,8 +128,21 @@ def _context_main(
                     break
                 if cmd["op"] == "send":
                     blocks = cmd["blocks"]
-                    flat[blocks] = torch.from_numpy(fill_value(cmd["rid"], blocks, flat.shape[1]))
-                    tx.start_send(cmd["rid"], blocks, ticket=ticket_for(cmd["rid"]))
+                    flat[blocks] = torch.from_numpy(fill_value(_pattern_id(cmd["rid"]), blocks, flat.shape[1]))
+                    try:
+                        params = tx.start_send(
+                            cmd["rid"],
+                            blocks,
+                            ticket=ticket_for(cmd["rid"]),
+                            mode=cmd.get("mode"),
+                            aux=cmd.get("aux"),
+                        )
+                    except Exception as exc:
+                        if cmd.get("reply"):
+                            conn.send_bytes(msgspec.msgpack.encode({"error": f"{type(exc).__name__}: {exc}"}))
+                        continue
+                    if cmd.get("reply"):
+                        conn.send_bytes(msgspec.msgpack.encode({"params": params.to_dict()}))
                 elif cmd["op"] == "cancel":
                     tx.cancel(cmd["rid"])
                 elif cmd["op"] == "stats":
@@ -171,9 +193,26 @@ class ContextProcess:
         while self.conn.poll(0):
             self.events.append(msgspec.msgpack.decode(self.conn.recv_bytes()))
 
-    def send(self, rid: int, blocks: list[int]) -> None:
+    def send(self, rid: Any, blocks: list[int]) -> None:
         self._drain()
         self.conn.send_bytes(msgspec.msgpack.encode({"op": "send", "rid": rid, "blocks": blocks}))
+
+    def start_send(
+        self, rid: Any, blocks: list[int], *, mode: str | None = None, aux: bytes | None = None, timeout: float = 20
+    ) -> dict[str, Any]:
+        """``start_send`` in the child; returns the transfer parameters' ``to_dict()`` (or raises with its error)."""
+        self._drain()
+        cmd = {"op": "send", "rid": rid, "blocks": blocks, "mode": mode, "aux": aux, "reply": True}
+        self.conn.send_bytes(msgspec.msgpack.encode(cmd))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self._recv(timeout)
+            if "params" in m:
+                return dict(m["params"])
+            if "error" in m:
+                raise RuntimeError(m["error"])
+            self.events.append(m)
+        raise TimeoutError("no transfer parameters")
 
     def cancel(self, rid: int) -> None:
         self._drain()

@@ -379,6 +379,7 @@ class Transceiver:
             ctx_state_slot=params.state_slot,
             ctx_incarnation=params.incarnation,
             expecting=expecting,
+            lease_s=params.lease_ms / 1000.0,
         )
 
     def cancel(self, request_id: RequestId, reason: str = "cancelled by the engine") -> bool:

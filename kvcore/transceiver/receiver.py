@@ -88,6 +88,7 @@ class Receiver(Role):
         ctx_state_slot: int = -1,
         ctx_incarnation: str = "",
         expecting: bool = False,
+        lease_s: float = 0.0,
     ) -> None:
         blocks = check_block_ids(block_ids, max_slot(self.link), f"request {rid} block_ids")
         self.check_state_slot(rid, state_slot)
@@ -137,6 +138,7 @@ class Receiver(Role):
                     ctx_incarnation=ctx_incarnation,
                     renew_nonce=os.urandom(16),
                     last_renew=now,
+                    renew_every=(lease_s or self.config.lease_s) / 3.0,
                 )
                 self.rx[rid] = s
                 self.link.metrics.request_started()
@@ -161,9 +163,13 @@ class Receiver(Role):
                 return False
             s.transition(SessionState.CANCELLED, E.RequestCancelledError(f"request {rid}: {reason}"))
             if s.instance is None:
-                pending = self.declines.setdefault(s.ctx_endpoint, [])
-                if len(pending) < self.config.max_inflight_requests:
-                    pending.append((rid, s.ctx_dp_rank))
+                inst = self.instances.get(s.ctx_endpoint)
+                if inst is not None and inst.state is PeerState.READY:
+                    self._decline(inst, [(rid, s.ctx_dp_rank)])  # e.g. expected, never started: say so now
+                else:
+                    pending = self.declines.setdefault(s.ctx_endpoint, [])
+                    if len(pending) < self.config.max_inflight_requests:
+                        pending.append((rid, s.ctx_dp_rank))
             elif s.mode == "pull":
                 self._pull_unread(s, "cancelled", reason)
             self._query_writers(s, reason)
@@ -670,9 +676,9 @@ class Receiver(Role):
                 link.metrics.first_contact(inst.name, time.monotonic() - inst.created)
                 self._resume(inst)
 
-    def _resume(self, inst: CtxInstance) -> None:
-        """The instance is ready: ask requests that waited for it and writers that proved they never took one."""
-        for rid, dp in self.declines.pop(inst.endpoint, []):
+    def _decline(self, inst: CtxInstance, requests: list[tuple[Any, int]]) -> None:
+        """Tell the context ranks of requests we never asked for that we never will (lock held)."""
+        for rid, dp in requests:
             try:
                 writers = peer_ranks(self.link.topology, inst.ranks[0].topology, dp)
             except E.KvcoreError:
@@ -688,6 +694,10 @@ class Receiver(Role):
                         reason="cancelled before it was asked for",
                     ),
                 )
+
+    def _resume(self, inst: CtxInstance) -> None:
+        """The instance is ready: ask requests that waited for it and writers that proved they never took one."""
+        self._decline(inst, self.declines.pop(inst.endpoint, []))
         for s in self.rx.values():
             if s.terminal or s.ctx_endpoint != inst.endpoint:
                 continue
@@ -851,10 +861,9 @@ class Receiver(Role):
             self._note_quarantine(s)
 
     def _renew(self, now: float) -> None:
-        """Renew the leases of requests we still wait for (lock held): every lease_s/3."""
-        every = self.config.lease_s / 3.0
+        """Renew the leases of requests we still wait for (lock held): at a third of the context's lease."""
         for s in self.rx.values():
-            if s.terminal or not s.ticket or now - s.last_renew < every:
+            if s.terminal or not s.ticket or now - s.last_renew < s.renew_every:
                 continue
             inst = self.instances.get(s.ctx_endpoint)
             if inst is None or inst.state is not PeerState.READY:

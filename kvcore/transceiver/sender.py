@@ -160,6 +160,7 @@ class Sender(Role):
             block_ids=blocks.tolist() if mode == "pull" else (),
             state_slot=int(state_slot) if mode == "pull" else -1,
             incarnation=info0.incarnation if mode == "pull" else "",
+            lease_ms=int(self.config.lease_s * 1000),
         )
 
     def _check_aux(self, rid: Any, aux: Any) -> bytes:

@@ -168,6 +168,7 @@ class RxSession(Session):
     pull_done: dict[int, Any] = field(default_factory=dict)  # pull: ctx rank -> the PullDone we sent (re-sent if lost)
     renew_nonce: bytes = b""  # answers to our lease renewals echo this
     last_renew: float = 0.0
+    renew_every: float = 0.0  # seconds between renewals (a third of the context's lease)
 
     @property
     def quiescent(self) -> bool:
