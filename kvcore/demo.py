@@ -422,7 +422,6 @@ class _Rank:
     """One rank's storage, its oracle view of what it holds, and its request assignment."""
 
     def __init__(self, role: str, rank: int, spec: DemoSpec, agent: Any) -> None:
-        import numpy as np
         import torch
 
         from kvcore.builders import allocate_kv_cache, allocate_mamba_state, build_page_table

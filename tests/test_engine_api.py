@@ -265,7 +265,7 @@ def test_aux_in_push_mode_and_its_bounds(closing: list[Any]) -> None:
     p = ctx.start_send(1, [1], aux=b"x" * 64)
     gen.tx.start_receive(params=p, block_ids=[2])
     assert gen.tx.wait_all([1], 20)[1].aux == b"x" * 64
-    with pytest.raises(RuntimeError, match="PayloadTooLargeError.*4096"):
+    with pytest.raises(RuntimeError, match=r"PayloadTooLargeError.*4096"):
         ctx.start_send(2, [3], aux=b"y" * 4097)
     p3 = ctx.start_send(3, [4], aux=b"z" * 200)  # fine there, too large for this receiver
     gen.tx.start_receive(params=p3, block_ids=[5])

@@ -25,6 +25,7 @@ from kvcore.agent import TransferOp, TransferStatus
 from kvcore.mapping import plan_transfer, validate_compatible
 from kvcore.messenger import Source
 from kvcore.metrics import FenceReason
+from kvcore.params import InternalId
 from kvcore.peer import peer_ranks
 from kvcore.transceiver.link import Handler, Link, error_from
 from kvcore.transceiver.peers import CtxInstance, PeerState, writer_fenced
@@ -45,14 +46,14 @@ class Receiver(Role):
 
     def __init__(self, link: Link) -> None:
         super().__init__(link)
-        self.rx: dict[int, RxSession] = {}
+        self.rx: dict[InternalId, RxSession] = {}
         self.instances: dict[str, CtxInstance] = {}  # current incarnation (or refusal) per context endpoint
         self.retired: list[CtxInstance] = []  # lost or replaced instances, unloaded once no request needs them
-        self.quarantined: set[int] = set()
-        self.reasks: dict[int, int] = {}
+        self.quarantined: set[InternalId] = set()
+        self.reasks: dict[InternalId, int] = {}
         # Requests cancelled before their instance was ready: (endpoint) -> [(request id, ctx dp rank)]; the
         # context ranks are told once the instance is ready, so they let go of the request's pages at once.
-        self.declines: dict[str, list[tuple[int, int]]] = {}
+        self.declines: dict[str, list[tuple[InternalId, int]]] = {}
         self.counters = link.counters
         self.arena: bounce.Arena | None = link.arena
         # (ctx endpoint, ctx rank) -> (fragments per block, mean fragment bytes) of its unmerged plans
@@ -60,7 +61,7 @@ class Receiver(Role):
         self.reads: dict[tuple[int, int], tuple[RxSession, int]] = {}  # pull: (id(session), ctx rank) -> in flight
 
     @property
-    def sessions(self) -> dict[int, Any]:
+    def sessions(self) -> dict[InternalId, Any]:
         return self.rx
 
     def handlers(self) -> dict[type, Handler]:
@@ -156,7 +157,7 @@ class Receiver(Role):
                 self._ask(s, inst)
             # CONNECTING / SUSPECT: asked once the instance is (again) ready
 
-    def cancel(self, rid: int, reason: str) -> bool:
+    def cancel(self, rid: InternalId, reason: str) -> bool:
         with self.link.lock:
             s = self.rx.get(rid)
             if s is None or s.terminal:
@@ -176,7 +177,7 @@ class Receiver(Role):
             self._note_quarantine(s)
         return True
 
-    def release(self, rid: int) -> None:
+    def release(self, rid: InternalId) -> None:
         s = self.rx.pop(rid, None)
         self.reasks.pop(rid, None)
         if s is None:
@@ -710,7 +711,7 @@ class Receiver(Role):
                         s.unpack.pop(r, None)  # asked again without bounce
                     self._ask(s, inst, again)
 
-    def _ask_bounced(self, rid: int) -> None:
+    def _ask_bounced(self, rid: InternalId) -> None:
         """Worker: decide per writer whether its fragments go through a bounce lease, then ask."""
         link = self.link
         with link.lock:
@@ -887,7 +888,7 @@ class Receiver(Role):
                     ),
                 )
 
-    def _unpack(self, rid: int) -> None:
+    def _unpack(self, rid: InternalId) -> None:
         """Worker: scatter every bounced writer's lease into the pools, then the request is DONE."""
         with self.link.lock:
             s = self.rx.get(rid)

@@ -24,7 +24,7 @@ from kvcore import errors as E
 from kvcore.agent import TransferOp, TransferStatus
 from kvcore.mapping import plan_transfer, validate_compatible
 from kvcore.messenger import Source
-from kvcore.params import TransferParams, api_id, check_ticket, new_ticket
+from kvcore.params import InternalId, TransferParams, api_id, check_ticket, new_ticket
 from kvcore.peer import peer_ranks
 from kvcore.transceiver.link import Handler, Link
 from kvcore.transceiver.peers import GenPeer, PeerState, writer_fenced
@@ -61,10 +61,10 @@ class Sender(Role):
     def __init__(self, link: Link) -> None:
         super().__init__(link)
         cfg = self.config
-        self.tx: dict[int, TxSession] = {}
+        self.tx: dict[InternalId, TxSession] = {}
         self.peers: dict[_Key, GenPeer] = {}  # current incarnation (or refusal) per generation rank
         self.retired: list[GenPeer] = []  # lost peers waiting for their transfers to end before unloading
-        self.early: dict[int, list[tuple[float, wire.RequestData, Source]]] = {}  # RequestData before start_send
+        self.early: dict[InternalId, list[tuple[float, wire.RequestData, Source]]] = {}  # RequestData before start_send
         self.early_bytes = 0
         self.tombstones = Tombstones(cfg.max_tombstones, cfg.request_timeout_s)
         self.inflight: dict[int, tuple[TxSession, ReceiverTask]] = {}  # id(task) -> its submitted write
@@ -74,7 +74,7 @@ class Sender(Role):
         self.counters = link.counters
 
     @property
-    def sessions(self) -> dict[int, Any]:
+    def sessions(self) -> dict[InternalId, Any]:
         return self.tx
 
     def handlers(self) -> dict[type, Handler]:
@@ -205,7 +205,7 @@ class Sender(Role):
             return None
         return int(upto)
 
-    def cancel(self, rid: int, reason: str) -> bool:
+    def cancel(self, rid: InternalId, reason: str) -> bool:
         with self.link.lock:
             s = self.tx.get(rid)
             if s is None:
@@ -221,7 +221,7 @@ class Sender(Role):
         self.link.post(self._drive, rid)
         return True
 
-    def release(self, rid: int) -> None:
+    def release(self, rid: InternalId) -> None:
         s = self.tx.pop(rid, None)
         if s is not None:
             self.tombstones.put(rid, s.state, s.error)
@@ -290,7 +290,7 @@ class Sender(Role):
         self._send_to(t, t.final)
         self.link.metrics.writer_service(t.peer.name, time.monotonic() - t.attached_at)
 
-    def _result(self, rid: int, nonce: bytes, *, status: str, kind: str = "", error: str = "", **kw: Any) -> Any:
+    def _result(self, rid: InternalId, nonce: bytes, *, status: str, kind: str = "", error: str = "", **kw: Any) -> Any:
         return wire.TransferResult(
             v=wire.PROTOCOL_VERSION,
             request_id=rid,
@@ -828,7 +828,7 @@ class Sender(Role):
         for rid in rids:
             self._drive(rid)
 
-    def _drive(self, rid: int) -> None:
+    def _drive(self, rid: InternalId) -> None:
         """Submit every ready task of a send session; settle the session when all are final."""
         with self.link.lock:
             s = self.tx.get(rid)
