@@ -226,7 +226,7 @@ class Sender(Role):
         """Worker: apply the layers_ready calls whose CUDA events completed, in the order they were made."""
         ready: list[Any] = []
         with self.link.lock:
-            keep = []
+            keep: list[tuple[Any, int, Any]] = []
             for rid, upto, event in self.events:
                 s = self.tx.get(rid)
                 if s is None or s.terminal:
