@@ -282,7 +282,8 @@ def _generation_main(
                 if cmd["op"] == "exit":
                     break
                 if cmd["op"] == "receive":
-                    tx.start_receive(cmd["rid"], cmd["endpoint"], cmd["blocks"], ticket=ticket_for(cmd["rid"]))
+                    ticket = cmd.get("ticket") or ticket_for(cmd["rid"])
+                    tx.start_receive(cmd["rid"], cmd["endpoint"], cmd["blocks"], ticket=ticket)
                 elif cmd["op"] == "cancel":
                     tx.cancel(cmd["rid"])
                 elif cmd["op"] == "stats":
@@ -300,10 +301,13 @@ class GenerationProcess(ContextProcess):
 
     _main = staticmethod(_generation_main)
 
-    def receive(self, rid: int, endpoint: str, blocks: list[int]) -> None:
+    def receive(self, rid: Any, endpoint: str, blocks: list[int], ticket: bytes | None = None) -> None:
+        """Start receiving ``rid``; ``ticket`` defaults to the test ticket every side derives (``ticket_for``)."""
         self._drain()
         self.conn.send_bytes(
-            msgspec.msgpack.encode({"op": "receive", "rid": rid, "endpoint": endpoint, "blocks": blocks})
+            msgspec.msgpack.encode(
+                {"op": "receive", "rid": rid, "endpoint": endpoint, "blocks": blocks, "ticket": ticket}
+            )
         )
 
     def read(self, blocks: list[int], timeout: float = 10) -> bytes:

@@ -414,3 +414,29 @@ def test_layers_ready_with_a_cuda_event(closing: list[Any]) -> None:
     c.layers_ready(1, 4, event=ev)
     assert g.wait_all([1], 60)[1].state is SessionState.DONE
     assert ev.query()
+
+
+def test_a_stranger_process_asking_first_does_not_steal_the_kv(closing: list[Any]) -> None:
+    """Issue 11's theft: a stranger instance (its own process) registers and asks for request 101 first.
+
+    Request ids are names, not secrets: without the ticket it gets a TicketError and no byte, and the real
+    receiver still gets the request exactly.
+    """
+    from _instances import GenerationProcess
+
+    ctx = ContextProcess()
+    closing.append(ctx)
+    thief = GenerationProcess(instance_name="thief")
+    closing.append(thief)
+    thief.receive(101, ctx.endpoint, [1, 2], ticket=new_ticket())
+    time.sleep(0.5)  # its ask reached the context (kept as an early request)
+    ctx.send(101, [3, 4])
+    out = thief.wait_released(101)
+    assert out["state"] == "FAILED" and out["error"].startswith("TicketError"), out
+    assert not any(thief.read([1, 2])), "the stranger's blocks received bytes"
+    owner = Gen()
+    closing.append(owner)
+    owner.tx.start_receive(101, ctx.endpoint, [5, 6], ticket=ticket_for(101))
+    assert owner.tx.wait_all([101], 20)[101].state is SessionState.DONE
+    owner.expect_bytes(101, [3, 4], [5, 6])
+    assert ctx.wait_released(101)["state"] == "DONE"
