@@ -447,21 +447,34 @@ class _Rank:
     # --- context: kvcore -----------------------------------------------------------------------
 
     def op_send(
-        self, rid0: int, n: int, region: str, count: int | None = None, slot_blocks: int | None = None
+        self,
+        rid0: int,
+        n: int,
+        region: str,
+        count: int | None = None,
+        slot_blocks: int | None = None,
+        mode: str = "push",
     ) -> dict[str, Any]:
-        """Start sending ``n`` requests (ids ``rid0..``); the serve loop polls them until released."""
+        """Start sending ``n`` requests (ids ``rid0..``); the serve loop polls them until released.
+
+        Pull mode returns each request's transfer parameters (``to_dict()``) for the generation rank.
+        """
         assert self.shape is not None
         now = time.monotonic()
+        params = []
         for i in range(n):
             blocks = self._blocks(region, i, count, slot_blocks)
-            self.tx.start_send(
+            p = self.tx.start_send(
                 rid0 + i,
                 blocks,
                 prompt_len=len(blocks) * self.shape.tokens_per_block,
                 ticket=derive_ticket(self.secret, rid0 + i),
+                mode=mode,
             )
+            if mode == "pull":
+                params.append(p.to_dict())
             self.pending[rid0 + i] = now
-        return {}
+        return {"params": params}
 
     def op_drain(self) -> dict[str, Any]:
         """Wait until every started request is released; returns outcome counts, errors and live stats."""
@@ -747,8 +760,12 @@ class _Rank:
         pipelined: bool,
         count: int | None = None,
         slot_blocks: int | None = None,
+        params: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """Receive ``n`` requests, one at a time (latency each) or all started at once (elapsed until all DONE)."""
+        """Receive ``n`` requests, one at a time (latency each) or all started at once (elapsed until all DONE).
+
+        With ``params`` (pull mode: the context's transfer parameters, one per request) they are received with them.
+        """
         assert self.shape is not None
         tpb = self.shape.tokens_per_block
         latency: list[float] = []
@@ -772,17 +789,18 @@ class _Rank:
                 time.sleep(self.spec.poll_interval_s)
             return done
 
+        def start(i: int, blocks: Any) -> None:
+            if params:
+                self.tx.start_receive(params=params[i], block_ids=blocks)
+                return
+            self.tx.start_receive(
+                rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb, ticket=derive_ticket(self.secret, rid0 + i)
+            )
+
         if pipelined:
             t0 = time.perf_counter()
             for i in range(n):
-                blocks = self._blocks(region, i, count, slot_blocks)
-                self.tx.start_receive(
-                    rid0 + i,
-                    endpoint,
-                    blocks,
-                    prompt_len=len(blocks) * tpb,
-                    ticket=derive_ticket(self.secret, rid0 + i),
-                )
+                start(i, self._blocks(region, i, count, slot_blocks))
             done = wait(set(range(rid0, rid0 + n)))
             elapsed = max(done.values()) - t0
         else:
@@ -790,13 +808,7 @@ class _Rank:
             for i in range(n):
                 blocks = self._blocks(region, i, count, slot_blocks)
                 t0 = time.perf_counter()
-                self.tx.start_receive(
-                    rid0 + i,
-                    endpoint,
-                    blocks,
-                    prompt_len=len(blocks) * tpb,
-                    ticket=derive_ticket(self.secret, rid0 + i),
-                )
+                start(i, blocks)
                 latency.append(wait({rid0 + i})[rid0 + i] - t0)
             elapsed = time.perf_counter() - t_all
         return {"latency_s": latency, "elapsed_s": elapsed, "not_done": not_done}
@@ -1098,12 +1110,14 @@ class BackendRun:
             "leaks": leaks,
         }
 
-    def kvcore_once(self, region: str) -> float:
+    def kvcore_once(self, region: str, mode: str = "push") -> float:
         """One request through both Transceivers into zeroed memory; returns seconds and checks the bytes."""
         assert self.ctx is not None and self.gen is not None
         rid = self.rids(1)
-        self.ctx.call("send", rid0=rid, n=1, region=region)
-        r = self.gen.call("receive", endpoint=self.endpoint, rid0=rid, n=1, region=region, pipelined=False)
+        params = self.ctx.call("send", rid0=rid, n=1, region=region, mode=mode)["params"]
+        r = self.gen.call(
+            "receive", endpoint=self.endpoint, rid0=rid, n=1, region=region, pipelined=False, params=params or None
+        )
         if r["not_done"]:
             raise BenchError(f"{self.backend}: kvcore request failed: {r['not_done'][0]}")
         return float(r["latency_s"][0])
@@ -1294,6 +1308,45 @@ def case_bounce(run: BackendRun) -> dict[str, Any]:
     off = modes["off"]["gbps"]
     out["ratio_bounce_vs_fragments"] = modes["on"]["gbps"] / off if off else None
     out["verified"] = modes["off"]["verified"] and modes["on"]["verified"]
+    return out
+
+
+@register_case("modes", units=lambda spec: spec.iterations + 2)
+def case_modes(run: BackendRun) -> dict[str, Any]:
+    """Push vs pull, same run: the Llama-3-8B-shaped request and one-block requests, alternating modes."""
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    out: dict[str, Any] = {"push_vs_pull": ["push", "pull"]}
+    for label, shape, region, n in (
+        ("big", spec.llama_shape(), "big", spec.iterations),
+        ("one_block", replace(spec.frag16k_shape(), name="one_block", tokens=32), "first", spec.latency_requests),
+    ):
+        res: dict[str, Any] = {"shape": asdict(shape), "bytes": shape.nbytes if label == "big" else shape.block_bytes}
+        res.update(run.open(shape))
+        times: dict[str, list[float]] = {"push": [], "pull": []}
+        verified = True
+        try:
+            run.say(f"{run.backend} modes: {label}, {n} requests per mode")
+            for i in range(n):
+                for mode in ("push", "pull") if i % 2 == 0 else ("pull", "push"):  # neither always goes first
+                    run.gen.call("zero", region=region)
+                    times[mode].append(run.kvcore_once(region, mode))
+                    verified = verified and run.gen.call("verify", region=region)["ok"]
+                if label == "big":
+                    run.tick()
+        finally:
+            res.update(run.close_shape())
+        for mode, ts in times.items():
+            res[mode] = {
+                "ms_median": statistics.median(ts) * 1e3,
+                "ms_p90": _pct(ts, 90) * 1e3,
+                "gbps_median": res["bytes"] / statistics.median(ts) / _GB,
+            }
+        res["pull_vs_push_time"] = statistics.median(times["pull"]) / statistics.median(times["push"])
+        res["verified"] = verified and res["pool_verified"] and not res["leaks"]
+        out[label] = res
+        run.tick()
+    out["verified"] = out["big"]["verified"] and out["one_block"]["verified"]
     return out
 
 
@@ -1828,6 +1881,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:g} KiB"
+
+
 def print_result(result: dict[str, Any]) -> None:
     """Rich tables for people: bandwidth per backend, case and mode; small-request latency and rate."""
     from rich.console import Console
@@ -1858,7 +1915,23 @@ def print_result(result: dict[str, Any]) -> None:
         if entry.get("error"):
             t.add_row(backend, "-", "[red]error[/]", "", "", "", "", "", f"[red]{entry['error'][:80]}[/]")
         for case, c in entry["cases"].items():
-            if "ratio_bounce_vs_fragments" in c:
+            if "push_vs_pull" in c:
+                for label in ("big", "one_block"):
+                    r = c[label]
+                    for i, mode in enumerate(("push", "pull")):
+                        t.add_row(
+                            backend if i == 0 else "",
+                            f"{case} ({label}, {_size(r['bytes'])})" if i == 0 else "",
+                            mode,
+                            f"{r[mode]['gbps_median']:.2f}",
+                            "",
+                            f"{r[mode]['ms_median']:.2f}",
+                            "",
+                            f"pull/push time {r['pull_vs_push_time']:.2f}" if mode == "pull" else "",
+                            "[green]yes[/]" if r["verified"] else "[red]NO[/]",
+                            end_section=i == 1,
+                        )
+            elif "ratio_bounce_vs_fragments" in c:
                 for i, (mode, r) in enumerate(c["modes"].items()):
                     ratio = c["ratio_bounce_vs_fragments"]
                     t.add_row(

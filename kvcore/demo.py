@@ -1225,6 +1225,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         model += ", Mamba-hybrid (conv + SSM state on odd layers)"
     t.add_row("model", f"{sp['layers']} layers, {model}, head dim {sp['head_dim']}, {sp['dtype']}")
     t.add_row("layout", f"{sp['layout']}, bounce {sp.get('bounce', 'auto')}")
+    how = "the generation ranks read the context's blocks" if sp.get("mode") == "pull" else "the context writes"
+    t.add_row("mode", f"{sp.get('mode', 'push')} ({how})")
     if s.get("hosts"):
         t.add_row("hosts", s["hosts"])
     t.add_row(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -354,3 +355,62 @@ def test_status_walks_through_the_states(closing: list[Any]) -> None:
     assert g.wait_all([1], 20)[1].state is SessionState.DONE
     assert g.status(1) is None  # released
     _until(lambda: c.poll().released == [1] or c.status(1) is None, 20, "the context's release")
+
+
+# --- layers_ready with an event -------------------------------------------------------------------------
+
+
+class _HostEvent:
+    """Anything with ``query()`` is accepted as torch.cuda.Event is; this one completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.flag.is_set()
+
+
+def test_layers_ready_waits_for_its_event_without_blocking_the_caller(closing: list[Any]) -> None:
+    ctx = RankGroup.build("context")
+    gen = RankGroup.build("generation")
+    closing.extend([gen, ctx])
+    c, g = ctx.txs[0], gen.txs[0]
+    flat = ctx.caches[0].view(32, -1).view(torch.uint8)
+    flat[[1]] = torch.from_numpy(fill_value(1, [1], flat.shape[1]))
+    p = c.start_send(1, [1], ticket=ticket_for(1), layers_ready=0)
+    g.start_receive(params=p, block_ids=[2])
+    ev = _HostEvent()
+    t0 = time.monotonic()
+    c.layers_ready(1, 4, event=ev)
+    assert time.monotonic() - t0 < 1.0  # returned at once: the worker polls the event
+    _until(lambda: ev.queries >= 3, 10, "the worker to poll the event")
+    assert g.status(1) is not None and g.poll().done == []  # not complete before the event: nothing written
+    assert c.stats()["pending_events"] == 1
+    ev.flag.set()
+    out = g.wait_all([1], 20)[1]
+    assert out.state is SessionState.DONE
+    gflat = gen.caches[0].view(32, -1).view(torch.uint8)
+    assert np.array_equal(gflat[[2]].numpy(), fill_value(1, [1], flat.shape[1]))
+    assert c.stats()["pending_events"] == 0
+    with pytest.raises(E.SessionError, match="query"):
+        c.layers_ready(1, 4, event=object())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the event path of layers_ready)")
+def test_layers_ready_with_a_cuda_event(closing: list[Any]) -> None:
+    ctx = RankGroup.build("context")
+    gen = RankGroup.build("generation")
+    closing.extend([gen, ctx])
+    c, g = ctx.txs[0], gen.txs[0]
+    p = c.start_send(1, [1], ticket=ticket_for(1), layers_ready=0)
+    g.start_receive(params=p, block_ids=[2])
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # keep the stream busy for a while
+        ev = torch.cuda.Event()
+        ev.record(stream)
+    c.layers_ready(1, 4, event=ev)
+    assert g.wait_all([1], 60)[1].state is SessionState.DONE
+    assert ev.query()

@@ -295,9 +295,16 @@ class Transceiver:
         """Context side: the request's aux payload (first token, draft tokens...), before any receiver has its KV."""
         self._as_sender().set_aux(internal_id(request_id), aux)
 
-    def layers_ready(self, request_id: RequestId, upto: int) -> None:
-        """Context side, layer-wise: global layers below ``upto`` are complete; they are written at once."""
-        self._as_sender().layers_ready(internal_id(request_id), upto)
+    def layers_ready(self, request_id: RequestId, upto: int, event: Any = None) -> None:
+        """Context side, layer-wise: global layers below ``upto`` are complete; they are written at once.
+
+        With ``event`` (a ``torch.cuda.Event`` recorded after the layers' kernels on the
+        compute stream) the layers count as complete once the event has completed: the
+        call returns at once and the transceiver's worker polls ``event.query()``, so
+        the engine never synchronizes its stream for kvcore. Events of one transceiver
+        take effect in the order they were given.
+        """
+        self._as_sender().layers_ready(internal_id(request_id), upto, event)
 
     def start_receive(
         self,

@@ -55,6 +55,15 @@ log = logging.getLogger("kvcore.transceiver")
 _Key = tuple[str, int]
 
 
+def _event_done(event: Any) -> bool:
+    """Whether a CUDA event (anything with ``query()``) completed; an event that raises counts as done (logged)."""
+    try:
+        return bool(event.query())
+    except Exception as exc:  # a broken event must not stall the request: the deadline still bounds it
+        log.warning("layers_ready event raised %s: treating it as complete", exc)
+        return True
+
+
 class Sender(Role):
     """Context role of a transceiver."""
 
@@ -70,6 +79,7 @@ class Sender(Role):
         self.inflight: dict[int, tuple[TxSession, ReceiverTask]] = {}  # id(task) -> its submitted write
         self.orphans: list[Any] = []  # handles of abandoned transfers to dead peers, released once terminal
         self.staging: bounce.Arena | None = None
+        self.events: list[tuple[Any, int, Any]] = []  # (request, layers upto, CUDA event) from layers_ready
         self.bounce_on = link.bounce_on
         self.counters = link.counters
 
@@ -189,15 +199,46 @@ class Sender(Role):
                 )
             s.aux = data
 
-    def layers_ready(self, rid: Any, upto: int) -> None:
+    def layers_ready(self, rid: Any, upto: int, event: Any = None) -> None:
+        if event is not None and not callable(getattr(event, "query", None)):
+            raise E.SessionError(
+                f"request {rid}: event must have a query() method (a torch.cuda.Event), got {type(event).__name__}"
+            )
         with self.link.lock:
             s = self.tx.get(rid)
             if s is None:
                 raise E.SessionError(f"request {rid} is not being sent; call start_send first")
-            if s.layers_upto is not None:
-                new = self._layers_upto(upto)
-                s.layers_upto = None if new is None else max(s.layers_upto, new)
+            if event is not None and not _event_done(event):
+                # The layers are complete once the GPU passed the event: the worker applies it then, no sync here.
+                if len(self.events) >= self.config.max_inflight_requests * 64:
+                    raise E.ResourceExhaustedError(f"{len(self.events)} layers_ready events wait already")
+                self.events.append((rid, int(upto), event))
+                return
+            self._raise_layers(s, upto)
         self.link.post(self._drive, rid)
+
+    def _raise_layers(self, s: TxSession, upto: int) -> None:
+        if s.layers_upto is not None:
+            new = self._layers_upto(upto)
+            s.layers_upto = None if new is None else max(s.layers_upto, new)
+
+    def _check_events(self) -> None:
+        """Worker: apply the layers_ready calls whose CUDA events completed, in the order they were made."""
+        ready: list[Any] = []
+        with self.link.lock:
+            keep: list[tuple[Any, int, Any]] = []
+            for rid, upto, event in self.events:
+                s = self.tx.get(rid)
+                if s is None or s.terminal:
+                    continue
+                if not keep and _event_done(event):  # a later event never overtakes an earlier one
+                    self._raise_layers(s, upto)
+                    ready.append(rid)
+                else:
+                    keep.append((rid, upto, event))
+            self.events = keep
+        for rid in ready:
+            self._drive(rid)
 
     def _layers_upto(self, upto: int | None) -> int | None:
         """None once every layer this rank holds is ready."""
@@ -227,7 +268,7 @@ class Sender(Role):
             self.tombstones.put(rid, s.state, s.error)
 
     def busy(self) -> bool:
-        return bool(self.inflight) or bool(self.orphans)
+        return bool(self.inflight) or bool(self.orphans) or bool(self.events)
 
     def peer_name(self, session: Any) -> str:
         return next((t.peer.name for t in session.tasks.values()), "")
@@ -1041,6 +1082,8 @@ class Sender(Role):
     # --- timers (worker thread) ------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
+        if self.events:
+            self._check_events()
         with self.link.lock:
             inflight = list(self.inflight.values())
         for s, t in inflight:
@@ -1132,6 +1175,7 @@ class Sender(Role):
                 "tx_sessions": len(self.tx),
                 "early_requests": sum(len(v) for v in self.early.values()),
                 "early_request_bytes": self.early_bytes,
+                "pending_events": len(self.events),
                 "tombstones": len(self.tombstones),
                 "gen_peers": sum(1 for p in self.peers.values() if not p.gone),
                 "retired_peers": len(self.retired),
