@@ -59,6 +59,7 @@ class Receiver(Role):
         # (ctx endpoint, ctx rank) -> (fragments per block, mean fragment bytes) of its unmerged plans
         self._plan_shape: dict[tuple[str, int], tuple[float, float]] = {}
         self.reads: dict[tuple[int, int], tuple[RxSession, int]] = {}  # pull: (id(session), ctx rank) -> in flight
+        self._renew_scan = 0.0
 
     @property
     def sessions(self) -> dict[InternalId, Any]:
@@ -863,6 +864,9 @@ class Receiver(Role):
 
     def _renew(self, now: float) -> None:
         """Renew the leases of requests we still wait for (lock held): at a third of the context's lease."""
+        if now - self._renew_scan < 0.1:
+            return  # leases are seconds long: a scan every 100 ms is plenty, even when the worker ticks faster
+        self._renew_scan = now
         for s in self.rx.values():
             if s.terminal or not s.ticket or now - s.last_renew < s.renew_every:
                 continue
