@@ -67,7 +67,6 @@ import numpy as np
 from kvcore.agent import (
     AgentCapabilities,
     AgentDescriptor,
-    MemoryKind,
     MemoryRegion,
     Notification,
     Registration,
@@ -79,6 +78,7 @@ from kvcore.agent import (
     process_incarnation,
 )
 from kvcore.builtin.hostcheck import require_same_host
+from kvcore.builtin.plugin import SHM_CAPABILITIES
 from kvcore.errors import (
     KvcoreError,
     PeerLostError,
@@ -333,9 +333,7 @@ class ShmAgent(TransferAgent):
     """
 
     backend: ClassVar[str] = "shm"
-    capabilities: ClassVar[AgentCapabilities] = AgentCapabilities(
-        memory_kinds=frozenset({MemoryKind.DRAM}), write=True, read=True, notifications=True, remote=False
-    )
+    capabilities: ClassVar[AgentCapabilities] = SHM_CAPABILITIES  # stated once, where the plugin registers it
 
     def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
         super().__init__(name, options)

@@ -64,7 +64,6 @@ import numpy as np
 from kvcore.agent import (
     AgentCapabilities,
     AgentDescriptor,
-    MemoryKind,
     MemoryRegion,
     Notification,
     Registration,
@@ -87,6 +86,7 @@ from kvcore.errors import (
 )
 from kvcore.hostinfo import host_identity
 from kvcore.msgbounds import check_msgpack_bounds
+from kvcore_nixl.plugin import CAPABILITIES, INSTALL_HINT
 
 __all__ = [
     "NixlAgent",
@@ -122,9 +122,6 @@ CROSS_HOST = "cross_host"
 _SCOPES = (SAME_HOST, CROSS_HOST)
 _PEERS_OPTION = {"any": _SCOPES, SAME_HOST: (SAME_HOST,), CROSS_HOST: (CROSS_HOST,)}
 
-_INSTALL_HINT = (
-    "pip install 'kvcore-nixl[cu12]' (or 'kvcore-nixl[cu13]'), i.e. the nixl-cu12 / nixl-cu13 wheel for your CUDA"
-)
 
 _PAYLOAD_VERSION = 2
 _NAME_SEP = "#"  # NIXL agent name = <kvcore name>#<incarnation>.<n>; notifications map back by the prefix
@@ -175,7 +172,7 @@ def load_nixl() -> ModuleType:
     raise UnknownBackendError(
         "transfer agent 'nixl' needs NIXL's Python API, which could not be imported:\n  "
         + "\n  ".join(failures)
-        + f"\n  hint: {_INSTALL_HINT}"
+        + f"\n  hint: {INSTALL_HINT}"
     ) from last
 
 
@@ -349,14 +346,7 @@ class NixlAgent(TransferAgent):
     """
 
     backend: ClassVar[str] = "nixl"
-    capabilities: ClassVar[AgentCapabilities] = AgentCapabilities(
-        memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
-        write=True,
-        read=True,
-        notifications=True,
-        remote=True,
-        can_abort=False,
-    )
+    capabilities: ClassVar[AgentCapabilities] = CAPABILITIES  # stated once, where the plugin registers it
 
     def __init__(self, name: str, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(name, options)

@@ -58,7 +58,6 @@ import msgspec
 import numpy as np
 
 from kvcore.agent import (
-    AgentCapabilities,
     AgentDescriptor,
     MemoryKind,
     MemoryRegion,
@@ -84,19 +83,12 @@ from kvcore.hostinfo import host_identity
 from kvcore.msgbounds import check_msgpack_bounds
 from kvcore_ucx import _ucp
 from kvcore_ucx._ucp import ptr_status
+from kvcore_ucx.plugin import CAPABILITIES
 
 __all__ = ["UcxAgent", "CAPABILITIES", "merge_runs"]
 
 log = logging.getLogger("kvcore_ucx")
 
-CAPABILITIES = AgentCapabilities(
-    memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
-    write=True,
-    read=True,
-    notifications=True,
-    remote=True,
-    can_abort=False,
-)
 
 #: Active-message id of kvcore notifications on a UCX worker.
 _AM_NOTIFY_ID = 0x6B76

@@ -23,7 +23,6 @@ import numpy as np
 
 from kvcore import (
     AgentCapabilities,
-    MemoryKind,
     MemoryRegion,
     Notification,
     PeerLostError,
@@ -36,6 +35,7 @@ from kvcore import (
     TransferStatus,
 )
 from kvcore.agent import AgentDescriptor, RemoteAgent
+from kvcore_cma.plugin import CAPABILITIES
 
 IOV_MAX = 1024  # the kernel refuses more iovecs per call
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -94,9 +94,7 @@ class CmaAgent(TransferAgent):
     """One-sided WRITE/READ of many fragments into a same-host peer's registered memory, with notifications."""
 
     backend: ClassVar[str] = "cma"
-    capabilities: ClassVar[AgentCapabilities] = AgentCapabilities(
-        memory_kinds=frozenset({MemoryKind.DRAM}), write=True, read=True, notifications=True, remote=False
-    )
+    capabilities: ClassVar[AgentCapabilities] = CAPABILITIES  # stated once, in the hook module
 
     def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
         super().__init__(name, options)
