@@ -70,8 +70,7 @@ def resolve_two_hosts_backend(backend: str) -> str:
     if backend not in network:
         raise ValueError(
             f"backend: --two-hosts needs a network transport ({' or '.join(network) or 'none installed'}), "
-            f"got {backend!r}"
-            + (": the shm agent only reaches processes on its own host" if backend == "shm" else "")
+            f"got {backend!r}" + (": the shm agent only reaches processes on its own host" if backend == "shm" else "")
         )
     return backend
 

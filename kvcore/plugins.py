@@ -213,9 +213,7 @@ class PluginManager:
         self.records.append(rec)
         self._registries = None
 
-    def _fail(
-        self, rec: PluginRecord, phase: str, exc: BaseException, status: PluginStatus = FAILED
-    ) -> None:
+    def _fail(self, rec: PluginRecord, phase: str, exc: BaseException, status: PluginStatus = FAILED) -> None:
         rec.status, rec.phase, rec.exception = status, phase, exc
         rec.error = _describe(exc)
         self.records.append(rec)
