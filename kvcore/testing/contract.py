@@ -115,7 +115,8 @@ class TransferAgentContract:
     # --- fixtures ---------------------------------------------------------------------------------
 
     @pytest.fixture(scope="class")
-    def kvcore_backend(self, request: pytest.FixtureRequest) -> str:
+    @classmethod
+    def kvcore_backend(cls, request: pytest.FixtureRequest) -> str:
         """The backend under test: the class's ``backend``, else ``--kvcore-backend``."""
         name = getattr(request.cls, "backend", "") or request.config.getoption("kvcore_backend", default=None)
         if not name:
@@ -123,24 +124,29 @@ class TransferAgentContract:
         return str(name)
 
     @pytest.fixture(scope="class")
-    def kvcore_agent_options(self, request: pytest.FixtureRequest) -> dict[str, Any]:
+    @classmethod
+    def kvcore_agent_options(cls, request: pytest.FixtureRequest) -> dict[str, Any]:
         """Agent options for both sides: the class's ``agent_options``."""
         return dict(getattr(request.cls, "agent_options", {}))
 
     @pytest.fixture(scope="class")
-    def kvcore_agent_class(self, kvcore_backend: str) -> type[TransferAgent]:
+    @classmethod
+    def kvcore_agent_class(cls, kvcore_backend: str) -> type[TransferAgent]:
         """The agent class the installed plugins register under the backend name."""
         from kvcore.plugins import make_plugin_manager
 
-        cls = make_plugin_manager().transfer_agents.get(kvcore_backend)
-        assert isinstance(cls, type) and issubclass(cls, TransferAgent), f"{kvcore_backend!r} is not a TransferAgent"
-        assert cls.backend == kvcore_backend, (
-            f"{cls.__name__}.backend is {cls.backend!r}, registered as {kvcore_backend!r}"
+        agent_cls = make_plugin_manager().transfer_agents.get(kvcore_backend)
+        assert isinstance(agent_cls, type) and issubclass(agent_cls, TransferAgent), (
+            f"{kvcore_backend!r} is not a TransferAgent"
         )
-        return cls
+        assert agent_cls.backend == kvcore_backend, (
+            f"{agent_cls.__name__}.backend is {agent_cls.backend!r}, registered as {kvcore_backend!r}"
+        )
+        return agent_cls
 
     @pytest.fixture(scope="class")
-    def kvcore_peer(self, kvcore_backend: str, kvcore_agent_options: dict[str, Any]) -> Iterator[PeerProcess]:
+    @classmethod
+    def kvcore_peer(cls, kvcore_backend: str, kvcore_agent_options: dict[str, Any]) -> Iterator[PeerProcess]:
         """One peer process per subclass, running an agent of the backend under test."""
         peer = PeerProcess(kvcore_backend, kvcore_agent_options, name=f"peer-{uuid.uuid4().hex[:8]}")
         yield peer
@@ -458,7 +464,8 @@ class TestLegacyContract(TransferAgentContract):
     """
 
     @pytest.fixture(scope="class")
-    def kvcore_backend(self, request: pytest.FixtureRequest) -> str:
+    @classmethod
+    def kvcore_backend(cls, request: pytest.FixtureRequest) -> str:
         warnings.warn(
             f"{request.module.__name__}: 'from kvcore.testing.contract import *' with KVCORE_CONTRACT_BACKEND is "
             "deprecated; subclass kvcore.testing.contract.TransferAgentContract and set backend = '...'",
@@ -473,5 +480,6 @@ class TestLegacyContract(TransferAgentContract):
         return str(name)
 
     @pytest.fixture(scope="class")
-    def kvcore_agent_options(self, request: pytest.FixtureRequest) -> dict[str, Any]:
+    @classmethod
+    def kvcore_agent_options(cls, request: pytest.FixtureRequest) -> dict[str, Any]:
         return dict(getattr(request.module, "KVCORE_CONTRACT_OPTIONS", {}))
