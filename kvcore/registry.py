@@ -112,22 +112,21 @@ class Entry(Generic[T]):
         """Import the target on first use and cache it."""
         if self._loaded is not None:
             return self._loaded
-        if True:  # one import per entry; the result is cached above
-            module_name, _, attr = self.target.partition(":")
-            if not module_name or not attr:
-                raise PluginError(f"{self.name!r} target {self.target!r} must look like 'package.module:attribute'")
-            try:
-                obj: Any = importlib.import_module(module_name)
-                for part in attr.split("."):
-                    obj = getattr(obj, part)
-            except Exception as exc:
-                hint = f"\n  hint: {self.install_hint}" if self.install_hint else ""
-                raise UnknownBackendError(
-                    f"{self.name!r} from plugin {self.plugin!r} could not be imported from {self.target!r}: "
-                    f"{type(exc).__name__}: {exc}{hint}"
-                ) from exc
-            self._loaded = obj
-        return obj  # type: ignore[no-any-return]
+        module_name, _, attr = self.target.partition(":")
+        if not module_name or not attr:
+            raise PluginError(f"{self.name!r} target {self.target!r} must look like 'package.module:attribute'")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except Exception as exc:
+            hint = f"\n  hint: {self.install_hint}" if self.install_hint else ""
+            raise UnknownBackendError(
+                f"{self.name!r} from plugin {self.plugin!r} could not be imported from {self.target!r}: "
+                f"{type(exc).__name__}: {exc}{hint}"
+            ) from exc
+        self._loaded = obj
+        return obj  # type: ignore[no-any-return]  # what the target is, its plugin promised (checked by users)
 
 
 class Registry(Generic[T]):
