@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from kvcore.errors import DuplicateBackendError, PluginError, UnknownBackendError
 
 if TYPE_CHECKING:
-    # TransferAgent, LayoutMapper and BenchBaseline appear only in quoted base classes, which ruff does not
-    # count as uses (hence the noqa); importing them for real would make the registries import the data plane.
-    from kvcore.agent import AgentCapabilities, TransferAgent  # noqa: F401
+    # LayoutMapper and BenchBaseline appear only in quoted base classes, which ruff does not count as uses
+    # (hence the noqa); importing them for real would make the registries import the data plane.
+    from kvcore.agent import AgentCapabilities, TransferAgent
     from kvcore.baselines import BenchBaseline  # noqa: F401
     from kvcore.mapping import LayoutMapper  # noqa: F401
     from kvcore.page import PageTable
@@ -271,6 +271,23 @@ class TransferAgentRegistry(Registry["type[TransferAgent]"]):
                 extra=extra,
             )
         )
+
+    def get(self, name: str) -> type[TransferAgent]:
+        """The agent class registered as ``name``, imported on first use; its ``capabilities`` must be the registered ones.
+
+        A class that states other capabilities than its plugin registered raises ``PluginError`` naming both:
+        the tools read the registry, the agent reads its class attribute, and the two must never disagree.
+        """
+        entry = self.entry(name)
+        cls = entry.load()
+        declared = getattr(cls, "capabilities", None)
+        if entry.capabilities is not None and declared is not None and declared != entry.capabilities:
+            raise PluginError(
+                f"transfer agent {name!r} from plugin {entry.plugin!r}: {getattr(cls, '__name__', cls)}.capabilities "
+                f"is {declared}, but the plugin registered {entry.capabilities}; state them once (a constant in "
+                "the hook module that the class reads back)"
+            )
+        return cls
 
     def auto_candidates(self) -> list[str]:
         """The agents ``backend="auto"`` tries, in order: highest ``auto_priority`` first, then by name."""
