@@ -63,6 +63,7 @@ import msgspec
 import numpy as np
 
 from kvcore.errors import KvcoreError
+from kvcore.params import derive_ticket
 
 if TYPE_CHECKING:
     from kvcore.registry import BenchBaselineRegistry
@@ -285,6 +286,10 @@ def _logical_ids(shape: Shape) -> dict[str, np.ndarray]:
     }
 
 
+#: The environment variable that carries the run's ticket secret to its rank processes.
+_SECRET_ENV = "KVCORE_BENCH_TICKET_SECRET"
+
+
 class _Rank:
     """One rank process: owns an agent, and per case a pool, a page table and a ``Transceiver``; serves commands."""
 
@@ -295,6 +300,8 @@ class _Rank:
 
         torch.set_num_threads(1)
         self.role, self.backend, self.spec, self.conn = role, backend, spec, conn
+        # Both sides derive every request's ticket from the run's secret (the orchestrator set it before spawning).
+        self.secret = bytes.fromhex(os.environ[_SECRET_ENV])
         self.config = TransceiverConfig.load(
             backend=backend,
             agent_options=dict(spec.agent_options.get(backend, {})),
@@ -449,7 +456,12 @@ class _Rank:
         now = time.monotonic()
         for i in range(n):
             blocks = self._blocks(region, i, count, slot_blocks)
-            self.tx.start_send(rid0 + i, blocks, prompt_len=len(blocks) * self.shape.tokens_per_block)
+            self.tx.start_send(
+                rid0 + i,
+                blocks,
+                prompt_len=len(blocks) * self.shape.tokens_per_block,
+                ticket=derive_ticket(self.secret, rid0 + i),
+            )
             self.pending[rid0 + i] = now
         return {}
 
@@ -712,7 +724,13 @@ class _Rank:
             t0 = time.perf_counter()
             for i in range(n):
                 blocks = self._blocks(region, i, count, slot_blocks)
-                self.tx.start_receive(rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb)
+                self.tx.start_receive(
+                    rid0 + i,
+                    endpoint,
+                    blocks,
+                    prompt_len=len(blocks) * tpb,
+                    ticket=derive_ticket(self.secret, rid0 + i),
+                )
             done = wait(set(range(rid0, rid0 + n)))
             elapsed = max(done.values()) - t0
         else:
@@ -720,7 +738,13 @@ class _Rank:
             for i in range(n):
                 blocks = self._blocks(region, i, count, slot_blocks)
                 t0 = time.perf_counter()
-                self.tx.start_receive(rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb)
+                self.tx.start_receive(
+                    rid0 + i,
+                    endpoint,
+                    blocks,
+                    prompt_len=len(blocks) * tpb,
+                    ticket=derive_ticket(self.secret, rid0 + i),
+                )
                 latency.append(wait({rid0 + i})[rid0 + i] - t0)
             elapsed = time.perf_counter() - t_all
         return {"latency_s": latency, "elapsed_s": elapsed, "not_done": not_done}
@@ -816,10 +840,12 @@ class _Rank:
                     self.pool[int(ids[slot])].zero_()  # a missing write cannot pass for a done one
                     slot_of[rid], src_of[rid] = slot, src
                     pending[rid] = time.monotonic()
-                    self.tx.start_receive(rid, endpoint, ids[slot : slot + 1], prompt_len=tpb)
+                    self.tx.start_receive(
+                        rid, endpoint, ids[slot : slot + 1], prompt_len=tpb, ticket=derive_ticket(self.secret, rid)
+                    )
                 else:
                     pending[rid] = time.monotonic()
-                    self.tx.start_send(rid, ids[src : src + 1], prompt_len=tpb)
+                    self.tx.start_send(rid, ids[src : src + 1], prompt_len=tpb, ticket=derive_ticket(self.secret, rid))
                 if rng.random() < cancel_rate / 2:
                     heapq.heappush(cancels, (time.monotonic() + float(rng.uniform(0.0, 0.005)), rid))
                 started += 1
@@ -899,6 +925,7 @@ class _RankProc:
     """The orchestrator's handle on one rank process: commands out, replies back, every wait bounded."""
 
     def __init__(self, role: str, backend: str, spec: BenchSpec) -> None:
+        os.environ.setdefault(_SECRET_ENV, os.urandom(32).hex())  # inherited by every rank process of this run
         ctx = mp.get_context("spawn")
         self.role, self.spec = role, spec
         self.conn, child = ctx.Pipe()

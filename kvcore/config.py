@@ -27,6 +27,9 @@ __all__ = ["TransceiverConfig", "resolve_backend", "create_agent"]
 log = logging.getLogger("kvcore.config")
 
 # A host name, an IPv4 address, or an IPv6 address with or without brackets.
+#: The hard bound on ``max_aux_bytes``: an aux payload travels in one control frame.
+MAX_AUX_BYTES = 1024 * 1024
+
 _ADVERTISE_RE = re.compile(r"\A(?:[A-Za-z0-9.\-]+|\[?[0-9A-Fa-f:.]+\]?)\Z")
 
 
@@ -63,6 +66,13 @@ class TransceiverConfig:
     bounce_enabled: bool = True
     bounce_buffer_bytes: int = 64 * 1024 * 1024  # receiver arena and sender staging buffer, per rank
     required_plugins: list[str] = field(default_factory=list)
+    transfer_mode: str = (
+        "push"  # per request default: "push" (the context writes) or "pull" (the generation side reads)
+    )
+    require_tickets: bool = True  # serve a request only to a receiver presenting its ticket (from TransferParams)
+    max_aux_bytes: int = 64 * 1024  # bound on one request's aux payload (first token, draft tokens...)
+    lease_s: float = 60.0  # the context keeps a request's pages this long after start_send or the last renewal
+    max_lease_s: float = 600.0  # ... but never longer than this from start_send, however often it is renewed
     # --- control-plane authentication (docs/security.md); no own key configured: no authentication ---
     auth_key_file: str = ""  # this rank's secret CurveZMQ certificate (*.key_secret, from `kvcore keygen`)
     auth_secret_key: str = field(default="", repr=False)  # or its Z85 secret key itself (KVCORE_AUTH_SECRET_KEY)
@@ -106,6 +116,8 @@ class TransceiverConfig:
             "fencing_grace_s",
             "refused_peer_ttl_s",
             "quarantine_query_interval_s",
+            "lease_s",
+            "max_lease_s",
         ):
             if not float(getattr(self, name)) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -123,6 +135,12 @@ class TransceiverConfig:
         ):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.transfer_mode not in ("push", "pull"):
+            raise ConfigError(f"transfer_mode must be 'push' or 'pull', got {self.transfer_mode!r}")
+        if not 0 <= int(self.max_aux_bytes) <= MAX_AUX_BYTES:
+            raise ConfigError(f"max_aux_bytes must be in 0..{MAX_AUX_BYTES}, got {self.max_aux_bytes!r}")
+        if float(self.max_lease_s) < float(self.lease_s):
+            raise ConfigError(f"max_lease_s ({self.max_lease_s}) must be >= lease_s ({self.lease_s})")
         if not isinstance(self.auth_allowed_keys, list):
             raise ConfigError(
                 f"auth_allowed_keys must be a list of Z85 keys, got {type(self.auth_allowed_keys).__name__}"

@@ -50,6 +50,7 @@ from typing import Any
 
 import msgspec
 
+from kvcore.params import TransferParams, derive_ticket
 from kvcore.testing.oracle import (
     conv_channels_of_rank,
     expected_conv,
@@ -115,6 +116,7 @@ class DemoSpec:
     mamba_ssm_dtype: str = "float32"
     bounce: str = "auto"
     layerwise: bool = False  # context ranks send the first half of their layers, then the rest (layers_ready)
+    mode: str = "push"  # "pull": generation ranks read the context's blocks (transfer parameters carry them)
     cached_prefix_blocks: int = 0
     spare_blocks: int = 8  # at least one per DP group: the first-contact requests use them
     timeout_s: float = 120.0
@@ -195,6 +197,10 @@ class DemoSpec:
         """Raise ``ValueError`` naming the first field that cannot work."""
         if self.bounce not in BOUNCE_MODES:
             raise ValueError(f"bounce: expected one of {list(BOUNCE_MODES)}, got {self.bounce!r}")
+        if self.mode not in ("push", "pull"):
+            raise ValueError(f"mode: expected 'push' or 'pull', got {self.mode!r}")
+        if self.mode == "pull" and self.layerwise:
+            raise ValueError("mode 'pull' reads every layer at once: it cannot be combined with layerwise")
         if self.layout not in ("head_major", "token_major"):
             raise ValueError(f"layout: expected 'head_major' or 'token_major', got {self.layout!r}")
         for name in (
@@ -328,11 +334,24 @@ def _rank_main(role: str, rank: int, spec_b: bytes, dist_port: int, conn: Any) -
         raise SystemExit(1) from None
 
 
+def _assignment(spec: DemoSpec, role: str) -> tuple[dict[int, Any], dict[int, int]]:
+    """Each request's blocks and state slot on one instance (the same on every rank of it, as a block manager's)."""
+    import numpy as np
+
+    rng = np.random.default_rng(spec.seed + (0 if role == "context" else 1))
+    perm = rng.permutation(spec.num_blocks)
+    nbpr = spec.blocks_per_request
+    blocks = {r: perm[r * nbpr : (r + 1) * nbpr] for r in range(spec.requests)}
+    spare = perm[spec.requests * nbpr :]
+    blocks.update({w: spare[i : i + 1] for i, w in enumerate(spec.warm_ids)})
+    slots = rng.permutation(spec.num_slots)
+    return blocks, {r: int(slots[r]) for r in range(spec.num_slots)}
+
+
 class _Rank:
     """One rank's storage, its oracle view of what it holds, and its request assignment."""
 
     def __init__(self, role: str, rank: int, spec: DemoSpec, agent: Any) -> None:
-        import numpy as np
         import torch
 
         from kvcore.builders import allocate_kv_cache, allocate_mamba_state, build_page_table
@@ -397,14 +416,7 @@ class _Rank:
         self.page_table = tables[0] if len(tables) == 1 else PageTable.combine(tables)
         # Same block and slot assignment on every rank of an instance (as a real block manager would do),
         # different between the instances so addresses never line up by accident.
-        rng = np.random.default_rng(spec.seed + (0 if role == "context" else 1))
-        perm = rng.permutation(spec.num_blocks)
-        nbpr = spec.blocks_per_request
-        self.blocks = {r: perm[r * nbpr : (r + 1) * nbpr] for r in range(spec.requests)}
-        spare = perm[spec.requests * nbpr :]
-        self.blocks.update({w: spare[i : i + 1] for i, w in enumerate(spec.warm_ids)})
-        slots = rng.permutation(spec.num_slots)
-        self.slots = {r: int(slots[r]) for r in range(spec.num_slots)}
+        self.blocks, self.slots = _assignment(spec, role)
 
     def mine(self, ids: list[int] | range) -> list[int]:
         """The requests among ``ids`` that this rank's DP group handles."""
@@ -518,16 +530,42 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
             for r in work:
                 me.fill(r)
             if rank == 0:
-                _send(conn, {"kind": "endpoint", "endpoint": tx.info_endpoint, "backend": agent.backend})
-            _recv(conn, spec.timeout_s)  # go
-            for w in warm:
-                tx.start_send(w, me.blocks[w], prompt_len=spec.tokens_per_block, state_slot=me.state_slot(w))
-            _drive(tx, collective, spec, warm)
-            t0 = time.perf_counter()
+                _send(
+                    conn,
+                    {
+                        "kind": "endpoint",
+                        "endpoint": tx.info_endpoint,
+                        "backend": agent.backend,
+                        "incarnation": tx.incarnation,
+                    },
+                )
+            go = _recv(conn, spec.timeout_s)
+            secret = go["secret"]  # every request's ticket is derived from the run's secret (both sides know it)
             first, stop = me.topology.layer_range
             half = first + (stop - first) // 2 if spec.layerwise else None
-            for r in work:
-                tx.start_send(r, me.blocks[r], prompt_len=spec.tokens, state_slot=me.state_slot(r), layers_ready=half)
+
+            def send(r: int, prompt_len: int, layers: int | None) -> None:
+                tx.start_send(
+                    r,
+                    me.blocks[r],
+                    prompt_len=prompt_len,
+                    state_slot=me.state_slot(r),
+                    layers_ready=layers,
+                    ticket=derive_ticket(secret, r),
+                    mode=spec.mode,
+                )
+
+            for w in warm:
+                send(w, spec.tokens_per_block, None)
+            if spec.mode == "pull":
+                # The parameters of a pull request exist only once start_send ran: send everything, then say so.
+                for r in work:
+                    send(r, spec.tokens, None)
+                _send(conn, {"kind": "sent"})
+            _drive(tx, collective, spec, warm)
+            t0 = time.perf_counter()
+            for r in work if spec.mode == "push" else ():
+                send(r, spec.tokens, half)
             if spec.layerwise:
                 tx.poll()  # let the first slices go out before the rest is declared ready
                 for r in work:
@@ -547,17 +585,26 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
         else:
             go = _recv(conn, spec.timeout_s)
             skip = spec.cached_prefix_blocks
+            if spec.mode == "pull":
+                _recv(conn, spec.timeout_s)  # every context rank has started sending
+            ctx_blocks, ctx_slots = _assignment(spec, "context")
 
             def receive(r: int, prompt_len: int, first_block: int) -> None:
                 starts[r] = time.perf_counter()
-                tx.start_receive(
+                # What the context's start_send returned, as a router would forward it (rebuilt here from the
+                # run's shared facts: the secret, the context's block assignment and its incarnation).
+                params = TransferParams.make(
                     r,
                     go["endpoint"],
-                    me.blocks[r][first_block:],
+                    ticket=derive_ticket(go["secret"], r),
+                    mode=spec.mode,  # type: ignore[arg-type]
+                    dp_rank=spec.dp_group("context", r),
                     prompt_len=prompt_len,
-                    state_slot=me.state_slot(r),
-                    ctx_dp_rank=spec.dp_group("context", r),
+                    block_ids=ctx_blocks[r].tolist() if spec.mode == "pull" else (),
+                    state_slot=ctx_slots[r] if spec.mode == "pull" and spec.mamba else -1,
+                    incarnation=go["incarnation"] if spec.mode == "pull" else "",
                 )
+                tx.start_receive(params=params, block_ids=me.blocks[r][first_block:], state_slot=me.state_slot(r))
 
             starts: dict[int, float] = {}
             for w in warm:
@@ -844,8 +891,16 @@ def _run_local(spec: DemoSpec, *, progress: bool) -> dict[str, Any]:
         first = ranks.wait([("context", 0)], t_spawned + spec.timeout_s)[("context", 0)]
         t_ready = time.monotonic()
         summary["backend"] = first["backend"]
+        secret = os.urandom(32)  # the run's ticket secret: only this driver and its ranks know it
+        go = {"kind": "go", "endpoint": first["endpoint"], "secret": secret, "incarnation": first["incarnation"]}
         for c in ranks.conns.values():
-            _send(c, {"kind": "go", "endpoint": first["endpoint"]})
+            _send(c, go)
+        if spec.mode == "pull":
+            ctx_keys = [k for k in ranks.conns if k[0] == "context"]
+            ranks.wait(ctx_keys, time.monotonic() + spec.timeout_s)
+            for k, c in ranks.conns.items():
+                if k[0] == "generation":
+                    _send(c, {"kind": "sent"})
         gen_keys = [k for k in ranks.conns if k[0] == "generation"]
         shown = len([r for r in range(spec.requests) if spec.dp_group("generation", r) == 0])
         on_progress = None
@@ -1005,6 +1060,12 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="context ranks mark half of their layers ready first, the rest afterwards (layer-wise sending)",
     )
+    p.add_argument(
+        "--mode",
+        default=d.mode,
+        choices=["push", "pull"],
+        help="push: context ranks write into the generation side; pull: generation ranks read the context's blocks",
+    )
     p.add_argument("--cached-prefix-blocks", type=int, default=0, help="blocks the generation side already holds")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request bound in seconds")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -1048,6 +1109,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         mamba=args.mamba,
         bounce=args.bounce,
         layerwise=args.layerwise,
+        mode=args.mode,
         cached_prefix_blocks=args.cached_prefix_blocks,
         timeout_s=args.timeout,
         seed=args.seed,
