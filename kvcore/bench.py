@@ -18,9 +18,9 @@ function ``case(run: BackendRun) -> dict``; :data:`CASES` maps names to them.
     fragment plan (built once with :func:`kvcore.mapping.plan_transfer` from the
     same page tables), polled without back-off: the transport without kvcore's
     control plane;
-  - ``nixl_initialize`` / ``nixl_prepped`` (nixl only): NIXL's own API on the
-    identical descriptor list, no kvcore code in the loop: ``initialize_xfer``
-    per transfer, or prepared lists made once and re-posted;
+  - the baselines the backend's plugin registers (``kvcore.baselines``; NIXL's
+    ``nixl_initialize`` / ``nixl_prepped``): the transport's own API on the
+    identical descriptor list, no kvcore code in the loop;
   - ``memcpy``: numpy ``copyto`` of the same number of bytes between two
     pre-faulted buffers, and ``memcpy_scattered``: one ``memmove`` per fragment
     of the same plan into a local buffer (the physical references).
@@ -57,13 +57,16 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
 from kvcore.errors import KvcoreError
 from kvcore.params import derive_ticket
+
+if TYPE_CHECKING:
+    from kvcore.registry import BenchBaselineRegistry
 
 __all__ = [
     "BenchError",
@@ -80,7 +83,6 @@ __all__ = [
 
 _GB = 1e9
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # per-block word offset: a misplaced or torn block never matches
-_BACKEND_ORDER = ("nixl", "ucx", "shm")
 SMALL_SLOTS = 8  # distinct one-block slots the small requests cycle through
 
 
@@ -526,8 +528,20 @@ class _Rank:
             state["agent"] = ag
             state["peer"] = ag.load_remote_agent(self.gen_info.agent_descriptor)
             state["descriptor"] = ag.descriptor()  # the generation side must load it first (see op_admit)
-        elif mode in ("nixl_initialize", "nixl_prepped"):
-            state.update(self._nixl_native(src, dst, sizes, pool_base, pool_bytes, prepped=mode == "nixl_prepped"))
+        elif mode in _baselines():
+            from kvcore.baselines import BaselinePlan
+
+            native = BaselinePlan(
+                src,
+                dst,
+                sizes,
+                pool_base,
+                pool_bytes,
+                self.gen_info.agent_descriptor,
+                self.config.agent_options,
+                self.spec.timeout_s,
+            )
+            state["baseline"] = _baselines().get(mode)(native)
         elif mode == "memcpy":
             state["src"] = self.pool.numpy().reshape(-1)[: int(sizes.sum())]
             state["dst"] = np.empty_like(state["src"])
@@ -551,42 +565,12 @@ class _Rank:
             "fragment_bytes": int(sizes.max()) if plan.count else 0,
         }
 
-    def _nixl_native(
-        self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, pool_base: int, pool_bytes: int, prepped: bool
-    ) -> dict[str, Any]:
-        """NIXL's own API on the identical descriptors: a second, bare ``nixl_agent`` in this process."""
-        from kvcore_nixl.agent import DEFAULT_BACKEND_PARAMS, decode_payload, load_nixl
-
-        api = load_nixl()
-        opts = self.config.agent_options
-        backend = str(opts.get("nixl_backend", "UCX"))
-        params = {
-            **DEFAULT_BACKEND_PARAMS.get(backend, {}),
-            **{str(k): str(v) for k, v in dict(opts.get("backend_params", {})).items()},
-        }
-        name = f"bench-bare-nixl-{os.getpid()}-{'prepped' if prepped else 'init'}-{time.monotonic_ns()}"
-        bare = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
-        bare.create_backend(backend, params)
-        reg = bare.register_memory(np.array([[pool_base, pool_bytes, 0]], dtype=np.uint64), "DRAM")
-        rname = bare.add_remote_agent(decode_payload(self.gen_info.agent_descriptor).metadata)
-        rname = rname.decode() if isinstance(rname, bytes) else rname
-        zeros = np.zeros_like(sizes)
-        ld = np.ascontiguousarray(np.stack([src, sizes, zeros], axis=1))
-        rd = np.ascontiguousarray(np.stack([dst, sizes, zeros], axis=1))
-        st: dict[str, Any] = {"nixl": bare, "reg": reg, "rname": rname, "ld": ld, "rd": rd}
-        if prepped:
-            st["lh"] = bare.prep_xfer_dlist("NIXL_INIT_AGENT", ld, "DRAM")
-            st["rh"] = bare.prep_xfer_dlist(rname, rd, "DRAM")
-            idx = np.arange(sizes.size, dtype=np.int32)
-            st["xh"] = bare.make_prepped_xfer("WRITE", st["lh"], idx, st["rh"], idx, b"")
-        return st
-
     def op_xfer(self, mode: str, repeat: int = 1) -> dict[str, Any]:
         """Run one bare mode ``repeat`` times; returns the wall time (and submit time) of each."""
         st = self.bare[mode]
         times, submits = [], []
         for _ in range(repeat):
-            t, s = getattr(self, "_once_" + mode)(st)
+            t, s = st["baseline"].once() if "baseline" in st else getattr(self, "_once_" + mode)(st)
             times.append(t)
             submits.append(s)
         return {"seconds": times, "submit_seconds": submits}
@@ -608,37 +592,6 @@ class _Rank:
         if err is not None:
             raise err
         return t2 - t0, t1 - t0
-
-    def _nixl_wait(self, st: dict[str, Any], h: Any, state: str, t0: float) -> None:
-        deadline = t0 + self.spec.timeout_s
-        while state == "PROC":
-            if time.perf_counter() > deadline:
-                raise BenchTimeoutError(f"bare NIXL transfer still pending after {self.spec.timeout_s}s")
-            state = st["nixl"].check_xfer_state(h)
-        if state != "DONE":
-            raise BenchError(f"bare NIXL transfer ended in state {state!r}")
-
-    def _once_nixl_initialize(self, st: dict[str, Any]) -> tuple[float, float]:
-        nx = st["nixl"]
-        t0 = time.perf_counter()
-        h = nx.initialize_xfer(
-            "WRITE", nx.get_xfer_descs(st["ld"], "DRAM"), nx.get_xfer_descs(st["rd"], "DRAM"), st["rname"], b""
-        )
-        state = nx.transfer(h, b"")
-        t1 = time.perf_counter()
-        try:
-            self._nixl_wait(st, h, state, t0)
-        finally:
-            t2 = time.perf_counter()
-            h.release()
-        return t2 - t0, t1 - t0
-
-    def _once_nixl_prepped(self, st: dict[str, Any]) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        state = st["nixl"].transfer(st["xh"], b"")
-        t1 = time.perf_counter()
-        self._nixl_wait(st, st["xh"], state, t0)
-        return time.perf_counter() - t0, t1 - t0
 
     def _once_memcpy(self, st: dict[str, Any]) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -678,13 +631,8 @@ class _Rank:
             return
         if "agent" in st:
             st["agent"].close()
-        if "nixl" in st:
-            nx = st["nixl"]
-            for key in ("xh", "lh", "rh"):
-                if key in st:
-                    st[key].release()
-            nx.remove_remote_agent(st["rname"])
-            nx.deregister_memory(st["reg"])
+        if "baseline" in st:
+            st["baseline"].close()
 
     def op_unprepare(self, mode: str) -> dict[str, Any]:
         self._unprepare(mode)
@@ -1172,8 +1120,8 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
     out: dict[str, Any] = {"shape": asdict(shape), "bytes": shape.nbytes, "iterations": spec.iterations}
     out.update(run.open(shape))
     modes = ["kvcore", "agent"]
-    if run.backend == "nixl":
-        modes += ["nixl_initialize", "nixl_prepped"]
+    natives = _baselines().for_backend(run.backend)  # the transport's own API, if its plugin registers it
+    modes += natives
     modes += ["memcpy", "memcpy_scattered"]
     times: dict[str, list[float]] = {m: [] for m in modes}
     submits: dict[str, list[float]] = {m: [] for m in modes}
@@ -1227,7 +1175,6 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
             res["setup_ms"] = setup[m]["setup_ms"]
         out["modes"][m] = res
     g = {m: out["modes"][m]["gbps_median"] for m in modes}
-    natives = [m for m in modes if m.startswith("nixl_")]
     bare = max(natives, key=lambda m: g[m]) if natives else "agent"
     out["bare_mode"] = bare
     out["ratios"] = {
@@ -1534,7 +1481,8 @@ def case_matrix(run: BackendRun) -> dict[str, Any]:
     spec = run.spec
     block = spec.matrix_block_bytes()
     per_token = block // spec.tokens_per_block
-    bare = ["agent"] + (["nixl_initialize"] if run.backend == "nixl" else []) + ["memcpy", "memcpy_scattered"]
+    native = _baselines().matrix_mode(run.backend)
+    bare = ["agent"] + ([native] if native else []) + ["memcpy", "memcpy_scattered"]
     cells: list[dict[str, Any]] = []
     out: dict[str, Any] = {
         "model": {
@@ -1638,7 +1586,7 @@ def case_matrix(run: BackendRun) -> dict[str, Any]:
 
 
 def installed_backends() -> list[str]:
-    """Every transfer agent whose plugin loads here, the NIXL/UCX/shm ones first."""
+    """Every transfer agent whose plugin loads here: network agents first (by auto-selection priority), then by name."""
     from kvcore.plugins import get_plugin_manager
 
     reg = get_plugin_manager().registries.transfer_agents
@@ -1649,7 +1597,14 @@ def installed_backends() -> list[str]:
         except KvcoreError:
             continue
         ok.append(name)
-    return sorted(ok, key=lambda n: (_BACKEND_ORDER.index(n) if n in _BACKEND_ORDER else len(_BACKEND_ORDER), n))
+    return reg.preferred_order(ok)
+
+
+def _baselines() -> BenchBaselineRegistry:
+    """The bench baselines the installed plugins register (a transport's own API); the core names none."""
+    from kvcore.plugins import get_plugin_manager
+
+    return get_plugin_manager().registries.bench_baselines
 
 
 def _machine() -> dict[str, Any]:
@@ -2050,7 +2005,8 @@ def _print_matrix(con: Any, result: dict[str, Any]) -> None:
             for r in rows
             if (r["backend"], r["request_tokens"], r["fragment_bytes"]) == (backend, tokens, frag)
         }
-        bare = cell.get(("nixl_initialize", 1)) or cell.get(("agent", 1))
+        native = _baselines().matrix_mode(backend)
+        bare = (cell.get((native, 1)) if native else None) or cell.get(("agent", 1))
         kv1 = cell.get(("kvcore", 1))
 
         def g(key: tuple[str, int], cell: dict[tuple[str, int], dict[str, Any]] = cell) -> str:
@@ -2105,22 +2061,23 @@ def plot_result(result: dict[str, Any], path: str) -> None:
         raise BenchError("--plot: this run has no matrix cells and no transfer cases to plot")
     sizes = sorted({r["request_bytes"] for r in rows}) if any(r["request_tokens"] for r in rows) else [None]
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4.2), squeeze=False, sharey=True)
-    styles = {"kvcore": "-", "agent": "--", "nixl_initialize": "--", "memcpy_scattered": ":"}
     backends = list(result["backends"])
+    natives = {b: m for b in backends if (m := _baselines().matrix_mode(b))}  # plotted as the backend's "bare"
+    styles = {"kvcore": "-", "agent": "--", **dict.fromkeys(natives.values(), "--"), "memcpy_scattered": ":"}
     colors = {b: f"C{i}" for i, b in enumerate(backends)}
     for ax, size in zip(axes[0], sizes):
         here = [r for r in rows if size is None or r["request_bytes"] == size]
         for b in backends:
             for mode, style in styles.items():
-                if b == "nixl" and mode == "agent" and any(r["mode"] == "nixl_initialize" for r in here):
-                    continue  # bare NIXL is its own API
+                if mode == "agent" and b in natives and any(r["mode"] == natives[b] for r in here):
+                    continue  # the bare transport is its own API
                 pts = sorted(
                     (r["fragment_bytes"], r["gbps_median"])
                     for r in here
                     if r["backend"] == b and r["mode"] == mode and r["inflight"] == 1
                 )
                 if pts:
-                    label = f"{b} {'bare' if mode in ('agent', 'nixl_initialize') else mode}"
+                    label = f"{b} {'bare' if mode == 'agent' or mode == natives.get(b) else mode}"
                     ax.plot(*zip(*pts), style, marker="o", color=colors[b], label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")  # GB/s spans decades: one-block kvcore requests to memcpy

@@ -22,10 +22,11 @@ key pair per instance (:func:`instance_keys`). ``--two-hosts`` runs the
 context instance and the generation instance in two namespaced hosts
 (:mod:`kvcore.demo_hosts`, built on :mod:`kvcore.testing.hosts`).
 
-The oracles here (:func:`heads_of_rank`, :func:`layers_of_rank`,
+The oracles (:func:`heads_of_rank`, :func:`layers_of_rank`,
 :func:`conv_channels_of_rank`, :func:`ssm_heads_of_rank`, :func:`expected_values`,
 :func:`expected_conv`, :func:`expected_ssm`) are written from the model
-definition and never call kvcore's sharding or mapping code.
+definition and never call kvcore's sharding or mapping code; they live in
+:mod:`kvcore.testing.oracle`, the one oracle the tests and plugins use too.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ from typing import Any
 import msgspec
 
 from kvcore.params import TransferParams, derive_ticket
+from kvcore.testing.oracle import (
+    conv_channels_of_rank,
+    expected_conv,
+    expected_ssm,
+    expected_values,
+    heads_of_rank,
+    layers_of_rank,
+    ssm_heads_of_rank,
+)
 
 __all__ = [
     "BOUNCE_MODES",
@@ -240,86 +250,6 @@ class DemoSpec:
 def _tp_pp_rank(rank: int, tp_size: int) -> tuple[int, int]:
     """``(tp_rank, pp_rank)`` of an instance-global rank (TP-minor: ``rank = pp*tp_size + tp``)."""
     return rank % tp_size, rank // tp_size
-
-
-def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int, attention_dp: bool, mla: bool = False) -> list[int]:
-    """Global KV-head ids a rank holds (independent of kvcore's own arithmetic).
-
-    Attention DP or TP1: all heads. MLA: the single latent "head" 0 on every rank.
-    Heads >= TP: a contiguous share. Fewer heads than ranks: each head is
-    replicated on ``tp_size // total_heads`` consecutive ranks.
-    """
-    if mla:
-        return [0]
-    if attention_dp or tp_size == 1:
-        return list(range(total_heads))
-    if total_heads >= tp_size:
-        per = total_heads // tp_size
-        return list(range(tp_rank * per, (tp_rank + 1) * per))
-    return [tp_rank * total_heads // tp_size]
-
-
-def layers_of_rank(num_layers: int, pp_size: int, pp_rank: int, layers_per_pp: list[int] | None = None) -> list[int]:
-    """Global layers of a PP stage: ``layers_per_pp`` when given, else an even split (earlier stages get the remainder)."""
-    if layers_per_pp is None:
-        per, extra = divmod(num_layers, pp_size)
-        layers_per_pp = [per + (1 if p < extra else 0) for p in range(pp_size)]
-    start = sum(layers_per_pp[:pp_rank])
-    return list(range(start, start + layers_per_pp[pp_rank]))
-
-
-def conv_channels_of_rank(sections: tuple[int, ...], tp_size: int, tp_rank: int, attention_dp: bool) -> list[int]:
-    """Global conv channels a rank holds: its contiguous share of every section, sections concatenated."""
-    n = 1 if attention_dp else tp_size
-    i = 0 if attention_dp else tp_rank
-    out: list[int] = []
-    start = 0
-    for size in sections:
-        per = size // n
-        out.extend(range(start + i * per, start + (i + 1) * per))
-        start += size
-    return out
-
-
-def ssm_heads_of_rank(nheads: int, tp_size: int, tp_rank: int, attention_dp: bool) -> list[int]:
-    """Global SSM heads a rank holds: all under attention DP, else a contiguous share."""
-    if attention_dp:
-        return list(range(nheads))
-    per = nheads // tp_size
-    return list(range(tp_rank * per, (tp_rank + 1) * per))
-
-
-def _index(values: list[int] | range, dims: int, axis: int) -> Any:
-    import torch
-
-    shape = [1] * dims
-    shape[axis] = -1
-    return torch.tensor(list(values), dtype=torch.int64).view(shape)
-
-
-def expected_values(
-    request: int, layers: list[int], kv: int, heads: list[int], tokens: range, dim: int, dtype: Any
-) -> Any:
-    """The logical KV ``[layers, kv, heads, tokens, dim]`` of a request: small integers, exact in bf16/fp16."""
-    lt, kt, ht = _index(layers, 5, 0), _index(range(kv), 5, 1), _index(heads, 5, 2)
-    tt, dt = _index(tokens, 5, 3), _index(range(dim), 5, 4)
-    v = (request * 7919 + lt * 131 + kt * 31 + ht * 17 + tt * 3 + dt) % 251 - 125
-    return v.to(dtype)
-
-
-def expected_conv(request: int, layers: list[int], channels: list[int], taps: int, dtype: Any) -> Any:
-    """The logical Mamba conv state ``[layers, channels, taps]`` of a request."""
-    lt, ct, tt = _index(layers, 3, 0), _index(channels, 3, 1), _index(range(taps), 3, 2)
-    v = (request * 6007 + lt * 101 + ct * 13 + tt * 7 + 3) % 241 - 120
-    return v.to(dtype)
-
-
-def expected_ssm(request: int, layers: list[int], heads: list[int], head_dim: int, d_state: int, dtype: Any) -> Any:
-    """The logical Mamba SSM state ``[layers, heads, head_dim, d_state]`` of a request."""
-    lt, ht = _index(layers, 4, 0), _index(heads, 4, 1)
-    it, st = _index(range(head_dim), 4, 2), _index(range(d_state), 4, 3)
-    v = (request * 4999 + lt * 89 + ht * 37 + it * 5 + st * 11 + 1) % 239 - 119
-    return v.to(dtype)
 
 
 # --- rank-local tensor access ------------------------------------------------------------------

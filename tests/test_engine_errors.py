@@ -183,8 +183,10 @@ def test_close_with_requests_in_flight_returns_and_refuses_later_calls(ctx: Rank
         gen.close()
 
 
-def test_missing_mapper_plugin_is_a_typed_error_naming_the_plugin_to_install() -> None:
-    """Context TP2 -> generation TP1 needs the head-count mixer; without kvcore-mixers the request fails, typed."""
+def test_missing_mapper_plugin_is_a_typed_error_naming_the_missing_mapper() -> None:
+    """Context TP2 -> generation TP1 needs the head-count mixer; without kvcore-mixers the request fails, typed.
+
+    The core names no plugin: the error names the mapper kind and points at 'kvcore plugins'."""
     from kvcore.plugins import make_plugin_manager
 
     pm = make_plugin_manager(load_entry_points=False)  # the built-ins only: no kvcore-mixers
@@ -196,7 +198,7 @@ def test_missing_mapper_plugin_is_a_typed_error_naming_the_plugin_to_install() -
         out = _wait(gen, [1])[1]
         assert out.state is SessionState.FAILED
         assert isinstance(out.error, E.MappingError), repr(out.error)
-        assert "kvcore-mixers" in str(out.error), str(out.error)
+        assert "head_mismatch_head_major" in str(out.error) and "kvcore plugins" in str(out.error), str(out.error)
         assert not _flat(gen.caches[0]).any()
     finally:
         gen.close()

@@ -820,7 +820,9 @@ def _bench_main(argv: list[str]) -> int:
     options = json.loads(args.options)
     with TwoHosts(mtu=args.mtu) as hosts:
         hosts.wait_link()
-        for backend in args.backend or ["nixl", "ucx"]:
+        from kvcore.plugins import get_plugin_manager
+
+        for backend in args.backend or get_plugin_manager().transfer_agents.remote_names():
             for cross in (True,) if args.cross_only else (False, True):
                 r = measure(backend, cross_host=cross, hosts=hosts, iterations=args.iterations, options=options)
                 print(json.dumps({**r, "mtu": args.mtu or 1500, "options": options}), flush=True)
