@@ -1083,6 +1083,11 @@ CASES: dict[str, CaseFn] = {}
 CASE_UNITS: dict[str, Callable[[BenchSpec], int]] = {}
 
 
+def _one_unit(spec: BenchSpec) -> int:
+    """A case without declared units counts as one unit of the progress bar."""
+    return 1
+
+
 def register_case(name: str, units: Callable[[BenchSpec], int] | None = None) -> Callable[[CaseFn], CaseFn]:
     """Decorator: make ``fn(run: BackendRun) -> dict`` selectable as ``kvcore bench --cases name``.
 
@@ -1667,7 +1672,7 @@ def run_bench(
         return result
     backends = spec.backends or installed_backends()
     if progress is not None:
-        progress.start(len(backends) * sum(CASE_UNITS.get(c, lambda _s: 1)(spec) for c in spec.cases))
+        progress.start(len(backends) * sum(CASE_UNITS.get(c, _one_unit)(spec) for c in spec.cases))
         try:
             return _run_bench(spec, backends, progress.say, progress.advance)
         finally:

@@ -912,7 +912,7 @@ def _run_local(spec: DemoSpec, *, progress: bool) -> dict[str, Any]:
             task = bar.add_task(f"moving {spec.requests} requests ({summary['backend']})", total=shown)
 
             def on_progress(n: int) -> None:
-                bar.update(task, completed=n)  # type: ignore[union-attr]
+                bar.update(task, completed=n)
 
         reports = ranks.wait(list(ranks.conns), time.monotonic() + 2 * spec.timeout_s + 60, on_progress)
         for c in ranks.conns.values():

@@ -208,7 +208,7 @@ class PluginManager:
             return
         rec.hooks = sorted(
             hc.name
-            for hc in self.pm.get_hookcallers(self.pm.get_plugin(rec.name)) or ()  # type: ignore[union-attr]
+            for hc in self.pm.get_hookcallers(self.pm.get_plugin(rec.name)) or ()
         )
         self.records.append(rec)
         self._registries = None

@@ -229,7 +229,7 @@ class TransferAgentRegistry(Registry["type[TransferAgent]"]):
 
     kind = "transfer agent"
 
-    def add(  # type: ignore[override]
+    def add(
         self,
         name: str,
         target: str,

@@ -243,7 +243,7 @@ class _VersionProbe(msgspec.Struct):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
+_decoder = msgspec.msgpack.Decoder(Message)
 _probe = msgspec.msgpack.Decoder(_VersionProbe)
 
 

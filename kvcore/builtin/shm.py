@@ -806,7 +806,8 @@ class ShmAgent(TransferAgent):
                 f"fragment {i}: remote range [{int(addrs[i]):#x}, +{int(sizes[i])}) is not inside one shm segment "
                 f"of peer {peer_name!r}; nothing was moved"
             )
-        return peer.seg_local[seg] + (addrs - peer.seg_base[seg])
+        out: np.ndarray = peer.seg_local[seg] + (addrs - peer.seg_base[seg])
+        return out
 
     def _send_pending(self, peer_name: str, xfer: _Xfer) -> None:
         if xfer.pending is None:

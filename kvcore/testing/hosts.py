@@ -475,7 +475,7 @@ def _peer_class() -> type:
     from kvcore.hostinfo import host_identity, hostname
     from kvcore.testing.harness import _Peer
 
-    class _HostPeer(_Peer):  # type: ignore[misc, valid-type]
+    class _HostPeer(_Peer):
         """Harness commands plus: where am I, load a peer, write to it (timed), write until an error."""
 
         def op_whoami(self) -> dict[str, Any]:

@@ -203,10 +203,10 @@ def fill_kv(
             for k in range(geom.kv_factor):
                 part = logical[layer, k][heads][:, toks]  # [h, tpb, D*eb]
                 if layout == "head_major_pool":
-                    dst = _bytes(rank_tensors[blk, li, k])  # type: ignore[call-overload,index]
+                    dst = _bytes(rank_tensors[blk, li, k])  # type: ignore[call-overload]
                     dst[:] = part.reshape(-1)
                 elif layout == "token_major_layers":
-                    _bytes(rank_tensors[li][blk, k])[:] = part.transpose(1, 0, 2).reshape(-1)  # type: ignore[index]
+                    _bytes(rank_tensors[li][blk, k])[:] = part.transpose(1, 0, 2).reshape(-1)
                 else:
                     _bytes(rank_tensors[li][k, blk])[:] = part.transpose(1, 0, 2).reshape(-1)
     del eb
@@ -253,14 +253,14 @@ def make_logical_mamba(mg: MambaGeometry, seed: int) -> tuple[np.ndarray, np.nda
     return conv, ssm
 
 
-def make_mamba_state(topo: Topology, mg: MambaGeometry, num_slots: int):
+def make_mamba_state(topo: Topology, mg: MambaGeometry, num_slots: int) -> tuple[Any, Any, Any]:
     conv, ssm = allocate_mamba_state(topo, mg, num_slots)
     _bytes(conv)[:] = SENTINEL
     _bytes(ssm)[:] = SENTINEL
     return conv, ssm, build_mamba_state(conv, ssm, topology=topo, geometry=mg)
 
 
-def fill_mamba(conv, ssm, topo: Topology, mg: MambaGeometry, logical, slot: int) -> None:
+def fill_mamba(conv: Any, ssm: Any, topo: Topology, mg: MambaGeometry, logical: Any, slot: int) -> None:
     lconv, lssm = logical
     chans = conv_channels_of_rank(tuple(mg.conv_sections), topo.tp_size, topo.tp_rank, topo.attention_dp)
     heads = ssm_heads_of_rank(mg.nheads, topo.tp_size, topo.tp_rank, topo.attention_dp)
