@@ -206,10 +206,7 @@ class PluginManager:
             self.pm.unregister(name=rec.name)
             self._fail(rec, "validate", exc)
             return
-        rec.hooks = sorted(
-            hc.name
-            for hc in self.pm.get_hookcallers(self.pm.get_plugin(rec.name)) or ()
-        )
+        rec.hooks = sorted(hc.name for hc in self.pm.get_hookcallers(self.pm.get_plugin(rec.name)) or ())
         self.records.append(rec)
         self._registries = None
 
