@@ -511,9 +511,7 @@ class Sender(Role):
             self._end(s, SessionState.CANCELLED, err)
 
     def _not_registered(self, source: Source, msg: wire.RequestData, why: str) -> None:
-        self.link.reply(
-            source, self._result(msg.request_id, msg.nonce, status="failed", kind="NotRegisteredError", error=why)
-        )
+        self._refuse_request(source, msg.request_id, msg.nonce, "NotRegisteredError", why)
 
     def _attach(self, s: TxSession, msg: wire.RequestData, source: Source) -> None:
         """A receiver asked for ``s`` (lock held): add its task, or answer at once if ``s`` is already terminal."""
@@ -530,16 +528,13 @@ class Sender(Role):
         if self._refused_ticket(s, msg.ticket, msg.nonce, source):
             return
         if s.mode == "pull":
-            self.link.reply(
+            self._refuse_request(
                 source,
-                self._result(
-                    s.request_id,
-                    msg.nonce,
-                    status="failed",
-                    kind="SessionError",
-                    error=f"request {s.request_id} is sent in pull mode: the receiver reads it (start_receive with "
-                    "the transfer parameters)",
-                ),
+                s.request_id,
+                msg.nonce,
+                "SessionError",
+                f"request {s.request_id} is sent in pull mode: the receiver reads it (start_receive with "
+                "the transfer parameters)",
             )
             return
         t = ReceiverTask(
@@ -580,6 +575,10 @@ class Sender(Role):
             self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
             self._end(s, SessionState.FAILED, exc)
 
+    def _refuse_request(self, source: Source, rid: Any, nonce: bytes, kind: str, error: str) -> None:
+        """Answer one asker "failed" (``kind``: the kvcore error class) without touching the request (lock held)."""
+        self.link.reply(source, self._result(rid, nonce, status="failed", kind=kind, error=error))
+
     def _refused_ticket(self, s: TxSession, ticket: bytes, nonce: bytes, source: Source) -> bool:
         """True (and the asker told so) when tickets are required and ``ticket`` is not the request's (lock held)."""
         if not self.config.require_tickets or hmac.compare_digest(ticket, s.ticket):
@@ -587,15 +586,12 @@ class Sender(Role):
         self.counters["tickets_refused"] += 1
         why = "no ticket was presented" if not ticket else "the ticket presented is not this request's"
         log.warning("request %s: refused a receiver: %s", s.request_id, why)
-        self.link.reply(
+        self._refuse_request(
             source,
-            self._result(
-                s.request_id,
-                nonce,
-                status="failed",
-                kind="TicketError",
-                error=f"request {s.request_id}: {why} (pass the context's TransferParams to start_receive)",
-            ),
+            s.request_id,
+            nonce,
+            "TicketError",
+            f"request {s.request_id}: {why} (pass the context's TransferParams to start_receive)",
         )
         return True
 
@@ -606,15 +602,12 @@ class Sender(Role):
         with self.link.lock:
             peer = self.peers.get(key)
             if peer is None or peer.gone or peer.incarnation != msg.gen_incarnation or peer.state is PeerState.REFUSED:
-                self.link.reply(
+                self._refuse_request(
                     source,
-                    self._result(
-                        rid,
-                        msg.nonce,
-                        status="failed",
-                        kind="NotRegisteredError",
-                        error=f"generation rank {key} is not registered with this context rank",
-                    ),
+                    rid,
+                    msg.nonce,
+                    "NotRegisteredError",
+                    f"generation rank {key} is not registered with this context rank",
                 )
                 return
             s = self.tx.get(rid)
@@ -635,16 +628,7 @@ class Sender(Role):
             if self._refused_ticket(s, msg.ticket, msg.nonce, source):
                 return
             if s.mode != "pull":
-                self.link.reply(
-                    source,
-                    self._result(
-                        rid,
-                        msg.nonce,
-                        status="failed",
-                        kind="SessionError",
-                        error=f"request {rid} is sent in push mode",
-                    ),
-                )
+                self._refuse_request(source, rid, msg.nonce, "SessionError", f"request {rid} is sent in push mode")
                 return
             t = ReceiverTask(
                 peer=peer,
