@@ -45,7 +45,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import msgspec
@@ -1066,8 +1066,13 @@ def add_parser(sub: Any) -> None:
         choices=["push", "pull"],
         help="push: context ranks write into the generation side; pull: generation ranks read the context's blocks",
     )
-    p.add_argument("--cached-prefix-blocks", type=int, default=0, help="blocks the generation side already holds")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request bound in seconds")
+    p.add_argument(
+        "--cached-prefix-blocks",
+        type=int,
+        default=d.cached_prefix_blocks,
+        help="blocks the generation side already holds",
+    )
+    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s", help="per-request bound in seconds")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--auth",
@@ -1087,35 +1092,9 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    spec = DemoSpec(
-        backend=args.backend,
-        requests=args.requests,
-        tokens=args.tokens,
-        layers=args.layers,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        tokens_per_block=args.tokens_per_block,
-        dtype=args.dtype,
-        layout=args.layout,
-        ctx_tp=args.ctx_tp,
-        ctx_pp=args.ctx_pp,
-        gen_tp=args.gen_tp,
-        gen_pp=args.gen_pp,
-        ctx_layers_per_pp=args.ctx_layers_per_pp,
-        gen_layers_per_pp=args.gen_layers_per_pp,
-        ctx_attention_dp=args.ctx_attention_dp,
-        gen_attention_dp=args.gen_attention_dp,
-        mla=args.mla,
-        mamba=args.mamba,
-        bounce=args.bounce,
-        layerwise=args.layerwise,
-        mode=args.mode,
-        cached_prefix_blocks=args.cached_prefix_blocks,
-        timeout_s=args.timeout,
-        seed=args.seed,
-        auth=args.auth,
-        two_hosts=args.two_hosts,
-    )
+    # Every option's dest is a DemoSpec field: the spec is built from them, never listed a third time.
+    given = vars(args)
+    spec = DemoSpec(**{f.name: given[f.name] for f in fields(DemoSpec) if f.name in given})
     try:
         summary = run_demo(spec, progress=not args.json and sys.stderr.isatty())
     except Exception as exc:
