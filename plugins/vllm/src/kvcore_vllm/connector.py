@@ -336,7 +336,10 @@ class KvcoreConnector(KVConnectorBase_V1):
         """Poll kvcore; report requests it released. Cancels the receives of requests vLLM finished (aborts)."""
         engine = self._require_engine()
         if engine.role == "generation":
-            for name in finished_req_ids:
+            meta = self._connector_metadata
+            # An id in finished_req_ids that this step's metadata starts is a reused id: the finished one is gone.
+            started = set(meta.recvs) | set(meta.expects) if isinstance(meta, KvcoreConnectorMetadata) else set()
+            for name in finished_req_ids - started:
                 if engine.is_waited_for(name):
                     engine.cancel(name, "request finished (aborted) on the decode instance")
         r = engine.poll()
