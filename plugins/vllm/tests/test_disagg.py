@@ -345,40 +345,59 @@ def test_decode_without_the_ticket_gets_nothing(engines: Any, model_dir: str, mo
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_expected_request_keeps_the_prefill_lease_while_decode_waits_for_blocks(
+def test_expected_requests_keep_the_prefill_lease_while_decode_waits_for_blocks(
     engines: Any, model_dir: str, mode: str
 ) -> None:
-    # The decode instance is full: the remote request waits for blocks (vLLM keeps it WAITING) while the engine
-    # makes no progress for several prefill leases. The connector announced it (Transceiver.expect), so kvcore
-    # renews the prefill's lease; once blocks free up, every byte arrives.
-    lease = {"request_timeout_s": 2.0, "lease_s": 2.0, "max_lease_s": 120.0}
+    # The decode instance is full: remote requests wait for blocks (vLLM keeps them WAITING, and looks only at the
+    # head of its queue) while the engine makes no progress for several prefill leases. The connector announced
+    # each on arrival (Transceiver.expect), so kvcore renews the prefill's leases; once blocks free up, every byte
+    # arrives. One of them is aborted while expected: the prefill frees it at once, not at max_lease_s.
+    lease = {"request_timeout_s": 2.0, "lease_s": 2.0, "max_lease_s": 300.0}
     p = engines(**spec("prefill", "shm", model_dir, mode, extra=lease))
-    d = engines(**spec("decode", "shm", model_dir, mode, num_blocks=16))
+    # kvcore renews every lease_s / 3 of the *receiver's* configuration: both sides must agree on lease_s.
+    d = engines(**spec("decode", "shm", model_dir, mode, num_blocks=16, extra={"lease_s": 2.0, "max_lease_s": 300.0}))
     base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
     # First contact on a normal request, so the renewals below start at once.
     params = prefill(p, "warm", 20, 1, mode)
     d.send(op="add", id="warm", prompt=prompt_of(20, 1), max_tokens=2, params=params, seed=1)
     assert_kv(d.wait("loaded", id="warm")["kv"], 1, 20)
     d.wait("freed", id="warm")
-    # In one step: a local request takes all but 2 of the decode's blocks; the remote one needs 3, so it waits.
-    params = prefill(p, "patient", 40, 6, mode)
+    p.wait("freed", id="warm")
+    remote = {rid: prefill(p, rid, 40, seed, mode) for rid, seed in (("patient", 6), ("queued", 7), ("quitter", 8))}
+    # In one step: a local request takes all but 2 of the decode's blocks; each remote one needs 3, so they wait.
     hog_len = (base_d - 2) * BLOCK_SIZE - 4
     d.send_many(
         {"op": "add", "id": "hog", "prompt": prompt_of(hog_len, 9), "max_tokens": 3, "params": None, "seed": 9},
-        {"op": "add", "id": "patient", "prompt": prompt_of(40, 6), "max_tokens": 2, "params": params, "seed": 6},
+        *(
+            {
+                "op": "add",
+                "id": rid,
+                "prompt": prompt_of(40, seed),
+                "max_tokens": 2,
+                "params": remote[rid],
+                "seed": seed,
+            }
+            for rid, seed in (("patient", 6), ("queued", 7), ("quitter", 8))
+        ),
         then_freeze=7.0,  # then the engine stalls for 3.5 prefill leases
     )
     frozen = d.wait("frozen", timeout=60)
-    state = frozen["requests"]["patient"]
-    assert "WAITING" in state and "REMOTE" not in state, frozen  # not allocated: only expected
+    for rid in ("patient", "queued", "quitter"):
+        state = frozen["requests"][rid]
+        assert "WAITING" in state and "REMOTE" not in state, frozen  # not allocated: only expected
     assert frozen["free_blocks"] < 3, frozen
+    d.send(op="abort", id="quitter")  # read at the thaw, before the next step
     d.wait("thawed", timeout=60)
-    assert not [e for e in p.events if e.get("event") == "freed" and e.get("id") == "patient"], (
-        "the prefill freed an expected request: its lease was not renewed"
-    )
-    assert_kv(d.wait("loaded", id="patient", timeout=60)["kv"], 6, 40)
-    d.wait("freed", id="patient")
-    p.wait("freed", id="patient")
+    p.state()  # reads every event the prefill emitted so far
+    freed = [e["id"] for e in p.events if e.get("event") == "freed"]
+    assert not freed, f"the prefill freed expected requests {freed}: their leases were not renewed"
+    p.wait("freed", id="quitter", timeout=60)  # told at once; its lease alone would hold it for 300 s
+    for rid, seed in (("patient", 6), ("queued", 7)):
+        assert_kv(d.wait("loaded", id=rid, timeout=60)["kv"], seed, 40)
+        d.wait("freed", id=rid)
+        p.wait("freed", id=rid)
     d.wait("freed", id="hog", timeout=60)
     assert_idle(p, base_p)
     assert_idle(d, base_d)
+    stats = p.state()["connector_stats"]
+    assert stats.get("transfers_done") == 4 and not stats.get("transfers_failed"), stats

@@ -377,7 +377,11 @@ def serve(spec: EngineSpec, out: Any) -> None:
             op = cmd["op"]
             if op == "add":
                 engine.add_request(cmd["id"], cmd["prompt"], cmd["max_tokens"], cmd.get("params"), cmd["seed"])
-                watched[cmd["id"]] = {"loaded": False, "finished": False, "prompt_len": len(cmd["prompt"])}
+                watched[cmd["id"]] = {
+                    "loaded": not cmd.get("params"),  # a local request loads nothing
+                    "finished": False,
+                    "prompt_len": len(cmd["prompt"]),
+                }
             elif op == "freeze":
                 freeze = float(cmd["seconds"])
             elif op == "abort":

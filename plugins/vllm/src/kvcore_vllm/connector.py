@@ -413,6 +413,16 @@ class KvcoreConnector(KVConnectorBase_V1):
             params["do_remote_prefill"] = False
             return None
 
+    def on_new_request(self, request: Request) -> None:
+        """Decode side: a remote request arrived; expect it (renew the prefill's lease) unless allocated this step.
+
+        vLLM considers only the head of its waiting queue while blocks are short, so a request queued behind it
+        would not reach ``get_num_new_matched_tokens`` for a while: it is announced here, on arrival.
+        """
+        tp = self._remote_params(request)
+        if tp is not None and request.request_id not in self._expected:
+            self._waiting[request.request_id] = tp.to_dict()
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode side: the prompt tokens the prefill instance holds beyond the local prefix, loaded asynchronously."""
         tp = self._remote_params(request)
