@@ -179,6 +179,7 @@ class Cancel(_Msg, tag="cancel", frozen=True):
     rank: int
     reason: ErrorText = ""
     nonce: Nonce = b""  # the RequestData.nonce of the request being cancelled (generation -> context)
+    ticket: Ticket = b""  # a decline (no nonce: never asked) proves it may speak for the request with its ticket
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):

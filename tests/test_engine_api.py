@@ -440,3 +440,47 @@ def test_a_stranger_process_asking_first_does_not_steal_the_kv(closing: list[Any
     assert owner.tx.wait_all([101], 20)[101].state is SessionState.DONE
     owner.expect_bytes(101, [3, 4], [5, 6])
     assert ctx.wait_released(101)["state"] == "DONE"
+
+
+def test_a_read_reported_before_start_send_counts_once_start_send_runs(closing: list[Any]) -> None:
+    """vLLM hands out the parameters (request_finished) a step before its worker calls start_send: a fast decode
+    side may read and report first. The report waits for start_send, which checks it like any other."""
+    ctx = RankGroup.build("context")
+    gen = RankGroup.build("generation")
+    closing.extend([gen, ctx])
+    c, g = ctx.txs[0], gen.txs[0]
+    flat = ctx.caches[0].view(32, -1).view(torch.uint8)
+    flat[[3, 4]] = torch.from_numpy(fill_value(8, [3, 4], flat.shape[1]))
+    p = TransferParams.make(8, c.info_endpoint, mode="pull", block_ids=[3, 4], incarnation=c.incarnation)
+    g.start_receive(params=p, block_ids=[10, 11])
+    _until(lambda: c.stats()["early_requests"] == 1, 20, "the early read report")
+    assert g.poll().done == []  # not DONE before the context has said the blocks were its to lend
+    c.start_send(8, [3, 4], params=p)
+    out = g.wait_all([8], 20)[8]
+    assert out.state is SessionState.DONE, out.error
+    gflat = gen.caches[0].view(32, -1).view(torch.uint8)
+    assert np.array_equal(gflat[[10, 11]].numpy(), fill_value(8, [3, 4], flat.shape[1]))
+    assert c.wait_all([8], 20)[8].state is SessionState.DONE
+    assert c.leaks() == {} and g.leaks() == {}
+
+
+def test_a_registered_peer_cannot_decline_requests_it_has_no_ticket_for(closing: list[Any]) -> None:
+    ctx = RankGroup.build("context")
+    closing.append(ctx)
+    c = ctx.txs[0]
+    stranger, owner = Gen(), Gen()
+    closing.extend([stranger, owner])
+    warm = c.start_send(1, [1], ticket=ticket_for(1))
+    stranger.tx.start_receive(params=warm, block_ids=[1])  # a legitimate peer for its own request: registered
+    assert stranger.tx.wait_all([1], 20)[1].state is SessionState.DONE
+    real = c.start_send(2, [2], ticket=ticket_for(2))  # started: a decline without its ticket changes nothing
+    for rid in (2, 3):  # 3: not started yet, a pre-cancel by someone without the ticket is not honoured
+        stranger.tx.expect(TransferParams.make(rid, c.info_endpoint, ticket=new_ticket()))
+        assert stranger.tx.cancel(rid)
+    stranger.tx.wait_all([2, 3], 20)
+    _until(lambda: c.stats()["tickets_refused"] >= 1, 20, "the refused decline")
+    later = c.start_send(3, [3], ticket=ticket_for(3))
+    for p, dst in ((real, 5), (later, 6)):
+        owner.tx.start_receive(params=p, block_ids=[dst])
+    outs = owner.tx.wait_all([2, 3], 20)
+    assert outs[2].state is outs[3].state is SessionState.DONE, outs

@@ -53,7 +53,7 @@ class Receiver(Role):
         self.reasks: dict[InternalId, int] = {}
         # Requests cancelled before their instance was ready: (endpoint) -> [(request id, ctx dp rank)]; the
         # context ranks are told once the instance is ready, so they let go of the request's pages at once.
-        self.declines: dict[str, list[tuple[InternalId, int]]] = {}
+        self.declines: dict[str, list[tuple[InternalId, int, bytes]]] = {}
         self.counters = link.counters
         self.arena: bounce.Arena | None = link.arena
         # (ctx endpoint, ctx rank) -> (fragments per block, mean fragment bytes) of its unmerged plans
@@ -167,11 +167,11 @@ class Receiver(Role):
             if s.instance is None:
                 inst = self.instances.get(s.ctx_endpoint)
                 if inst is not None and inst.state is PeerState.READY:
-                    self._decline(inst, [(rid, s.ctx_dp_rank)])  # e.g. expected, never started: say so now
+                    self._decline(inst, [(rid, s.ctx_dp_rank, s.ticket)])  # e.g. expected, never started: say so now
                 else:
                     pending = self.declines.setdefault(s.ctx_endpoint, [])
                     if len(pending) < self.config.max_inflight_requests:
-                        pending.append((rid, s.ctx_dp_rank))
+                        pending.append((rid, s.ctx_dp_rank, s.ticket))
             elif s.mode == "pull":
                 self._pull_unread(s, "cancelled", reason)
             self._query_writers(s, reason)
@@ -678,9 +678,9 @@ class Receiver(Role):
                 link.metrics.first_contact(inst.name, time.monotonic() - inst.created)
                 self._resume(inst)
 
-    def _decline(self, inst: CtxInstance, requests: list[tuple[Any, int]]) -> None:
-        """Tell the context ranks of requests we never asked for that we never will (lock held)."""
-        for rid, dp in requests:
+    def _decline(self, inst: CtxInstance, requests: list[tuple[Any, int, bytes]]) -> None:
+        """Tell the context ranks of requests we never asked for that we never will (lock held; with the ticket)."""
+        for rid, dp, ticket in requests:
             try:
                 writers = peer_ranks(self.link.topology, inst.ranks[0].topology, dp)
             except E.KvcoreError:
@@ -694,6 +694,7 @@ class Receiver(Role):
                         instance=self.link.instance_name,
                         rank=self.link.topology.rank,
                         reason="cancelled before it was asked for",
+                        ticket=ticket,
                     ),
                 )
 

@@ -55,6 +55,11 @@ log = logging.getLogger("kvcore.transceiver")
 _Key = tuple[str, int]
 
 
+def _early_size(msg: wire.RequestData | wire.PullDone) -> int:
+    """Bytes an early message is charged against ``max_early_bytes`` (its block list; a PullDone a fixed 256)."""
+    return len(msg.block_ids) if isinstance(msg, wire.RequestData) else 256
+
+
 def _event_done(event: Any) -> bool:
     """Whether a CUDA event (anything with ``query()``) completed; an event that raises counts as done (logged)."""
     try:
@@ -73,7 +78,8 @@ class Sender(Role):
         self.tx: dict[InternalId, TxSession] = {}
         self.peers: dict[_Key, GenPeer] = {}  # current incarnation (or refusal) per generation rank
         self.retired: list[GenPeer] = []  # lost peers waiting for their transfers to end before unloading
-        self.early: dict[InternalId, list[tuple[float, wire.RequestData, Source]]] = {}  # RequestData before start_send
+        # RequestData (push) and PullDone (pull: read before start_send ran) that came before start_send
+        self.early: dict[InternalId, list[tuple[float, wire.RequestData | wire.PullDone, Source]]] = {}
         self.early_bytes = 0
         self.tombstones = Tombstones(cfg.max_tombstones, cfg.request_timeout_s)
         self.inflight: dict[int, tuple[TxSession, ReceiverTask]] = {}  # id(task) -> its submitted write
@@ -153,11 +159,14 @@ class Sender(Role):
             self.tx[rid] = s
             self.link.metrics.request_started()
             tomb = self.tombstones.pop(rid)
-            if tomb is not None and tomb.state is SessionState.CANCELLED:
+            if tomb is not None and tomb.state is SessionState.CANCELLED and self._ticket_ok(tk, tomb.ticket):
                 self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled earlier"))
             for _, req, source in self.early.pop(rid, []):
-                self.early_bytes -= len(req.block_ids)
-                self._attach(s, req, source)
+                self.early_bytes -= _early_size(req)
+                if isinstance(req, wire.PullDone):
+                    self._take_pull_done(s, req, source)
+                else:
+                    self._attach(s, req, source)
         self.link.post(self._drive, rid)
         topo = self.link.topology
         return TransferParams.make(
@@ -253,7 +262,7 @@ class Sender(Role):
                 # Not started here (yet): a later start_send ends CANCELLED; waiting receivers are told now.
                 self.tombstones.put(rid, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid}: {reason}"))
                 for _, req, source in self.early.pop(rid, []):
-                    self.early_bytes -= len(req.block_ids)
+                    self.early_bytes -= _early_size(req)
                     self._answer_unheld(req, source, self.tombstones.get(rid))
                 return False
             if s.terminal:
@@ -265,7 +274,7 @@ class Sender(Role):
     def release(self, rid: InternalId) -> None:
         s = self.tx.pop(rid, None)
         if s is not None:
-            self.tombstones.put(rid, s.state, s.error)
+            self.tombstones.put(rid, s.state, s.error, ticket=s.ticket)
 
     def busy(self) -> bool:
         return bool(self.inflight) or bool(self.orphans) or bool(self.events)
@@ -349,7 +358,7 @@ class Sender(Role):
             return  # nobody left to tell
         self.link.send(t.peer.info.endpoint, msg)
 
-    def _answer_unheld(self, req: wire.RequestData, source: Source, tomb: Any) -> None:
+    def _answer_unheld(self, req: wire.RequestData | wire.PullDone, source: Source, tomb: Any) -> None:
         """Answer a receiver asking for a request this rank does not hold, from its tombstone (lock held)."""
         rid = req.request_id
         if tomb is None:
@@ -460,38 +469,50 @@ class Sender(Role):
                 return
             s = self.tx.get(msg.request_id)
             if s is None:
-                tomb = self.tombstones.get(msg.request_id)
+                tomb = self._tombstone_for(msg.request_id, msg.ticket)
                 if tomb is not None:
                     self._answer_unheld(msg, source, tomb)
                     return
-                per_peer = sum(
-                    1 for lst in self.early.values() for _, r, _ in lst if (r.gen_instance, r.gen_rank) == key
-                )
-                count = sum(len(v) for v in self.early.values())
-                cfg = self.config
-                if (
-                    count >= cfg.max_early_requests
-                    or per_peer >= cfg.max_early_per_peer
-                    or self.early_bytes + len(msg.block_ids) > cfg.max_early_bytes
-                ):
-                    link.reply(
-                        source,
-                        self._result(
-                            msg.request_id,
-                            msg.nonce,
-                            status="failed",
-                            kind="ResourceExhaustedError",
-                            error=f"{count} requests ({self.early_bytes} bytes) already wait for start_send here",
-                        ),
-                    )
-                    return
-                # Kept until the receiver's deadline (bounded by ours); then it is answered with a failure.
-                ttl = min(msg.timeout_ms / 1000.0, self.config.request_timeout_s)
-                self.early.setdefault(msg.request_id, []).append((time.monotonic() + ttl, msg, source))
-                self.early_bytes += len(msg.block_ids)
+                self._keep_early(key, msg, source, min(msg.timeout_ms / 1000.0, self.config.request_timeout_s))
                 return
             self._attach(s, msg, source)
         link.post(self._drive, msg.request_id)
+
+    def _ticket_ok(self, expected: bytes, presented: bytes | None) -> bool:
+        """Whether a peer's ticket may speak for a request (``None``: this rank's own engine, always)."""
+        return presented is None or not self.config.require_tickets or hmac.compare_digest(expected, presented)
+
+    def _tombstone_for(self, rid: Any, ticket: bytes) -> Any:
+        """The tombstone of ``rid`` if the asker's ticket may read it (lock held); None otherwise."""
+        tomb = self.tombstones.get(rid)
+        if tomb is None or tomb.ticket is None or self._ticket_ok(tomb.ticket, ticket):
+            return tomb
+        return None
+
+    def _keep_early(self, key: _Key, msg: wire.RequestData | wire.PullDone, source: Source, ttl: float) -> None:
+        """Keep a receiver's message for a request not started here yet, within the caps (lock held).
+
+        Kept until ``ttl`` (the receiver's deadline, bounded by ours); then it is answered with a failure.
+        """
+        per_peer = sum(1 for lst in self.early.values() for _, r, _ in lst if (r.gen_instance, r.gen_rank) == key)
+        count = sum(len(v) for v in self.early.values())
+        cfg = self.config
+        size = _early_size(msg)
+        if (
+            count >= cfg.max_early_requests
+            or per_peer >= cfg.max_early_per_peer
+            or self.early_bytes + size > cfg.max_early_bytes
+        ):
+            self._refuse_request(
+                source,
+                msg.request_id,
+                msg.nonce,
+                "ResourceExhaustedError",
+                f"{count} requests ({self.early_bytes} bytes) already wait for start_send here",
+            )
+            return
+        self.early.setdefault(msg.request_id, []).append((time.monotonic() + ttl, msg, source))
+        self.early_bytes += size
 
     def _decline(self, peer: GenPeer, msg: wire.Cancel, source: Source) -> None:
         """A receiver that never asked for a request says it never will (lock held).
@@ -506,8 +527,12 @@ class Sender(Role):
         err = E.RequestCancelledError(f"request {msg.request_id} declined by {peer}: {msg.reason}")
         if s is None:
             if msg.request_id not in self.tombstones:
-                self.tombstones.put(msg.request_id, SessionState.CANCELLED, err)
+                # Honoured by start_send only if the engine's ticket is this one: a peer cannot pre-cancel others'.
+                self.tombstones.put(msg.request_id, SessionState.CANCELLED, err, ticket=msg.ticket)
         elif not s.terminal:
+            if not self._ticket_ok(s.ticket, msg.ticket):
+                self.counters["tickets_refused"] += 1
+                return
             self._end(s, SessionState.CANCELLED, err)
 
     def _not_registered(self, source: Source, msg: wire.RequestData, why: str) -> None:
@@ -600,19 +625,22 @@ class Sender(Role):
         key = (msg.gen_instance, msg.gen_rank)
         rid = msg.request_id
         with self.link.lock:
-            peer = self.peers.get(key)
-            if peer is None or peer.gone or peer.incarnation != msg.gen_incarnation or peer.state is PeerState.REFUSED:
-                self._refuse_request(
-                    source,
-                    rid,
-                    msg.nonce,
-                    "NotRegisteredError",
-                    f"generation rank {key} is not registered with this context rank",
-                )
+            if self._registered(key, msg.gen_incarnation) is None:
+                why = f"generation rank {key} is not registered with this context rank"
+                self._refuse_request(source, rid, msg.nonce, "NotRegisteredError", why)
                 return
             s = self.tx.get(rid)
-            if s is None or msg.ctx_incarnation != self.link.incarnation:
-                tomb = self.tombstones.get(rid) if msg.ctx_incarnation == self.link.incarnation else None
+            if msg.ctx_incarnation != self.link.incarnation:
+                why = f"read from context incarnation {msg.ctx_incarnation[:8]}; this is {self.link.incarnation[:8]}"
+                self._refuse_request(source, rid, msg.nonce, "PeerLostError", why)
+                return
+            if s is None:
+                tomb = self._tombstone_for(rid, msg.ticket)
+                if tomb is None and msg.status == "ok":
+                    # Read before start_send ran here (the engine handed out the parameters first, as vLLM's
+                    # request_finished does): kept until start_send, which checks it like any other.
+                    self._keep_early(key, msg, source, self.config.request_timeout_s)
+                    return
                 if tomb is not None and tomb.state is SessionState.DONE:
                     tomb = None  # released after every receiver reported: this one is not among them
                 kind = tomb.error_kind if tomb is not None else "SessionError"
@@ -620,55 +648,73 @@ class Sender(Role):
                 status = "cancelled" if tomb is not None and tomb.state is SessionState.CANCELLED else "failed"
                 self.link.reply(source, self._result(rid, msg.nonce, status=status, kind=kind, error=why))
                 return
-            old = s.tasks.get(key)
-            if old is not None:
-                if old.peer is peer and old.nonce == msg.nonce and old.final is not None:
-                    self._send_to(old, old.final)  # the answer was lost: the same answer again
-                return
-            if self._refused_ticket(s, msg.ticket, msg.nonce, source):
-                return
-            if s.mode != "pull":
-                self._refuse_request(source, rid, msg.nonce, "SessionError", f"request {rid} is sent in push mode")
-                return
-            t = ReceiverTask(
-                peer=peer,
-                block_ids=np.zeros(0, np.int64),
-                state_slot=-1,
-                prompt_len=-1,
-                nonce=msg.nonce,
-                reply_to=source,
-            )
-            t.total_bytes, t.total_fragments = max(0, msg.nbytes), max(0, msg.fragments)
-            s.tasks[key] = t
-            s.renewers.pop(key, None)
-            assert peer.info is not None
-            if s.expected_receivers is None:
-                try:
-                    s.expected_receivers = len(
-                        peer_ranks(self.link.topology, peer.info.topology, peer.info.topology.dp_rank)
-                    )
-                except E.KvcoreError:
-                    s.expected_receivers = 1
-            if s.terminal:
-                self._finish_for_session(s, t)
-            elif msg.status == "ok" and not hmac.compare_digest(msg.blocks_digest, s.blocks_digest):
-                exc = E.MappingError(
-                    f"request {rid}: {peer} read other blocks than this context rank holds the request in (pull mode "
-                    "needs the same block ids on every context rank, as the transfer parameters carry one list)"
-                )
-                self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
-                self._end(s, SessionState.FAILED, exc)
-            elif msg.status == "ok":
-                if s.state in (SessionState.INIT, SessionState.READY):
-                    s.transition(SessionState.TRANSFERRING)
-                self._finish(s, t, TaskState.DONE)
-            elif msg.status == "cancelled":
-                self._finish(s, t, TaskState.CANCELLED, kind="RequestCancelledError", error=msg.error)
-            else:
-                exc2 = E.TransferFailedError(f"request {rid}: {peer} could not read it: {msg.error_kind}: {msg.error}")
-                self._finish(s, t, TaskState.FAILED, kind=type(exc2).__name__, error=str(exc2))
-                self._end(s, SessionState.FAILED, exc2)
+            self._take_pull_done(s, msg, source)
         self._settle(s)
+
+    def _registered(self, key: _Key, incarnation: str) -> GenPeer | None:
+        """The registered, not refused, generation rank ``key`` of that incarnation (lock held)."""
+        peer = self.peers.get(key)
+        if peer is None or peer.gone or peer.incarnation != incarnation or peer.state is PeerState.REFUSED:
+            return None
+        return peer
+
+    def _take_pull_done(self, s: TxSession, msg: wire.PullDone, source: Source) -> None:
+        """Count one receiver's read of ``s`` and give it its final answer (lock held)."""
+        key = (msg.gen_instance, msg.gen_rank)
+        rid = s.request_id
+        peer = self._registered(key, msg.gen_incarnation)
+        if peer is None:
+            why = f"generation rank {key} is not registered with this context rank (any more)"
+            self._refuse_request(source, rid, msg.nonce, "NotRegisteredError", why)
+            return
+        old = s.tasks.get(key)
+        if old is not None:
+            if old.peer is peer and old.nonce == msg.nonce and old.final is not None:
+                self._send_to(old, old.final)  # the answer was lost: the same answer again
+            return
+        if self._refused_ticket(s, msg.ticket, msg.nonce, source):
+            return
+        if s.mode != "pull":
+            self._refuse_request(source, rid, msg.nonce, "SessionError", f"request {rid} is sent in push mode")
+            return
+        t = ReceiverTask(
+            peer=peer,
+            block_ids=np.zeros(0, np.int64),
+            state_slot=-1,
+            prompt_len=-1,
+            nonce=msg.nonce,
+            reply_to=source,
+        )
+        t.total_bytes, t.total_fragments = max(0, msg.nbytes), max(0, msg.fragments)
+        s.tasks[key] = t
+        s.renewers.pop(key, None)
+        assert peer.info is not None
+        if s.expected_receivers is None:
+            try:
+                s.expected_receivers = len(
+                    peer_ranks(self.link.topology, peer.info.topology, peer.info.topology.dp_rank)
+                )
+            except E.KvcoreError:
+                s.expected_receivers = 1
+        if s.terminal:
+            self._finish_for_session(s, t)
+        elif msg.status == "ok" and not hmac.compare_digest(msg.blocks_digest, s.blocks_digest):
+            exc = E.MappingError(
+                f"request {rid}: {peer} read other blocks than this context rank holds the request in (pull mode "
+                "needs the same block ids on every context rank, as the transfer parameters carry one list)"
+            )
+            self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
+            self._end(s, SessionState.FAILED, exc)
+        elif msg.status == "ok":
+            if s.state in (SessionState.INIT, SessionState.READY):
+                s.transition(SessionState.TRANSFERRING)
+            self._finish(s, t, TaskState.DONE)
+        elif msg.status == "cancelled":
+            self._finish(s, t, TaskState.CANCELLED, kind="RequestCancelledError", error=msg.error)
+        else:
+            exc2 = E.TransferFailedError(f"request {rid}: {peer} could not read it: {msg.error_kind}: {msg.error}")
+            self._finish(s, t, TaskState.FAILED, kind=type(exc2).__name__, error=str(exc2))
+            self._end(s, SessionState.FAILED, exc2)
 
     def on_renew(self, source: Source, msg: wire.Renew) -> None:
         """A receiver keeps a request's lease alive while it waits (only with the request's ticket)."""
@@ -682,7 +728,7 @@ class Sender(Role):
                 return
             s = self.tx.get(rid)
             if s is None:
-                tomb = self.tombstones.get(rid)
+                tomb = self._tombstone_for(rid, msg.ticket)
                 if tomb is not None and tomb.state is not SessionState.DONE:
                     status = "cancelled" if tomb.state is SessionState.CANCELLED else "failed"
                     self.link.reply(
@@ -723,14 +769,18 @@ class Sender(Role):
                 mine = [e for e in early if (e[1].gen_instance, e[1].gen_rank) == key and e[1].nonce == msg.nonce]
                 for e in mine:
                     early.remove(e)
-                    self.early_bytes -= len(e[1].block_ids)
+                    self.early_bytes -= _early_size(e[1])
                 if not early:
                     self.early.pop(msg.request_id, None)
                 tomb = self.tombstones.get(msg.request_id)
                 if s is None and tomb is None and mine:
-                    # Cancelled before start_send: remember, so the engine's later start_send ends CANCELLED.
+                    # Cancelled before start_send: remember, so the engine's later start_send ends CANCELLED
+                    # (if that start_send has the ticket the receiver asked with).
                     self.tombstones.put(
-                        msg.request_id, SessionState.CANCELLED, E.RequestCancelledError(f"cancelled by {peer}")
+                        msg.request_id,
+                        SessionState.CANCELLED,
+                        E.RequestCancelledError(f"cancelled by {peer}"),
+                        ticket=mine[0][1].ticket,
                     )
                     tomb = self.tombstones.get(msg.request_id)
                 # Nothing of this receiver's is in flight here: say so (the receiver may release its pages).
@@ -794,7 +844,7 @@ class Sender(Role):
                 self._end(s, SessionState.FAILED, error)
         for rid in list(self.early):
             lst = [e for e in self.early[rid] if (e[1].gen_instance, e[1].gen_rank) != key]
-            self.early_bytes -= sum(len(e[1].block_ids) for e in self.early[rid] if e not in lst)
+            self.early_bytes -= sum(_early_size(e[1]) for e in self.early[rid] if e not in lst)
             if lst:
                 self.early[rid] = lst
             else:
@@ -1098,7 +1148,7 @@ class Sender(Role):
             keep = []
             for expiry, req, source in self.early.pop(rid):
                 if now > expiry:
-                    self.early_bytes -= len(req.block_ids)
+                    self.early_bytes -= _early_size(req)
                     self._answer_unheld(req, source, None)
                 else:
                     keep.append((expiry, req, source))

@@ -293,6 +293,9 @@ class Tombstone:
     error_kind: str
     message: str
     at: float
+    #: The request's ticket when a peer's message made or may read this tombstone; None: made by this rank's
+    #: engine (its own cancel), valid for anyone.
+    ticket: bytes | None = None
 
 
 class Tombstones:
@@ -307,10 +310,10 @@ class Tombstones:
         self._items: OrderedDict[Any, Tombstone] = OrderedDict()
         self.evicted = 0
 
-    def put(self, rid: Any, state: SessionState, error: KvcoreError | None = None) -> None:
+    def put(self, rid: Any, state: SessionState, error: KvcoreError | None = None, ticket: bytes | None = None) -> None:
         kind = type(error).__name__ if error is not None else ""
         self._items.pop(rid, None)
-        self._items[rid] = Tombstone(state, kind, str(error or "")[:200], time.monotonic())
+        self._items[rid] = Tombstone(state, kind, str(error or "")[:200], time.monotonic(), ticket)
         while len(self._items) > self.max_entries:
             self._items.popitem(last=False)
             self.evicted += 1

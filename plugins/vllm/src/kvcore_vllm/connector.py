@@ -497,6 +497,7 @@ class KvcoreConnector(KVConnectorBase_V1):
             prompt_len=prompt_len,
             block_ids=block_ids if pull else (),
             incarnation=self._incarnation if pull else "",
+            lease_ms=int(self._config.lease_s * 1000),  # the decode side renews at a third of this
         )
         self._sends[rid] = SendSpec(params=tp.to_dict(), block_ids=list(block_ids), prompt_len=prompt_len)
         return True, {
