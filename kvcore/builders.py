@@ -24,7 +24,17 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import LayoutError
-from kvcore.page import HEAD_MAJOR, REPLICATED, SECTIONED, TOKEN_MAJOR, PageTable, Pool, PoolView, ViewLayout
+from kvcore.page import (
+    DEFAULT_GROUP,
+    HEAD_MAJOR,
+    REPLICATED,
+    SECTIONED,
+    TOKEN_MAJOR,
+    PageTable,
+    Pool,
+    PoolView,
+    ViewLayout,
+)
 from kvcore.peer import shard_position
 from kvcore.topology import AttentionGeometry, MambaGeometry, Topology, dtype_bytes
 
@@ -115,6 +125,22 @@ def _check_tensor(t: Any, expected: tuple[int, ...], dtype: str, what: str) -> N
         raise LayoutError(f"{what}: expected a contiguous tensor, got strides {list(t.stride())}")
 
 
+def covered_layers(topology: Topology, geometry: AttentionGeometry, layers: Sequence[int] | None) -> tuple[int, ...]:
+    """The global layers of ``layers`` (all model layers when ``None``) this rank holds, ascending.
+
+    ``layers`` must be distinct model layers (``0 <= layer < geometry.num_layers``).
+    """
+    start, stop = topology.layer_range
+    if layers is None:
+        return tuple(range(start, stop))
+    wanted = [int(layer) for layer in layers]
+    if len(set(wanted)) != len(wanted) or any(not 0 <= layer < geometry.num_layers for layer in wanted):
+        raise LayoutError(
+            f"layers: expected distinct global layers in 0..{geometry.num_layers - 1} (num_layers), got {wanted}"
+        )
+    return tuple(sorted(layer for layer in wanted if start <= layer < stop))
+
+
 def build_head_major_pool(
     kv_cache: torch.Tensor,
     *,
@@ -122,17 +148,24 @@ def build_head_major_pool(
     geometry: AttentionGeometry,
     role: str | None = None,
     window: int | None = None,
+    layers: Sequence[int] | None = None,
+    group: str = DEFAULT_GROUP,
 ) -> PageTable:
     """Page table of one tensor holding all local layers: ``[blocks, layers, kv, heads, tokens, dim]``.
 
     One pool (a slot is one block of every local layer); one view whose entry
     ``(layer, k)`` sits at ``(layer*kv + k) * buffer_bytes`` in the slot.
     ``window`` marks the layers as sliding-window attention (tokens).
+    ``layers`` lists the model's global layers this cache covers (a hybrid's
+    attention layers, or one layer group's); the tensor then holds only this
+    rank's share of them, in order, and a rank holding none gets an empty
+    table. ``group`` names the layer group (see :class:`kvcore.page.PoolView`).
     """
     if geometry.layout != "head_major":
         raise LayoutError(f"layout: expected 'head_major' for build_head_major_pool, got {geometry.layout!r}")
     heads = geometry.kv_heads_per_rank(topology)
-    nl, kv = topology.num_local_layers, geometry.kv_factor
+    local = covered_layers(topology, geometry, layers)
+    nl, kv = len(local), geometry.kv_factor
     if kv_cache.dim() != 6:
         raise LayoutError(
             f"kv_cache: expected shape [blocks, {nl}, {kv}, {heads}, {geometry.tokens_per_block}, "
@@ -141,17 +174,18 @@ def build_head_major_pool(
     blocks = kv_cache.shape[0]
     expected = (blocks, nl, kv, heads, geometry.tokens_per_block, geometry.head_dim)
     _check_tensor(kv_cache, expected, geometry.dtype, "kv_cache")
+    if not nl:
+        return PageTable(pools=(), views=())
     if blocks < 1:
         raise LayoutError("kv_cache: expected at least one block, got 0")
     buf = geometry.buffer_bytes(topology)
     slot = nl * kv * buf
     pool = Pool(base=kv_cache.data_ptr(), slot_bytes=slot, slot_stride=slot, num_slots=blocks)
     view_role, mapper, layout = kv_view_layout(topology, geometry)
-    start, stop = topology.layer_range
     view = PoolView(
         role=role or view_role,
         mapper=mapper,
-        layers=tuple(range(start, stop)),
+        layers=local,
         buffers_per_layer=kv,
         buffer_bytes=buf,
         pools=(0,) * (nl * kv),
@@ -160,6 +194,7 @@ def build_head_major_pool(
         tokens_per_slot=geometry.tokens_per_block,
         window=window,
         dtype=geometry.dtype,
+        group=group,
     )
     return PageTable(pools=(pool,), views=(view,))
 
@@ -172,19 +207,27 @@ def build_token_major_layers(
     kv_first: bool | None = None,
     role: str | None = None,
     window: int | None = None,
+    layers: Sequence[int] | None = None,
+    group: str = DEFAULT_GROUP,
 ) -> PageTable:
     """Page table of one tensor per local layer: ``[kv, blocks, tokens, heads, dim]`` or ``[blocks, kv, tokens, heads, dim]``.
 
     ``kv_first=None`` detects the order from the shape (``LayoutError`` when both
     orders fit, i.e. ``blocks == kv_factor``). Blocks-first gives one pool per
-    layer (K and V in one slot); kv-first gives one pool per layer and buffer.
+    layer (K and V in one slot); kv-first gives one pool per layer and buffer
+    (vLLM's FlashAttention layout). ``layers`` and ``group`` as in
+    :func:`build_head_major_pool`: with ``layers``, ``kv_caches`` holds one
+    tensor per local layer of that list.
     """
     if geometry.layout != "token_major":
         raise LayoutError(f"layout: expected 'token_major' for build_token_major_layers, got {geometry.layout!r}")
     heads = geometry.kv_heads_per_rank(topology)
-    nl, kv, tpb, d = topology.num_local_layers, geometry.kv_factor, geometry.tokens_per_block, geometry.head_dim
+    local = covered_layers(topology, geometry, layers)
+    nl, kv, tpb, d = len(local), geometry.kv_factor, geometry.tokens_per_block, geometry.head_dim
     if len(kv_caches) != nl:
-        raise LayoutError(f"kv_caches: expected {nl} tensors (local layers), got {len(kv_caches)}")
+        raise LayoutError(f"kv_caches: expected {nl} tensors (local layers {list(local)}), got {len(kv_caches)}")
+    if not nl:
+        return PageTable(pools=(), views=())
     buf = geometry.buffer_bytes(topology)
     pools: list[Pool] = []
     pool_ids: list[int] = []
@@ -218,11 +261,10 @@ def build_token_major_layers(
                 pool_ids.append(pool_idx)
                 offsets.append(k * buf)
     view_role, mapper, layout = kv_view_layout(topology, geometry)
-    start, stop = topology.layer_range
     view = PoolView(
         role=role or view_role,
         mapper=mapper,
-        layers=tuple(range(start, stop)),
+        layers=local,
         buffers_per_layer=kv,
         buffer_bytes=buf,
         pools=tuple(pool_ids),
@@ -231,6 +273,7 @@ def build_token_major_layers(
         tokens_per_slot=tpb,
         window=window,
         dtype=geometry.dtype,
+        group=group,
     )
     return PageTable(pools=tuple(pools), views=(view,))
 
@@ -323,6 +366,7 @@ def allocate_kv_cache(
     num_blocks: int,
     layout: str | None = None,
     allocator: Allocator | None = None,
+    layers: Sequence[int] | None = None,
 ) -> Any:
     """Tensors a builder accepts for this rank: one tensor (``head_major_pool``) or a list (token-major layouts).
 
@@ -330,6 +374,8 @@ def allocate_kv_cache(
     ``token_major_layers`` (``[blocks, kv, tokens, heads, dim]``, default for
     token-major) or ``token_major_layers_kv_first``. ``allocator(shape, dtype)``
     defaults to ``torch.zeros``; receivers pass their agent's ``allocate_tensor``.
+    ``layers`` restricts the cache to those global layers (a hybrid's attention
+    layers); a rank holding none of them gets a tensor with 0 layers (or ``[]``).
     """
     if num_blocks < 1:
         raise LayoutError(f"num_blocks: expected >= 1, got {num_blocks}")
@@ -338,7 +384,8 @@ def allocate_kv_cache(
     if layout is None:
         layout = HEAD_MAJOR_POOL if geometry.layout == "head_major" else TOKEN_MAJOR_LAYERS
     heads = geometry.kv_heads_per_rank(topology)
-    nl, kv, tpb, d = topology.num_local_layers, geometry.kv_factor, geometry.tokens_per_block, geometry.head_dim
+    nl = len(covered_layers(topology, geometry, layers))
+    kv, tpb, d = geometry.kv_factor, geometry.tokens_per_block, geometry.head_dim
     expected_layout = "head_major" if layout == HEAD_MAJOR_POOL else "token_major"
     if geometry.layout != expected_layout:
         raise LayoutError(f"layout: {layout!r} expected geometry.layout {expected_layout!r}, got {geometry.layout!r}")
@@ -354,15 +401,30 @@ def allocate_kv_cache(
 
 
 def build_kv_page_table(
-    kv_cache: Any, *, topology: Topology, geometry: AttentionGeometry, layout: str | None = None
+    kv_cache: Any,
+    *,
+    topology: Topology,
+    geometry: AttentionGeometry,
+    layout: str | None = None,
+    layers: Sequence[int] | None = None,
+    group: str = DEFAULT_GROUP,
+    window: int | None = None,
 ) -> PageTable:
-    """Page table of tensors made by :func:`allocate_kv_cache` with the same ``layout``."""
+    """Page table of tensors made by :func:`allocate_kv_cache` with the same ``layout`` and ``layers``."""
     if layout is None:
         layout = HEAD_MAJOR_POOL if geometry.layout == "head_major" else TOKEN_MAJOR_LAYERS
     if layout == HEAD_MAJOR_POOL:
-        return build_head_major_pool(kv_cache, topology=topology, geometry=geometry)
+        return build_head_major_pool(
+            kv_cache, topology=topology, geometry=geometry, layers=layers, group=group, window=window
+        )
     return build_token_major_layers(
-        kv_cache, topology=topology, geometry=geometry, kv_first=layout == TOKEN_MAJOR_LAYERS_KV_FIRST
+        kv_cache,
+        topology=topology,
+        geometry=geometry,
+        kv_first=layout == TOKEN_MAJOR_LAYERS_KV_FIRST,
+        layers=layers,
+        group=group,
+        window=window,
     )
 
 
