@@ -472,7 +472,7 @@ def test_vllm_state_layout_addresses_are_the_tensors_own():
     table = build_page_table("mamba_state", convs, ssms, topology=topo, geometry=mg, layout="vllm")
     roles = [v.role for v in table.views]
     assert roles == ["mamba_conv", "mamba_conv_groups", "mamba_ssm"]
-    x_view, bc_view, ssm_view = table.views
+    x_view, bc_view, _ = table.views
     assert x_view.buffers_per_layer == 3 and bc_view.layout.num_replicas == 2 and bc_view.layout.num_shards == 1
     for li in range(2):
         for slot in (0, 4):
