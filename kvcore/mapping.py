@@ -465,6 +465,7 @@ def plan_transfer(
             pairs.setdefault((svi, dvi), []).append((spos, dpos))
     dst_dp = dst.topology.dp_rank
     plans: list[FragmentPlan] = []
+    state_plans: list[FragmentPlan] = []
     for (svi, dvi), positions in pairs.items():
         sv, dv = st.views[svi], dt.views[dvi]
         kind = select_mapper_kind(sv, dv)
@@ -520,6 +521,14 @@ def plan_transfer(
             dt.entry_addresses(dvi, d_entries, db),
             group=group,
         )
-        plans.append(_mapper(kind, mappers, sv.role).map(pair))
+        (state_plans if sv.is_state else plans).append(_mapper(kind, mappers, sv.role).map(pair))
+    if state_plans:
+        state = FragmentPlan.concat(state_plans)
+        if merge:
+            # a slot's state is a handful of fragments spread over views (conv rows of x and of B|C, SSM);
+            # in address order the ones adjacent in memory (one vLLM page) merge into one
+            order = np.argsort(state.src, kind="stable")
+            state = FragmentPlan(state.src[order], state.dst[order], state.sizes[order])
+        plans.append(state)
     plan = FragmentPlan.concat(plans)
     return plan.merge_contiguous() if merge else plan

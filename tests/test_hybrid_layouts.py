@@ -510,3 +510,19 @@ def test_layouts_of_the_two_sides_must_agree():
     other = RankLayout(topology=topo, geometry=geom, page_table=b.layout.page_table, mamba=mamba_geometry((0, 1), 2))
     with pytest.raises(IncompatiblePeerError, match="mamba geometry"):
         validate_compatible(a.layout, other)
+
+
+def test_a_vllm_state_page_moves_as_one_fragment_between_equal_ranks():
+    """x rows, B|C rows and the SSM state of one page are adjacent: in address order they merge into one copy."""
+    mg = mamba_geometry((0, 1), n_groups=1)
+    geom = AttentionGeometry(num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16")
+    topo = Topology.create(2, 1, 1, 2)
+    a, b = (
+        build_rank(topo, geom, (), mg, kv_layout="head_major_pool", mamba_layout="vllm", num_blocks=2, num_slots=3)
+        for _ in range(2)
+    )
+    plan = plan_transfer(a.layout, b.layout, [], [], src_state_slot=2, dst_state_slot=0)
+    page_used = mg.conv_dim(topo) * 3 * 2 + 4 * 2 * 3 * 4
+    assert plan.sizes.tolist() == [page_used, page_used]
+    assert sorted(plan.src.tolist()) == sorted(c[2].data_ptr() for c in a.conv)
+    assert sorted(plan.dst.tolist()) == sorted(c[0].data_ptr() for c in b.conv)
