@@ -333,7 +333,8 @@ def align_blocks(
     ``prompt_len``). The receiver's list may be shorter (it holds a cached
     prefix): only the common suffix moves. With a sliding ``window``, blocks
     before ``(prompt_len+1-window)//tokens_per_block`` are stale and skipped
-    (peers.md B5).
+    (peers.md B5), and either list may start earlier. A source list that
+    starts after the first block the destination needs raises ``MappingError``.
     """
     ns, nd = len(src_ids), len(dst_ids)
     if prompt_len is None:
@@ -349,9 +350,15 @@ def align_blocks(
             f"block ids: expected at most {total} blocks (ceil(prompt_len/tokens_per_block)), "
             f"got {ns} (source) and {nd} (destination)"
         )
-    first = max(total - ns, total - nd)
+    first = total - nd
     if window is not None:
         first = max(first, max(0, (prompt_len + 1 - window) // tokens_per_block))  # type: ignore[operator]
+    if total - ns > first:
+        # the destination would keep holes: blocks it waits for that the source does not hold
+        raise MappingError(
+            f"block ids: the destination needs blocks {first}..{total - 1} of the request, the source holds only "
+            f"blocks {total - ns}..{total - 1} ({ns} ids)"
+        )
     return src_ids[first - (total - ns) :], dst_ids[first - (total - nd) :]
 
 

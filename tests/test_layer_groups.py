@@ -95,6 +95,20 @@ def test_each_group_moves_its_own_blocks(ctx_tp, gen_tp):
             assert np.array_equal(mem.count_of(tensors[name]), raw(mask).astype(np.int32)), f"group {name}: counts"
 
 
+def test_a_window_group_needs_the_source_to_hold_the_window():
+    _, a = build(Topology.create(1, 1, 0, 4))
+    full = {"full": list(range(6))}
+    # prompt 22, window 8: blocks 3..5 are needed; a source holding only blocks 4..5 would leave a hole
+    with pytest.raises(
+        MappingError, match=r"destination needs blocks 3\.\.5 of the request, the source holds only blocks 4\.\.5"
+    ):
+        plan_transfer(a, a, {**full, "swa": [0, 1]}, {"full": list(range(6, 12)), "swa": [2, 3, 4]}, prompt_len=22)
+    plan = plan_transfer(
+        a, a, {**full, "swa": [0, 1, 5]}, {"full": list(range(6, 12)), "swa": [2, 3, 4]}, prompt_len=22
+    )
+    assert plan.count > 0
+
+
 def test_group_errors_name_the_group():
     topo = Topology.create(1, 1, 0, 4)
     _, a = build(topo)
