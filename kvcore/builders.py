@@ -11,10 +11,13 @@ role                   layout kind         mapper kind
 ``kv`` token-major     token_major_sharded ``head_mismatch_token_major``
 ``mla`` (kv_factor 1)  replicated          ``replicated``
 ``mamba_conv``         sectioned           ``mamba_conv``
+``mamba_conv_groups``  sectioned           ``mamba_conv``
 ``mamba_ssm``          head_major_sharded  ``mamba_ssm``
 =====================  ==================  ==============================
 
-A homogeneous pair uses the core's ``matching_heads`` mapper regardless (see
+``mamba_conv_groups`` (the B|C sections, sharded by whole groups) exists when
+``MambaGeometry.n_groups`` is declared; ``mamba_conv`` then holds x only. A
+homogeneous pair uses the core's ``matching_heads`` mapper regardless (see
 kvcore.mapping).
 """
 
