@@ -21,10 +21,21 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kvcore.errors import LayoutError
+from kvcore.errors import LayoutError, MessageDecodeError
 from kvcore.page import PageTable, check_group_name
 
-__all__ = ["BlockIds", "as_id_array", "normalize_block_ids", "normalize_state_slot"]
+__all__ = [
+    "MAX_GROUPS",
+    "BlockIds",
+    "as_id_array",
+    "decode_group_ids",
+    "encode_group_ids",
+    "normalize_block_ids",
+    "normalize_state_slot",
+]
+
+#: Bound on layer groups in one request's block ids (a message from a peer carrying more is refused).
+MAX_GROUPS = 64
 
 #: What an engine passes as a request's block ids: one list (the only group) or one list per group name.
 BlockIds = Sequence[int] | np.ndarray | Mapping[str, Sequence[int] | np.ndarray]
@@ -138,3 +149,34 @@ def normalize_state_slot(value: object, page_table: PageTable, what: str = "stat
     if slot >= slots:
         raise LayoutError(f"{what}: expected a slot in 0..{slots - 1}, got {slot}")
     return slot
+
+
+def encode_group_ids(ids: Mapping[str, np.ndarray]) -> dict[str, bytes]:
+    """Per-group block ids as the wire carries them: ``{group: little-endian int64 bytes}``."""
+    return {name: np.asarray(v, dtype="<i8").tobytes() for name, v in ids.items()}
+
+
+def decode_group_ids(raw: Mapping[str, bytes], *, max_blocks: int) -> dict[str, np.ndarray]:
+    """Per-group block ids from a peer's message; ``MessageDecodeError`` unless well formed and bounded.
+
+    At most :data:`MAX_GROUPS` groups with valid names, each a multiple of 8
+    bytes, at most ``max_blocks`` ids in all. Ranges and duplicates are
+    checked afterwards against the peer's page table
+    (:func:`normalize_block_ids`).
+    """
+    if len(raw) > MAX_GROUPS:
+        raise MessageDecodeError(f"group_block_ids: expected at most {MAX_GROUPS} groups, got {len(raw)}")
+    out: dict[str, np.ndarray] = {}
+    total = 0
+    for name, data in raw.items():
+        try:
+            check_group_name(name, "group_block_ids name")
+        except LayoutError as exc:
+            raise MessageDecodeError(str(exc)) from None
+        if not isinstance(data, bytes) or len(data) % 8:
+            raise MessageDecodeError(f"group_block_ids[{name!r}]: expected little-endian int64 bytes")
+        total += len(data) // 8
+        if total > max_blocks:
+            raise MessageDecodeError(f"group_block_ids: expected at most {max_blocks} block ids in all, got more")
+        out[name] = np.frombuffer(data, dtype="<i8").astype(np.int64)
+    return out

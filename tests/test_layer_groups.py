@@ -223,3 +223,27 @@ def test_pp_stage_without_a_group_ignores_its_ids():
     got = normalize_block_ids({"full": [0, 1, 2], "swa": [4]}, lay.page_table)
     assert list(got) == ["swa"]
     assert normalize_block_ids([4], lay.page_table)["swa"].tolist() == [4]  # its only group
+
+
+def test_group_ids_round_trip_the_wire_form_and_bound_what_a_peer_sends():
+    from kvcore.blocks import MAX_GROUPS, decode_group_ids, encode_group_ids
+    from kvcore.errors import MessageDecodeError
+
+    _, lay = build(Topology.create(1, 1, 0, 4))
+    ids = normalize_block_ids({"full": [11, 0, 5], "swa": []}, lay.page_table)
+    raw = encode_group_ids(ids)
+    assert raw == {"full": np.array([11, 0, 5], "<i8").tobytes(), "swa": b""}
+    back = decode_group_ids(raw, max_blocks=16)
+    assert {k: v.tolist() for k, v in back.items()} == {"full": [11, 0, 5], "swa": []}
+    with pytest.raises(MessageDecodeError, match=r"group_block_ids\['full'\]: expected little-endian int64"):
+        decode_group_ids({"full": b"\x01" * 7}, max_blocks=16)
+    with pytest.raises(MessageDecodeError, match="at most 2 block ids in all"):
+        decode_group_ids(raw, max_blocks=2)
+    with pytest.raises(MessageDecodeError, match=f"at most {MAX_GROUPS} groups"):
+        decode_group_ids({f"g{i}": b"" for i in range(MAX_GROUPS + 1)}, max_blocks=16)
+    with pytest.raises(MessageDecodeError, match="group_block_ids name"):
+        decode_group_ids({"": b""}, max_blocks=16)
+    # what decodes is then checked against the peer's own table: ranges per group
+    with pytest.raises(LayoutError, match=r"destination block_ids\['swa'\]: block ids must be in 0\.\.5, got 9"):
+        normalize_block_ids(decode_group_ids(encode_group_ids({"full": [1], "swa": [9]}), max_blocks=16),
+                            lay.page_table, "destination block_ids")  # fmt: skip
