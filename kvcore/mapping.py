@@ -24,7 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import msgspec
 import numpy as np
@@ -37,12 +37,10 @@ from kvcore.errors import (
     TopologyError,
     UnknownBackendError,
 )
+from kvcore.fragments import merge_runs
 from kvcore.page import DEFAULT_GROUP, REPLICATED, SECTIONED, PageTable, PoolView, ViewLayout
 from kvcore.peer import owns, peer_ranks
 from kvcore.topology import AttentionGeometry, MambaGeometry, Topology, require_no_cp
-
-if TYPE_CHECKING:
-    from kvcore.registry import LayoutMapperRegistry
 
 __all__ = [
     "MATCHING_HEADS",
@@ -111,18 +109,8 @@ class FragmentPlan:
 
     def merge_contiguous(self) -> FragmentPlan:
         """Merge neighbours contiguous on both sides (``src[i] == src[i-1]+size[i-1]``, same for dst); order kept."""
-        n = self.count
-        if n < 2:
-            return self
-        end_s = self.src[:-1] + self.sizes[:-1]
-        end_d = self.dst[:-1] + self.sizes[:-1]
-        starts = np.empty(n, dtype=bool)
-        starts[0] = True
-        np.logical_or(self.src[1:] != end_s, self.dst[1:] != end_d, out=starts[1:])
-        idx = np.flatnonzero(starts)
-        if len(idx) == n:
-            return self
-        return FragmentPlan(self.src[idx], self.dst[idx], np.add.reduceat(self.sizes, idx))
+        src, dst, sizes, _ = merge_runs(self.src, self.dst, self.sizes)
+        return self if sizes is self.sizes else FragmentPlan(src, dst, sizes)
 
     def __repr__(self) -> str:
         return f"FragmentPlan(count={self.count}, nbytes={self.nbytes})"
@@ -379,7 +367,17 @@ def select_mapper_kind(src: PoolView, dst: PoolView) -> str:
 _INSTANCES: dict[type, LayoutMapper] = {}
 
 
-def _mapper(kind: str, mappers: LayoutMapperRegistry, role: str) -> LayoutMapper:
+class MapperLookup(Protocol):
+    """What planning needs of the layout-mapper registry: the mapper class of a kind.
+
+    ``kvcore.registry.LayoutMapperRegistry`` is one; naming the protocol here keeps this module from importing
+    the registry (the registry's types refer to ``LayoutMapper``: importing back would close a circle).
+    """
+
+    def get(self, name: str) -> type[LayoutMapper]: ...
+
+
+def _mapper(kind: str, mappers: MapperLookup, role: str) -> LayoutMapper:
     try:
         cls = mappers.get(kind)
     except UnknownBackendError as exc:
@@ -414,7 +412,7 @@ def plan_transfer(
     src_block_ids: BlockIds,
     dst_block_ids: BlockIds,
     *,
-    mappers: LayoutMapperRegistry | None = None,
+    mappers: MapperLookup | None = None,
     src_state_slot: int | None = None,
     dst_state_slot: int | None = None,
     sliding_window: int | None = None,

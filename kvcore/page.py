@@ -303,7 +303,8 @@ class PageTable(msgspec.Struct, frozen=True, kw_only=True):
         base = np.fromiter((p.base for p in self.pools), dtype=np.uint64, count=len(self.pools))
         stride = np.fromiter((p.slot_stride for p in self.pools), dtype=np.uint64, count=len(self.pools))
         start = base[pool_idx] + offsets
-        return start[:, None] + ids.astype(np.uint64)[None, :] * stride[pool_idx][:, None]
+        out: np.ndarray = start[:, None] + ids.astype(np.uint64)[None, :] * stride[pool_idx][:, None]
+        return out
 
     def regions(self) -> list[tuple[int, int]]:
         """Every ``(address, length)`` the table covers, sorted, overlapping ranges merged.

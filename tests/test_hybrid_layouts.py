@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kv_oracle import Memory
 
 from kvcore.blocks import normalize_block_ids, normalize_state_slot
 from kvcore.builders import (
@@ -30,6 +29,7 @@ from kvcore.errors import IncompatiblePeerError, LayoutError, TopologyError
 from kvcore.mapping import RankLayout, plan_transfer, validate_compatible
 from kvcore.page import PageTable
 from kvcore.peer import peer_ranks
+from kvcore.testing.oracle import Memory
 from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
 
 SENTINEL = 0x5A

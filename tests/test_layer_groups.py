@@ -11,7 +11,6 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from kv_oracle import Memory
 
 from kvcore.blocks import normalize_block_ids
 from kvcore.builders import allocate_kv_cache, build_kv_page_table
@@ -19,6 +18,7 @@ from kvcore.errors import IncompatiblePeerError, LayoutError, MappingError, Pool
 from kvcore.mapping import RankLayout, plan_transfer, validate_compatible
 from kvcore.page import DEFAULT_GROUP, HEAD_MAJOR, PageTable, Pool, PoolView, ViewLayout, check_group_name
 from kvcore.peer import peer_ranks
+from kvcore.testing.oracle import Memory
 from kvcore.topology import AttentionGeometry, Topology
 
 SENTINEL = 0x5A

@@ -12,15 +12,19 @@ from kvcore.registry import LayoutMapperRegistry, PageTableBuilderRegistry, Tran
 
 KVCORE_PLUGIN_API = 1
 
+#: What the shm agent can do: stated once here, read back by ``ShmAgent.capabilities``.
+SHM_CAPABILITIES = AgentCapabilities(
+    memory_kinds=frozenset({MemoryKind.DRAM}), write=True, read=True, notifications=True, remote=False
+)
+
 
 @hookimpl
 def kvcore_register_transfer_agents(registry: TransferAgentRegistry) -> None:
     registry.add(
         "shm",
         "kvcore.builtin.shm:ShmAgent",
-        capabilities=AgentCapabilities(
-            memory_kinds=frozenset({MemoryKind.DRAM}), write=True, read=True, notifications=True, remote=False
-        ),
+        capabilities=SHM_CAPABILITIES,
+        auto_priority=0,  # backend="auto" falls back to it: no native dependency, one host only
         description="same-host shared memory (POSIX shm segments); no native dependency",
     )
 
