@@ -89,14 +89,14 @@ GEN_IDS = {"full": [1, 8, 3, 12, 15, 0, 6, 10], "swa": [2, 5, 0, 7, 3]}
 CTX_SLOT, GEN_SLOT = 3, 1
 
 
-def _context_main(conn: Any, seed: int) -> None:
+def _context_main(conn: Any, seed: int, mode: str) -> None:
     rank = _rank("context", f"ctx-hybrid-{os.getpid()}")
     tx = rank["tx"]
     try:
         _fill(rank, _logical(seed), CTX_IDS, CTX_SLOT)
-        conn.send_bytes(msgspec.msgpack.encode({"endpoint": tx.info_endpoint}))
         try:
-            tx.start_send(1, CTX_IDS, prompt_len=PROMPT, state_slot=CTX_SLOT)
+            params = tx.start_send(1, CTX_IDS, prompt_len=PROMPT, state_slot=CTX_SLOT, mode=mode)
+            conn.send_bytes(msgspec.msgpack.encode({"params": params.to_dict()}))
             out = tx.wait_all([1], 60)[1]
             conn.send_bytes(msgspec.msgpack.encode({"state": out.state.value, "error": str(out.error or "")}))
         except Exception as exc:  # report instead of leaving the parent waiting
@@ -107,23 +107,25 @@ def _context_main(conn: Any, seed: int) -> None:
 
 
 @pytest.mark.xfail(reason="needs transceiver wiring", strict=False)
-def test_hybrid_request_with_two_groups_and_state_moves_exactly() -> None:
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_hybrid_request_with_two_groups_and_state_moves_exactly(mode: str) -> None:
     from kvcore.transceiver import SessionState
 
     seed = 11
     spawn = mp.get_context("spawn")
     conn, child = spawn.Pipe()
-    proc = spawn.Process(target=_context_main, args=(child, seed), daemon=True)
+    proc = spawn.Process(target=_context_main, args=(child, seed, mode), daemon=True)
     proc.start()
     gen = None
     try:
         assert conn.poll(120), "context process did not start"
-        endpoint = msgspec.msgpack.decode(conn.recv_bytes())["endpoint"]
+        hello = msgspec.msgpack.decode(conn.recv_bytes())
+        assert "params" in hello, hello  # start_send refused: the context reported why
         gen = _rank("generation", f"gen-hybrid-{os.getpid()}")
         tensors = {key: gen[key] for key in ("full", "swa")}
         for t in [*tensors.values(), *gen["conv"], *gen["ssm"]]:
             t.view(torch.uint8).fill_(SENTINEL) if t.is_contiguous() else t.fill_(0)
-        gen["tx"].start_receive(1, endpoint, GEN_IDS, prompt_len=PROMPT, state_slot=GEN_SLOT)
+        gen["tx"].start_receive(params=hello["params"], block_ids=GEN_IDS, prompt_len=PROMPT, state_slot=GEN_SLOT)
         out = gen["tx"].wait_all([1], 60)[1]
         assert out.state is SessionState.DONE, out
         assert conn.poll(60), "context process did not report"
