@@ -22,23 +22,23 @@ mapper runs, so mappers only compute *where* bytes go, never *whether*.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import msgspec
 import numpy as np
 
+from kvcore.blocks import BlockIds, as_id_array
 from kvcore.errors import (
     IncompatiblePeerError,
-    LayoutError,
     MappingError,
     PoolMismatchError,
     TopologyError,
     UnknownBackendError,
 )
 from kvcore.fragments import merge_runs
-from kvcore.page import REPLICATED, SECTIONED, PageTable, PoolView, ViewLayout
+from kvcore.page import DEFAULT_GROUP, REPLICATED, SECTIONED, PageTable, PoolView, ViewLayout
 from kvcore.peer import owns, peer_ranks
 from kvcore.topology import AttentionGeometry, MambaGeometry, Topology, require_no_cp
 
@@ -237,6 +237,7 @@ def _view_diffs(role: str, cv: PoolView, gv: PoolView) -> list[str]:
     cmp("state vs token view (tokens_per_slot)", cv.tokens_per_slot, gv.tokens_per_slot)
     cmp("buffers_per_layer", cv.buffers_per_layer, gv.buffers_per_layer)
     cmp("window", cv.window, gv.window)
+    cmp("layer group", cv.group, gv.group)
     if cv.dtype or gv.dtype:
         cmp("dtype", cv.dtype or "(not declared)", gv.dtype or "(not declared)")
     cl, gl = cv.layout, gv.layout
@@ -320,7 +321,8 @@ def align_blocks(
     ``prompt_len``). The receiver's list may be shorter (it holds a cached
     prefix): only the common suffix moves. With a sliding ``window``, blocks
     before ``(prompt_len+1-window)//tokens_per_block`` are stale and skipped
-    (peers.md B5).
+    (peers.md B5), and either list may start earlier. A source list that
+    starts after the first block the destination needs raises ``MappingError``.
     """
     ns, nd = len(src_ids), len(dst_ids)
     if prompt_len is None:
@@ -336,9 +338,15 @@ def align_blocks(
             f"block ids: expected at most {total} blocks (ceil(prompt_len/tokens_per_block)), "
             f"got {ns} (source) and {nd} (destination)"
         )
-    first = max(total - ns, total - nd)
+    first = total - nd
     if window is not None:
         first = max(first, max(0, (prompt_len + 1 - window) // tokens_per_block))  # type: ignore[operator]
+    if total - ns > first:
+        # the destination would keep holes: blocks it waits for that the source does not hold
+        raise MappingError(
+            f"block ids: the destination needs blocks {first}..{total - 1} of the request, the source holds only "
+            f"blocks {total - ns}..{total - 1} ({ns} ids)"
+        )
     return src_ids[first - (total - ns) :], dst_ids[first - (total - nd) :]
 
 
@@ -380,20 +388,29 @@ def _mapper(kind: str, mappers: MapperLookup, role: str) -> LayoutMapper:
     return inst
 
 
-def _as_ids(ids: Sequence[int] | np.ndarray | None, what: str) -> np.ndarray:
-    if ids is None:
-        return np.zeros(0, dtype=np.int64)
-    arr = np.asarray(ids)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise LayoutError(f"{what}: expected integer block ids, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False).reshape(-1)
+def _group_ids(ids: BlockIds | None, table: PageTable, what: str) -> dict[str, np.ndarray]:
+    """Block ids per token group of ``table``: a mapping as given, a plain list for the table's only group.
+
+    Range checks happen where addresses are computed; duplicates are the
+    caller's to refuse (:func:`kvcore.blocks.normalize_block_ids`).
+    """
+    if isinstance(ids, Mapping):
+        return {name: as_id_array(v, f"{what}[{name!r}]") for name, v in ids.items()}
+    arr = as_id_array(ids, what)
+    groups = list(table.groups())
+    if len(groups) > 1:
+        raise MappingError(
+            f"{what}: the page table holds layer groups {groups}; expected a mapping of group name to "
+            f"block ids, got one list"
+        )
+    return {groups[0] if groups else DEFAULT_GROUP: arr}
 
 
 def plan_transfer(
     src: RankLayout,
     dst: RankLayout,
-    src_block_ids: Sequence[int] | np.ndarray,
-    dst_block_ids: Sequence[int] | np.ndarray,
+    src_block_ids: BlockIds,
+    dst_block_ids: BlockIds,
     *,
     mappers: MapperLookup | None = None,
     src_state_slot: int | None = None,
@@ -409,7 +426,12 @@ def plan_transfer(
     bounce path packs and unpacks in, which both sides can compute alike.
 
     Block lists are the resident suffixes of the request's blocks on each side
-    (see :func:`align_blocks`); state views (Mamba) use the state slots. Views
+    (see :func:`align_blocks`), one per layer group: a mapping ``{group: ids}``
+    or, for a table with a single token group, a plain list. Each token view
+    uses its group's list; a group a side lacks raises ``MappingError`` naming
+    it, and a shared layer in different groups on the two sides raises
+    ``PoolMismatchError``. State views (Mamba) use the state slots; a pair
+    without state views ignores them. Views
     are matched by ``(global layer, role)``; roles or mapper kinds that differ
     raise ``PoolMismatchError``. Only bytes ``src`` owns for ``dst`` are planned
     (:func:`kvcore.peer.owns`); the result may be empty. ``layer_range``
@@ -426,8 +448,9 @@ def plan_transfer(
         from kvcore.plugins import get_plugin_manager
 
         mappers = get_plugin_manager().layout_mappers
-    s_ids, d_ids = _as_ids(src_block_ids, "src_block_ids"), _as_ids(dst_block_ids, "dst_block_ids")
     st, dt = src.page_table, dst.page_table
+    s_groups = _group_ids(src_block_ids, st, "src_block_ids")
+    d_groups = _group_ids(dst_block_ids, dt, "dst_block_ids")
     sidx, didx = _view_index(st), _view_index(dt)
     common = st.layers() & dt.layers()
     if layer_range is not None:
@@ -447,6 +470,7 @@ def plan_transfer(
             pairs.setdefault((svi, dvi), []).append((spos, dpos))
     dst_dp = dst.topology.dp_rank
     plans: list[FragmentPlan] = []
+    state_plans: list[FragmentPlan] = []
     for (svi, dvi), positions in pairs.items():
         sv, dv = st.views[svi], dt.views[dvi]
         kind = select_mapper_kind(sv, dv)
@@ -454,6 +478,11 @@ def plan_transfer(
             raise PoolMismatchError(
                 f"view {sv.role!r}: buffers_per_layer/tokens_per_slot differ: source "
                 f"{sv.buffers_per_layer}/{sv.tokens_per_slot}, destination {dv.buffers_per_layer}/{dv.tokens_per_slot}"
+            )
+        if sv.group != dv.group:
+            raise PoolMismatchError(
+                f"view {sv.role!r} layers {sorted(set(sv.layers) & set(dv.layers))[:8]}: layer group differs: "
+                f"source {sv.group!r}, destination {dv.group!r}"
             )
         if not owns(sv.layout, dv.layout, dst_dp):
             continue
@@ -467,6 +496,13 @@ def plan_transfer(
             if sv.tokens_per_slot != dv.tokens_per_slot:
                 raise PoolMismatchError(
                     f"view {sv.role!r} tokens_per_slot: source {sv.tokens_per_slot}, destination {dv.tokens_per_slot}"
+                )
+            s_ids, d_ids = s_groups.get(sv.group), d_groups.get(dv.group)
+            if s_ids is None or d_ids is None:
+                side, have = ("source", s_groups) if s_ids is None else ("destination", d_groups)
+                raise MappingError(
+                    f"{side} block ids: expected ids for layer group {sv.group!r} (view {sv.role!r}), "
+                    f"got ids for {sorted(have)}"
                 )
             window = sv.window if sv.window is not None else sliding_window
             sb, db = align_blocks(s_ids, d_ids, sv.tokens_per_slot, prompt_len=prompt_len, window=window)  # type: ignore[arg-type]
@@ -490,6 +526,14 @@ def plan_transfer(
             dt.entry_addresses(dvi, d_entries, db),
             group=group,
         )
-        plans.append(_mapper(kind, mappers, sv.role).map(pair))
+        (state_plans if sv.is_state else plans).append(_mapper(kind, mappers, sv.role).map(pair))
+    if state_plans:
+        state = FragmentPlan.concat(state_plans)
+        if merge:
+            # a slot's state is a handful of fragments spread over views (conv rows of x and of B|C, SSM);
+            # in address order the ones adjacent in memory (one vLLM page) merge into one
+            order = np.argsort(state.src, kind="stable")
+            state = FragmentPlan(state.src[order], state.dst[order], state.sizes[order])
+        plans.append(state)
     plan = FragmentPlan.concat(plans)
     return plan.merge_contiguous() if merge else plan

@@ -53,5 +53,5 @@ def kvcore_register_page_table_builders(registry: PageTableBuilderRegistry) -> N
     registry.add(
         "mamba_state",
         "kvcore.builders:build_mamba_state",
-        description="Mamba2/GDN state per layer: conv [layers, slots, conv_dim, d_conv-1], SSM [layers, slots, heads, head_dim, d_state]",
+        description="Mamba2/GDN state per layer: conv [layers, slots, conv_dim, d_conv-1], SSM [layers, slots, heads, head_dim, d_state]; layout='vllm': one [slots, d_conv-1, conv_dim] and one SSM tensor per layer",
     )
