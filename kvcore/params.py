@@ -143,6 +143,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     prompt_len: int = -1
     #: Pull mode: the context's block ids (one list; the same on every context rank) and state slot.
     block_ids: list[int] = msgspec.field(default_factory=list)
+    #: Pull mode, layer groups: the context's block ids per group (then ``block_ids`` is empty).
+    group_block_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
     state_slot: int = -1
     #: Pull mode: the context incarnation the blocks belong to (a restarted context holds other data there).
     incarnation: str = ""
@@ -167,6 +169,11 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             raise E.ProtocolVersionError(
                 f"TransferParams version {self.version}; this kvcore reads version {PARAMS_VERSION}"
             )
+        if (
+            len(self.group_block_ids) > 64
+            or len(self.block_ids) + sum(map(len, self.group_block_ids.values())) > MAX_PARAM_BLOCKS
+        ):
+            raise E.SessionError(f"TransferParams.group_block_ids: at most 64 groups and {MAX_PARAM_BLOCKS} ids in all")
         if len(self.block_ids) > MAX_PARAM_BLOCKS:
             raise E.SessionError(f"TransferParams.block_ids has {len(self.block_ids)} entries (max {MAX_PARAM_BLOCKS})")
         if self.mode == "pull" and not self.incarnation:
@@ -229,6 +236,7 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         state_slot: int = -1,
         incarnation: str = "",
         lease_ms: int = 0,
+        group_block_ids: Mapping[str, Iterable[int]] | None = None,
     ) -> TransferParams:
         """Build parameters (a fresh ticket unless one is given), e.g. in an engine's scheduler before prefill."""
         tk = new_ticket() if ticket is None else check_ticket(ticket)
@@ -240,6 +248,7 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             dp_rank=int(dp_rank),
             prompt_len=int(prompt_len),
             block_ids=[int(b) for b in block_ids],
+            group_block_ids={str(g): [int(b) for b in v] for g, v in (group_block_ids or {}).items()},
             state_slot=int(state_slot),
             incarnation=incarnation,
             lease_ms=int(lease_ms),

@@ -142,7 +142,7 @@ class RequestData(_Msg, tag="request_data", frozen=True):
     gen_instance: Name
     gen_rank: int
     gen_incarnation: Name
-    block_ids: bytes  # little-endian int64
+    block_ids: bytes  # little-endian int64 (empty when group_block_ids is used)
     state_slot: int = -1  # one slot per request for state pools (Mamba); -1: none
     prompt_len: int = -1
     timeout_ms: int = 60_000
@@ -152,6 +152,8 @@ class RequestData(_Msg, tag="request_data", frozen=True):
     ctx_incarnation: Name = ""  # the context incarnation the receiver believes it asks
     nonce: Nonce = b""  # the receiver's secret for this request: every answer echoes it, its cancels carry it
     ticket: Ticket = b""  # the request's ticket from the context's TransferParams
+
+    group_block_ids: dict[Name, bytes] = msgspec.field(default_factory=dict)  # layer group -> little-endian int64
 
 
 class TransferResult(_Msg, tag="transfer_result", frozen=True):
@@ -304,6 +306,10 @@ def _validate(msg: Message) -> None:
     if isinstance(rid, int) and not (0 <= rid <= MAX_U64) and not (isinstance(msg, ErrorReply) and rid == -1):
         raise MessageDecodeError(f"{type(msg).__name__}.request_id {rid} is outside 0..2**64-1")
     if isinstance(msg, RequestData):
+        if msg.group_block_ids:
+            from kvcore.blocks import decode_group_ids
+
+            decode_group_ids(msg.group_block_ids, max_blocks=MAX_BLOCKS_PER_REQUEST)
         if len(msg.block_ids) % 8 or len(msg.block_ids) > 8 * MAX_BLOCKS_PER_REQUEST:
             raise MessageDecodeError(
                 f"block_ids must be little-endian int64 and at most {MAX_BLOCKS_PER_REQUEST} entries, "

@@ -209,7 +209,7 @@ class ContextProcess:
             m = self._recv(timeout)
             if "params" in m:
                 return dict(m["params"])
-            if "error" in m:
+            if "error" in m and "outcome" not in m:  # outcome reports carry an "error" too
                 raise RuntimeError(m["error"])
             self.events.append(m)
         raise TimeoutError("no transfer parameters")

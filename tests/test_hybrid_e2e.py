@@ -106,7 +106,6 @@ def _context_main(conn: Any, seed: int, mode: str) -> None:
         rank["agent"].close()
 
 
-@pytest.mark.xfail(reason="needs transceiver wiring", strict=False)
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_hybrid_request_with_two_groups_and_state_moves_exactly(mode: str) -> None:
     from kvcore.transceiver import SessionState

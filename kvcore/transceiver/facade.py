@@ -382,7 +382,7 @@ class Transceiver:
             params.dp_rank,
             ticket=params.ticket_bytes,
             mode=params.mode,
-            ctx_block_ids=params.block_ids,
+            ctx_block_ids=params.group_block_ids or params.block_ids,
             ctx_state_slot=params.state_slot,
             ctx_incarnation=params.incarnation,
             expecting=expecting,

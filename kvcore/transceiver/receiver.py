@@ -15,6 +15,7 @@ import hmac
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ import numpy as np
 from kvcore import bounce, wire
 from kvcore import errors as E
 from kvcore.agent import TransferOp, TransferStatus
+from kvcore.blocks import as_id_array, encode_group_ids, normalize_block_ids, normalize_state_slot
 from kvcore.mapping import plan_transfer, validate_compatible
 from kvcore.messenger import Source
 from kvcore.metrics import FenceReason
@@ -29,7 +31,7 @@ from kvcore.params import InternalId
 from kvcore.peer import peer_ranks
 from kvcore.transceiver.link import Handler, Link, error_from
 from kvcore.transceiver.peers import CtxInstance, PeerState, writer_fenced
-from kvcore.transceiver.role import Role, check_block_ids, max_slot
+from kvcore.transceiver.role import Role
 from kvcore.transceiver.sender import blocks_digest
 from kvcore.transceiver.sessions import RxSession, SessionState, WriterState
 
@@ -92,8 +94,9 @@ class Receiver(Role):
         expecting: bool = False,
         lease_s: float = 0.0,
     ) -> None:
-        blocks = check_block_ids(block_ids, max_slot(self.link), f"request {rid} block_ids")
-        self.check_state_slot(rid, state_slot)
+        blocks = normalize_block_ids(block_ids, self.link.page_table, f"request {rid} block_ids")
+        slot = normalize_state_slot(state_slot, self.link.page_table, f"request {rid} state_slot")
+        state_slot = -1 if slot is None else slot
         wire.parse_endpoint(ctx_endpoint)
         for name, value in (
             ("prompt_len", prompt_len),
@@ -102,7 +105,13 @@ class Receiver(Role):
         ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise E.SessionError(f"request {rid}: {name} must be an integer, got {value!r}")
-        ctx_blocks = np.asarray(list(ctx_block_ids), dtype=np.int64) if mode == "pull" else np.zeros(0, np.int64)
+        ctx_blocks: Any = {}
+        if mode == "pull":
+            ctx_blocks = (
+                {g: as_id_array(v, f"request {rid} context block_ids[{g!r}]") for g, v in ctx_block_ids.items()}
+                if isinstance(ctx_block_ids, Mapping)
+                else as_id_array(ctx_block_ids, f"request {rid} context block_ids")
+            )
         if mode == "pull" and not self.link.agent.capabilities.read:
             raise E.UnsupportedOperationError(
                 f"request {rid}: pull mode needs an agent that can READ; {self.link.agent.backend!r} cannot"
@@ -238,7 +247,11 @@ class Receiver(Role):
             s.nonces[r] = os.urandom(16)
             s.asked_at[r] = now
         s.transition(SessionState.TRANSFERRING)
-        if len(ranks) == len(s.writers) and self.arena is not None and self._may_bounce(inst, ranks, len(s.block_ids)):
+        if (
+            len(ranks) == len(s.writers)
+            and self.arena is not None
+            and self._may_bounce(inst, ranks, _count(s.block_ids))
+        ):
             self.link.post(self._ask_bounced, s.request_id)  # plans are computed off the caller's thread
         else:
             self._send_requests(s, inst, ranks, {})
@@ -272,7 +285,9 @@ class Receiver(Role):
                     gen_instance=link.instance_name,
                     gen_rank=link.topology.rank,
                     gen_incarnation=link.incarnation,
-                    block_ids=s.block_ids.astype("<i8").tobytes(),
+                    # one group keeps the plain form; several travel by name
+                    block_ids=_single_bytes(s.block_ids),
+                    group_block_ids=encode_group_ids(s.block_ids) if len(s.block_ids) > 1 else {},
                     state_slot=s.state_slot,
                     prompt_len=s.prompt_len,
                     timeout_ms=remaining_ms,
@@ -724,15 +739,18 @@ class Receiver(Role):
             writers = list(s.writers)
         bounce_args: dict[int, tuple[int, int, bytes]] = {}
         tpb = link.geometry.tokens_per_block
-        n_src = -(-s.prompt_len // tpb) if s.prompt_len >= 0 else len(s.block_ids)
         for r in writers:
+            src_ids = {
+                g: np.zeros(-(-s.prompt_len // tpb) if s.prompt_len >= 0 else len(s.block_ids.get(g, ())), np.int64)
+                for g in inst.ranks[r].layout.page_table.groups()
+            }
             try:
                 # The destination side of the unmerged plan does not depend on the source's block ids,
                 # only on how many there are: the context rank computes the same order with its real ids.
                 plan = plan_transfer(
                     inst.ranks[r].layout,
                     link.layout,
-                    np.zeros(n_src, np.int64),
+                    src_ids,
                     s.block_ids,
                     mappers=link.mappers,
                     src_state_slot=0 if s.state_slot >= 0 else None,
@@ -743,8 +761,8 @@ class Receiver(Role):
             except E.KvcoreError as exc:
                 log.debug("request %d: no bounce for context rank %d: %s", rid, r, exc)
                 continue
-            if plan.count and len(s.block_ids):
-                self._plan_shape[(inst.endpoint, r)] = (plan.count / len(s.block_ids), plan.nbytes / plan.count)
+            if plan.count and _count(s.block_ids):
+                self._plan_shape[(inst.endpoint, r)] = (plan.count / _count(s.block_ids), plan.nbytes / plan.count)
             if not bounce.wants_bounce(
                 plan.count,
                 plan.nbytes,
@@ -783,8 +801,8 @@ class Receiver(Role):
         for r in ranks:
             try:
                 info = inst.ranks[r]
-                src_blocks = check_block_ids(
-                    s.ctx_block_ids, max_slot(info.page_table), f"request {rid} context block_ids (parameters)"
+                src_blocks = normalize_block_ids(
+                    s.ctx_block_ids, info.page_table, f"request {rid} context block_ids (parameters)"
                 )
                 t0 = time.monotonic()
                 plan = plan_transfer(
@@ -1010,3 +1028,11 @@ class Receiver(Role):
         for inst in list(self.instances.values()) + self.retired:
             for r, name in inst.agents.items():
                 self.link.unload_agent(name, inst.ranks[r].incarnation)
+
+
+def _count(ids: dict[str, np.ndarray]) -> int:
+    return sum(len(v) for v in ids.values())
+
+
+def _single_bytes(ids: dict[str, np.ndarray]) -> bytes:
+    return next(iter(ids.values()), np.zeros(0, np.int64)).astype("<i8").tobytes() if len(ids) <= 1 else b""

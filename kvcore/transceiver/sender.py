@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -22,13 +23,14 @@ import numpy as np
 from kvcore import bounce, wire
 from kvcore import errors as E
 from kvcore.agent import TransferOp, TransferStatus
+from kvcore.blocks import decode_group_ids, normalize_block_ids, normalize_state_slot
 from kvcore.mapping import plan_transfer, validate_compatible
 from kvcore.messenger import Source
 from kvcore.params import InternalId, TransferParams, api_id, check_ticket, new_ticket
 from kvcore.peer import peer_ranks
 from kvcore.transceiver.link import Handler, Link
 from kvcore.transceiver.peers import GenPeer, PeerState, writer_fenced
-from kvcore.transceiver.role import Role, check_block_ids, max_slot
+from kvcore.transceiver.role import Role
 from kvcore.transceiver.sessions import (
     IDLE_TASK_STATES,
     ReceiverTask,
@@ -41,10 +43,14 @@ from kvcore.transceiver.sessions import (
 __all__ = ["Sender", "blocks_digest"]
 
 
-def blocks_digest(block_ids: np.ndarray, state_slot: int, incarnation: str) -> bytes:
-    """What a pull receiver must have read: the context blocks, state slot and incarnation (16-byte digest)."""
+def blocks_digest(block_ids: Any, state_slot: int, incarnation: str) -> bytes:
+    """What a pull receiver must have read: the context blocks (per group), state slot and incarnation (16 bytes)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(np.asarray(block_ids, dtype="<i8").tobytes())
+    groups = dict(block_ids) if isinstance(block_ids, Mapping) else {"": block_ids}
+    if len(groups) <= 1:  # one group travels as a plain list: both sides hash just the ids
+        groups = {"": next(iter(groups.values()), np.zeros(0, np.int64))}
+    for name in sorted(groups):
+        h.update(name.encode() + b"\0" + np.asarray(groups[name], dtype="<i8").tobytes())
     h.update(int(state_slot).to_bytes(8, "little", signed=True))
     h.update(incarnation.encode())
     return h.digest()
@@ -57,7 +63,7 @@ _Key = tuple[str, int]
 
 def _early_size(msg: wire.RequestData | wire.PullDone) -> int:
     """Bytes an early message is charged against ``max_early_bytes`` (its block list; a PullDone a fixed 256)."""
-    return len(msg.block_ids) if isinstance(msg, wire.RequestData) else 256
+    return _ids_bytes(msg) if isinstance(msg, wire.RequestData) else 256
 
 
 def _event_done(event: Any) -> bool:
@@ -117,8 +123,9 @@ class Sender(Role):
         ticket: bytes | str | None = None,
         aux: bytes | None = None,
     ) -> TransferParams:
-        blocks = check_block_ids(block_ids, max_slot(self.link), f"request {rid} block_ids")
-        self.check_state_slot(rid, state_slot)
+        blocks = normalize_block_ids(block_ids, self.link.page_table, f"request {rid} block_ids")
+        slot = normalize_state_slot(state_slot, self.link.page_table, f"request {rid} state_slot")
+        state_slot = -1 if slot is None else slot
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)):
             raise E.SessionError(f"request {rid}: prompt_len must be an integer (-1: unknown), got {prompt_len!r}")
         mode = mode or self.config.transfer_mode
@@ -176,7 +183,8 @@ class Sender(Role):
             mode=mode,  # type: ignore[arg-type]
             dp_rank=topo.dp_rank if topo.attention_dp else 0,
             prompt_len=int(prompt_len),
-            block_ids=blocks.tolist() if mode == "pull" else (),
+            block_ids=_single(blocks).tolist() if mode == "pull" and len(blocks) <= 1 else (),
+            group_block_ids={g: v.tolist() for g, v in blocks.items()} if mode == "pull" and len(blocks) > 1 else None,
             state_slot=int(state_slot) if mode == "pull" else -1,
             incarnation=info0.incarnation if mode == "pull" else "",
             lease_ms=int(self.config.lease_s * 1000),
@@ -564,7 +572,7 @@ class Sender(Role):
             return
         t = ReceiverTask(
             peer=peer,
-            block_ids=np.zeros(0, np.int64),
+            block_ids={},
             state_slot=msg.state_slot,
             prompt_len=msg.prompt_len,
             nonce=msg.nonce,
@@ -582,19 +590,26 @@ class Sender(Role):
             self._finish_for_session(s, t)
             return
         try:
-            raw = np.frombuffer(msg.block_ids, dtype="<i8")
-            t.block_ids = check_block_ids(
-                raw, max_slot(peer.info.page_table), f"request {s.request_id} destination block_ids"
+            raw: Any = (
+                decode_group_ids(msg.group_block_ids, max_blocks=wire.MAX_BLOCKS_PER_REQUEST)
+                if msg.group_block_ids
+                else np.frombuffer(msg.block_ids, dtype="<i8")
+            )
+            t.block_ids = normalize_block_ids(
+                raw, peer.info.page_table, f"request {s.request_id} destination block_ids"
             )
             if s.prompt_len >= 0 and msg.prompt_len >= 0 and s.prompt_len != msg.prompt_len:
                 raise E.MappingError(
                     f"request {s.request_id} prompt_len: context {s.prompt_len}, generation {msg.prompt_len}"
                 )
-            if len(t.block_ids) > len(s.block_ids):
-                raise E.MappingError(
-                    f"request {s.request_id} block count: the generation side expects {len(t.block_ids)} blocks, "
-                    f"the context side holds {len(s.block_ids)}"
-                )
+            windowed = {v.group for v in self.link.page_table.views if v.window is not None}
+            for g, ids in t.block_ids.items():
+                held = s.block_ids.get(g)
+                if held is not None and g not in windowed and len(ids) > len(held):
+                    raise E.MappingError(
+                        f"request {s.request_id} block count of layer group {g!r}: the generation side expects "
+                        f"{len(ids)} blocks, the context side holds {len(held)}"
+                    )
         except E.KvcoreError as exc:
             log.warning("request %d from %s: %s", s.request_id, peer, exc)
             self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
@@ -679,7 +694,7 @@ class Sender(Role):
             return
         t = ReceiverTask(
             peer=peer,
-            block_ids=np.zeros(0, np.int64),
+            block_ids={},
             state_slot=-1,
             prompt_len=-1,
             nonce=msg.nonce,
@@ -1221,3 +1236,13 @@ class Sender(Role):
         for peer in list(self.peers.values()) + self.retired:
             if peer.agent_name:
                 self.link.unload_agent(peer.agent_name, peer.incarnation)
+
+
+def _ids_bytes(msg: wire.RequestData) -> int:
+    """Bytes of block ids a receiver's request carries (both wire forms)."""
+    return len(msg.block_ids) + sum(len(v) for v in msg.group_block_ids.values())
+
+
+def _single(ids: dict[str, np.ndarray]) -> np.ndarray:
+    """The ids of a rank's only group (or none)."""
+    return next(iter(ids.values()), np.zeros(0, np.int64))

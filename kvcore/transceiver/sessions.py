@@ -144,7 +144,7 @@ class RxSession(Session):
     """Generation side: waits for every expected context rank to report its writes."""
 
     ctx_endpoint: str = ""
-    block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    block_ids: dict[str, np.ndarray] = field(default_factory=dict)
     state_slot: int = -1
     prompt_len: int = -1
     ctx_dp_rank: int = 0
@@ -159,7 +159,7 @@ class RxSession(Session):
     ticket: bytes = b""  # the request's ticket (from the context's TransferParams)
     mode: str = "push"
     expecting: bool = False  # expect(): the request is announced; blocks come with start_receive
-    ctx_block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # pull: blocks to read
+    ctx_block_ids: Any = field(default_factory=dict)  # pull: blocks to read (as the parameters gave them)
     ctx_state_slot: int = -1  # pull
     ctx_incarnation: str = ""  # pull: the context incarnation the parameters came from
     reads: dict[int, Any] = field(default_factory=dict)  # pull: ctx rank -> our READ handle
@@ -218,7 +218,7 @@ class ReceiverTask:
     """Context side: the write of this request into one generation rank (incarnation)."""
 
     peer: GenPeer
-    block_ids: np.ndarray
+    block_ids: dict[str, np.ndarray]
     state_slot: int
     prompt_len: int
     nonce: bytes  # the receiver's secret for this request: echoed in every answer, required on its cancels
@@ -259,7 +259,7 @@ class ReceiverTask:
 class TxSession(Session):
     """Context side: writes one request's KV to every generation rank that asks for it."""
 
-    block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    block_ids: dict[str, np.ndarray] = field(default_factory=dict)
     state_slot: int = -1
     prompt_len: int = -1
     tasks: dict[tuple[str, int], ReceiverTask] = field(default_factory=dict)
