@@ -126,7 +126,7 @@ class BenchSpec:
     """Everything one benchmark run needs (sizes, iterations, bounds); sent to every rank as msgpack."""
 
     backends: list[str] | None = None  # None: every installed transfer agent
-    cases: list[str] = field(default_factory=lambda: ["llama8b", "frag16k", "small", "hol"])
+    cases: list[str] = field(default_factory=lambda: ["llama8b", "frag16k", "small"])
     tokens: int = 4096
     layers: int = 32
     kv_heads: int = 8
