@@ -959,6 +959,17 @@ class _Rank:
             self.written.discard("big")
         return out
 
+    def op_steps(self) -> dict[str, Any]:
+        """This Transceiver's step histograms so far, as ``name -> [sum seconds, count]`` (for the breakdown)."""
+        t = self.tx.metrics.snapshot().total
+        out = {
+            name: [getattr(t, f"{name}_seconds").sum, getattr(t, f"{name}_seconds").count]
+            for name in ("plan", "post", "transfer", "queue", "round_trip", "service")
+        }
+        done = t.request_seconds.get("DONE")
+        out["request"] = [done.sum, done.count] if done is not None else [0.0, 0]
+        return out
+
     def op_stats(self) -> dict[str, Any]:
         return {"stats": self.tx.stats() if self.tx is not None else {}}
 
@@ -1346,9 +1357,11 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         run.say(f"{run.backend} small: {spec.latency_requests} requests one at a time")
         rid = run.rids(spec.latency_requests)
         run.ctx.call("send", rid0=rid, n=spec.latency_requests, region="small")
+        steps0 = {"context": run.ctx.call("steps"), "generation": run.gen.call("steps")}
         r = run.gen.call(
             "receive", endpoint=run.endpoint, rid0=rid, n=spec.latency_requests, region="small", pipelined=False
         )
+        steps1 = {"context": run.ctx.call("steps"), "generation": run.gen.call("steps")}
         lat_ms = [x * 1e3 for x in r["latency_s"]]
         not_done = list(r["not_done"])
         # the transport alone on the same one-block plan
@@ -1380,6 +1393,13 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         "agent_ms_p99": _pct(agent_ms, 99),
         "overhead_ms_p50": _pct(lat_ms, 50) - _pct(agent_ms, 50),
         "requests_per_s_one_at_a_time": len(lat_ms) / r["elapsed_s"],
+    }
+    # Mean ms per request of each step the transceivers time, over the one-at-a-time requests only.
+    out["steps_ms_mean"] = {
+        f"{side}.{name}": (v[0] - steps0[side][name][0]) / (v[1] - steps0[side][name][1]) * 1e3
+        for side, names in steps1.items()
+        for name, v in names.items()
+        if name not in ("kind",) and v[1] > steps0[side][name][1]
     }
     out["throughput"] = {
         "requests": spec.small_requests,

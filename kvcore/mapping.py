@@ -21,6 +21,7 @@ mapper runs, so mappers only compute *where* bytes go, never *whether*.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -391,6 +392,148 @@ def _as_ids(ids: Sequence[int] | np.ndarray | None, what: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False).reshape(-1)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _Entries:
+    """One side's matched buffers of a view pair: where entry ``e`` starts in slot 0 and the slot stride."""
+
+    view: int
+    entries: np.ndarray
+    start: np.ndarray  # uint64: pool base + buffer offset, per entry
+    stride: np.ndarray  # uint64: the slot stride of each entry's pool
+    slots: int  # the fewest slots among the pools used: ids below it are valid in all of them
+
+    @classmethod
+    def build(cls, table: PageTable, view: int, entries: np.ndarray) -> _Entries:
+        v = table.views[view]
+        pool_idx = np.asarray(v.pools, dtype=np.int64)[entries]
+        base = np.fromiter((p.base for p in table.pools), dtype=np.uint64, count=len(table.pools))
+        stride = np.fromiter((p.slot_stride for p in table.pools), dtype=np.uint64, count=len(table.pools))
+        slots = min(table.pools[p].num_slots for p in np.unique(pool_idx).tolist()) if entries.size else 0
+        start = base[pool_idx] + np.asarray(v.offsets, dtype=np.uint64)[entries]
+        return cls(view, entries, start, stride[pool_idx], slots)
+
+    def addresses(self, table: PageTable, ids: np.ndarray) -> np.ndarray:
+        """``table.entry_addresses(view, entries, ids)``, without recomputing what does not depend on ``ids``."""
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.slots):
+            return table.entry_addresses(self.view, self.entries, ids)  # raises, naming the bad ids
+        return self.start[:, None] + ids.astype(np.uint64)[None, :] * self.stride[:, None]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _PairPlan:
+    """What a plan for one matched view pair needs that does not depend on the request (cached per peer pair)."""
+
+    sv: PoolView
+    dv: PoolView
+    kind: str  # the mapper kind (looked up per request, as before caching: only for pairs with blocks)
+    src: _Entries
+    dst: _Entries
+    group: int
+    tokens_mismatch: bool  # slot sizes differ: raised per request, where the uncached planner raised it
+
+
+_PLAN_CACHE_ENTRIES = 256
+_plan_cache: dict[tuple[int, ...], tuple[tuple[object, ...], tuple[_PairPlan, ...]]] = {}
+_plan_cache_lock = threading.Lock()
+
+
+def _pair_plans(
+    src: RankLayout, dst: RankLayout, mappers: LayoutMapperRegistry, layer_range: tuple[int, int] | None
+) -> tuple[_PairPlan, ...]:
+    """The request-independent part of :func:`plan_transfer`, cached per (source, destination, mappers, layers).
+
+    Keyed by the identity of the layouts' parts (a peer's ``RankInfo`` keeps them for its lifetime); the cache
+    holds them, so an id is never reused while its entry lives. At most 256 entries, least recently used out.
+    Errors are never cached: a pair that does not plan raises the same error on every call.
+    """
+    parts: tuple[object, ...] = (
+        src.topology,
+        src.page_table,
+        src.mamba,
+        dst.topology,
+        dst.page_table,
+        dst.mamba,
+        mappers,
+    )
+    key = (*map(id, parts), *(layer_range or (-1, -1)))
+    with _plan_cache_lock:
+        hit = _plan_cache.pop(key, None)
+        if hit is not None and all(a is b for a, b in zip(hit[0], parts, strict=True)):
+            _plan_cache[key] = hit  # most recently used last
+            return hit[1]
+    plans = _build_pair_plans(src, dst, mappers, layer_range)
+    with _plan_cache_lock:
+        _plan_cache[key] = (parts, plans)
+        while len(_plan_cache) > _PLAN_CACHE_ENTRIES:
+            del _plan_cache[next(iter(_plan_cache))]
+    return plans
+
+
+def _build_pair_plans(
+    src: RankLayout, dst: RankLayout, mappers: LayoutMapperRegistry, layer_range: tuple[int, int] | None
+) -> tuple[_PairPlan, ...]:
+    require_no_cp(src.topology, dst.topology, what="plan_transfer")
+    contacted = peer_ranks(dst.topology, src.topology, src.topology.dp_rank)
+    if src.topology.rank not in contacted:
+        raise TopologyError(
+            f"source rank {src.topology.rank} is not a peer of destination rank {dst.topology.rank} "
+            f"(destination contacts {contacted})"
+        )
+    st, dt = src.page_table, dst.page_table
+    sidx, didx = _view_index(st), _view_index(dt)
+    common = st.layers() & dt.layers()
+    if layer_range is not None:
+        common = {layer for layer in common if layer_range[0] <= layer < layer_range[1]}
+    missing = sorted(
+        [("source", k) for k in sidx if k[0] in common and k not in didx]
+        + [("destination", k) for k in didx if k[0] in common and k not in sidx]
+    )
+    if missing:
+        shown = ", ".join(f"layer {k[0]} role {k[1]!r} only on {side}" for side, k in missing[:8])
+        raise PoolMismatchError(f"pool roles differ on shared layers: {shown}")
+    # (src view, dst view) -> [(src pos, dst pos)] in source physical order
+    pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for key, (svi, spos) in sidx.items():
+        if key[0] in common:
+            dvi, dpos = didx[key]
+            pairs.setdefault((svi, dvi), []).append((spos, dpos))
+    dst_dp = dst.topology.dp_rank
+    out: list[_PairPlan] = []
+    for (svi, dvi), positions in pairs.items():
+        sv, dv = st.views[svi], dt.views[dvi]
+        kind = select_mapper_kind(sv, dv)
+        if sv.buffers_per_layer != dv.buffers_per_layer or sv.is_state != dv.is_state:
+            raise PoolMismatchError(
+                f"view {sv.role!r}: buffers_per_layer/tokens_per_slot differ: source "
+                f"{sv.buffers_per_layer}/{sv.tokens_per_slot}, destination {dv.buffers_per_layer}/{dv.tokens_per_slot}"
+            )
+        if not owns(sv.layout, dv.layout, dst_dp):
+            continue
+        bf = sv.buffers_per_layer
+        pos = np.asarray(positions, dtype=np.int64)
+        sub = np.arange(bf, dtype=np.int64)
+        s_entries = (pos[:, 0:1] * bf + sub).reshape(-1)
+        d_entries = (pos[:, 1:2] * bf + sub).reshape(-1)
+        # order entries by (source pool, offset) so each pool's buffers form one run
+        s_pools = np.asarray(sv.pools, dtype=np.int64)[s_entries]
+        order = np.lexsort((np.asarray(sv.offsets, dtype=np.int64)[s_entries], s_pools))
+        s_entries, d_entries, s_pools = s_entries[order], d_entries[order], s_pools[order]
+        runs = np.unique(s_pools, return_counts=True)[1]
+        group = int(runs[0]) if (runs == runs[0]).all() else 1
+        out.append(
+            _PairPlan(
+                sv,
+                dv,
+                kind,
+                _Entries.build(st, svi, s_entries),
+                _Entries.build(dt, dvi, d_entries),
+                group,
+                not sv.is_state and sv.tokens_per_slot != dv.tokens_per_slot,
+            )
+        )
+    return tuple(out)
+
+
 def plan_transfer(
     src: RankLayout,
     dst: RankLayout,
@@ -417,48 +560,15 @@ def plan_transfer(
     (:func:`kvcore.peer.owns`); the result may be empty. ``layer_range``
     restricts to global layers ``[start, stop)`` (layer-wise slices).
     """
-    require_no_cp(src.topology, dst.topology, what="plan_transfer")
-    contacted = peer_ranks(dst.topology, src.topology, src.topology.dp_rank)
-    if src.topology.rank not in contacted:
-        raise TopologyError(
-            f"source rank {src.topology.rank} is not a peer of destination rank {dst.topology.rank} "
-            f"(destination contacts {contacted})"
-        )
     if mappers is None:
         from kvcore.plugins import get_plugin_manager
 
         mappers = get_plugin_manager().layout_mappers
     s_ids, d_ids = _as_ids(src_block_ids, "src_block_ids"), _as_ids(dst_block_ids, "dst_block_ids")
     st, dt = src.page_table, dst.page_table
-    sidx, didx = _view_index(st), _view_index(dt)
-    common = st.layers() & dt.layers()
-    if layer_range is not None:
-        common = {layer for layer in common if layer_range[0] <= layer < layer_range[1]}
-    missing = sorted(
-        [("source", k) for k in sidx if k[0] in common and k not in didx]
-        + [("destination", k) for k in didx if k[0] in common and k not in sidx]
-    )
-    if missing:
-        shown = ", ".join(f"layer {k[0]} role {k[1]!r} only on {side}" for side, k in missing[:8])
-        raise PoolMismatchError(f"pool roles differ on shared layers: {shown}")
-    # (src view, dst view) -> [(src pos, dst pos)] in source physical order
-    pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for key, (svi, spos) in sidx.items():
-        if key[0] in common:
-            dvi, dpos = didx[key]
-            pairs.setdefault((svi, dvi), []).append((spos, dpos))
-    dst_dp = dst.topology.dp_rank
     plans: list[FragmentPlan] = []
-    for (svi, dvi), positions in pairs.items():
-        sv, dv = st.views[svi], dt.views[dvi]
-        kind = select_mapper_kind(sv, dv)
-        if sv.buffers_per_layer != dv.buffers_per_layer or sv.is_state != dv.is_state:
-            raise PoolMismatchError(
-                f"view {sv.role!r}: buffers_per_layer/tokens_per_slot differ: source "
-                f"{sv.buffers_per_layer}/{sv.tokens_per_slot}, destination {dv.buffers_per_layer}/{dv.tokens_per_slot}"
-            )
-        if not owns(sv.layout, dv.layout, dst_dp):
-            continue
+    for pp in _pair_plans(src, dst, mappers, layer_range):
+        sv = pp.sv
         if sv.is_state:
             if src_state_slot is None or dst_state_slot is None:
                 raise MappingError(
@@ -466,32 +576,15 @@ def plan_transfer(
                 )
             sb, db = np.array([src_state_slot], np.int64), np.array([dst_state_slot], np.int64)
         else:
-            if sv.tokens_per_slot != dv.tokens_per_slot:
+            if pp.tokens_mismatch:
                 raise PoolMismatchError(
-                    f"view {sv.role!r} tokens_per_slot: source {sv.tokens_per_slot}, destination {dv.tokens_per_slot}"
+                    f"view {sv.role!r} tokens_per_slot: source {sv.tokens_per_slot}, destination {pp.dv.tokens_per_slot}"
                 )
             window = sv.window if sv.window is not None else sliding_window
             sb, db = align_blocks(s_ids, d_ids, sv.tokens_per_slot, prompt_len=prompt_len, window=window)  # type: ignore[arg-type]
             if not len(sb):
                 continue
-        bf = sv.buffers_per_layer
-        pos = np.asarray(positions, dtype=np.int64)
-        sub = np.arange(bf, dtype=np.int64)
-        s_entries = (pos[:, 0:1] * bf + sub).reshape(-1)
-        d_entries = (pos[:, 1:2] * bf + sub).reshape(-1)
-        # order entries by (source pool, offset) so each pool's buffers form one run
-        s_pools = np.asarray(sv.pools, dtype=np.int64)[s_entries]
-        order = np.lexsort((np.asarray(sv.offsets, dtype=np.int64)[s_entries], s_pools))
-        s_entries, d_entries, s_pools = s_entries[order], d_entries[order], s_pools[order]
-        runs = np.unique(s_pools, return_counts=True)[1]
-        group = int(runs[0]) if (runs == runs[0]).all() else 1
-        pair = ViewPair(
-            sv,
-            dv,
-            st.entry_addresses(svi, s_entries, sb),
-            dt.entry_addresses(dvi, d_entries, db),
-            group=group,
-        )
-        plans.append(_mapper(kind, mappers, sv.role).map(pair))
+        pair = ViewPair(sv, pp.dv, pp.src.addresses(st, sb), pp.dst.addresses(dt, db), group=pp.group)
+        plans.append(_mapper(pp.kind, mappers, sv.role).map(pair))
     plan = FragmentPlan.concat(plans)
     return plan.merge_contiguous() if merge else plan
