@@ -24,7 +24,7 @@ from kvcore.agent import TransferOp, TransferStatus
 from kvcore.bench import installed_backends
 from kvcore.builtin.shm import ShmAgent
 from kvcore.errors import TransferError
-from kvcore.transceiver.link import chunk_plan
+from kvcore.transceiver.link import CHUNK_BYTES, chunk_plan
 
 MiB = 1 << 20
 
@@ -166,11 +166,11 @@ def test_bench_hol_case_reports_alone_and_during_latency_per_backend() -> None:
             "--cases",
             "hol",
             "--tokens",
-            "256",
+            "2048",
             "--layers",
-            "2",
+            "4",
             "--iterations",
-            "2",
+            "1",
             "--hol-requests",
             "8",
             "--timeout",
@@ -187,10 +187,11 @@ def test_bench_hol_case_reports_alone_and_during_latency_per_backend() -> None:
     for backend, entry in result["backends"].items():
         case = entry["cases"]["hol"]
         o = case["one_block"]
-        assert case["block_bytes"] == 2 * 2 * 8 * 32 * 128 * 2, backend  # one block of the 2-layer model
-        assert case["bytes"] == 8 * case["block_bytes"]
-        assert o["requests_alone"] == 2 * 8  # two timed rounds of 8 after the warm-up
-        assert 0 <= o["requests_during"] <= 2 * 8
+        assert case["block_bytes"] == 4 * 2 * 8 * 32 * 128 * 2, backend  # one block of the 4-layer model
+        # 64 blocks = 32 MiB: over Link's 16 MiB chunk, so a transport that copies inside submit gets chunks
+        assert case["bytes"] == 64 * case["block_bytes"] > CHUNK_BYTES
+        assert o["requests_alone"] == 8  # one timed round of 8 after the warm-up
+        assert 0 <= o["requests_during"] <= 8
         assert o["alone_ms_p50"] > 0 and o["alone_ms_p99"] >= o["alone_ms_p50"]
         if o["requests_during"]:
             assert o["during_vs_alone_p50"] == pytest.approx(o["during_ms_p50"] / o["alone_ms_p50"], rel=1e-9)

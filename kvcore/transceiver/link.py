@@ -13,10 +13,12 @@ callback on the worker thread as soon as the transfer is terminal). An agent
 whose ``submit`` returns before the bytes move (``async_submit``: the shm
 agent's copy threads) gets the plan at once and announces its end; the worker
 then reports it without waiting for a timer. An agent whose ``submit`` moves
-the bytes itself (NIXL or UCX over CMA) gets a large plan in chunks of at most
+the bytes itself (NIXL or UCX over CMA) gets a large plan in chunks of about
 ``CHUNK_BYTES``, one at a time, and the worker serves new requests, results
 and timers between chunks: a small request waits for at most one chunk of a
-large one, never for all of it.
+large one, never for all of it. When the first chunk is still in flight after
+``submit`` returned (the transport posts asynchronously: RDMA, TCP lanes), the
+rest of the plan follows as one chunk.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class Transfer:
     handle: TransferHandle | None = None
     status: TransferStatus = TransferStatus.PENDING
     error: E.TransferError | None = None
+    pumped: bool = False  # chunks left and the transport copies inside submit: the worker posts them without sleeping
 
     @property
     def chunks(self) -> int:
@@ -229,7 +232,8 @@ class Link:
         # The data plane (worker thread only): transfers not yet terminal, and the one behind each agent handle.
         self._xfers: dict[int, Transfer] = {}
         self._by_handle: dict[int, Transfer] = {}
-        self._chunked = 0  # transfers with chunks still to post: the worker loop does not sleep while any
+        self._chunked = 0  # transfers with chunks still to post (pumped by the worker loop)
+        self._chunk_ready = False  # the last pump posted a chunk: the loop does not sleep before the next
         self.chunk_bytes = 0 if agent.capabilities.async_submit else CHUNK_BYTES
         if agent.capabilities.async_submit:
             agent.set_completion_listener(self._agent_event)
@@ -306,7 +310,7 @@ class Link:
         last_tick = 0.0
         while not self._stop.is_set():
             try:
-                if self._chunked:
+                if self._chunk_ready:
                     item = self._work.get_nowait()  # the next chunk waits only for work already queued
                 else:
                     item = self._work.get(timeout=0.0005 if self._busy() else 0.02)
@@ -322,8 +326,7 @@ class Link:
                         item = None
                 if self._stop.is_set():
                     return
-                if self._chunked:
-                    self._pump()
+                self._chunk_ready = self._pump() if self._chunked else False
                 self.agent.progress()
                 now = time.monotonic()
                 busy = self._busy()
@@ -358,9 +361,14 @@ class Link:
             bounds = [0, len(sizes)]
         x = Transfer(op, remote, src, dst, sizes, bounds, None, nbytes)
         self._post_chunk(x)  # the first chunk's refusal is the caller's error
-        self._xfers[id(x)] = x
-        if x.chunks > 1:
+        if x.chunks > 1 and x.handle is not None and self.agent.poll(x.handle) is TransferStatus.PENDING:
+            # The transport did not move the chunk inside submit (RDMA, a remote lane): it does not hold
+            # this thread, so the rest goes as one more chunk rather than paying a submit per chunk.
+            x.bounds = [0, bounds[1], bounds[-1]]
+        elif x.chunks > 1:
+            x.pumped = True
             self._chunked += 1
+        self._xfers[id(x)] = x
         x.on_done = on_done
         return x
 
@@ -371,8 +379,13 @@ class Link:
         self._by_handle[h.id] = x
 
     def poll_transfer(self, x: Transfer) -> TransferStatus:
-        """Advance ``x`` (post its next chunk when one ended) and report its state; never calls ``on_done``."""
-        self._advance(x, notify=False)
+        """Advance ``x`` (post its next chunk when one ended) and report its state; never calls ``on_done``.
+
+        A transfer the worker loop pumps chunk by chunk is only reported: one chunk per loop turn, with the
+        work queue served between chunks, whoever polls.
+        """
+        if not x.pumped:
+            self._advance(x, notify=False)
         return x.status
 
     def release_transfer(self, x: Transfer) -> None:
@@ -398,7 +411,8 @@ class Link:
                 return
             except E.TransferError as exc:
                 status, error = TransferStatus.FAILED, exc
-        if x.chunks > 1:
+        if x.pumped:
+            x.pumped = False
             self._chunked -= 1
         self._xfers.pop(id(x), None)
         x.status = status
@@ -407,11 +421,19 @@ class Link:
         if notify and x.on_done is not None:
             x.on_done()
 
-    def _pump(self) -> None:
-        """Post the next chunk of every chunked transfer whose current chunk ended (one each per turn)."""
+    def _pump(self) -> bool:
+        """Post the next chunk of every chunked transfer whose current chunk ended (one each per turn).
+
+        True when a chunk was posted: the loop comes back without sleeping. When every current chunk is still
+        in flight (a remote that must progress first), the loop sleeps as for any busy wait.
+        """
+        posted = False
         for x in list(self._xfers.values()):
-            if x.chunks > 1:
+            if x.pumped:
+                before = x.chunk
                 self._advance(x)
+                posted = posted or x.chunk != before
+        return posted
 
     def _agent_event(self, handle_id: int) -> None:
         """The agent says a transfer may have ended (any thread): look at it on the worker at once."""
