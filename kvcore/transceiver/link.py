@@ -116,6 +116,7 @@ class Transfer:
     status: TransferStatus = TransferStatus.PENDING
     error: E.TransferError | None = None
     pumped: bool = False  # chunks left and the transport copies inside submit: the worker posts them without sleeping
+    stopped: str = ""  # why no further chunk may be posted (the writer gave up): it ends FAILED
 
     @property
     def chunks(self) -> int:
@@ -388,6 +389,10 @@ class Link:
             self._advance(x, notify=False)
         return x.status
 
+    def stop_transfer(self, x: Transfer, why: str) -> None:
+        """Post no further chunk of ``x``: it ends FAILED once the chunk in flight is terminal (any thread)."""
+        x.stopped = why or "stopped"
+
     def release_transfer(self, x: Transfer) -> None:
         """Check that ``x`` may be forgotten: terminal (its agent handles were released as its chunks ended)."""
         if x.status is TransferStatus.PENDING:
@@ -404,6 +409,11 @@ class Link:
         self._by_handle.pop(h.id, None)
         x.handle = None
         self.agent.release(h)
+        if status is TransferStatus.DONE and x.chunk + 1 < x.chunks and x.stopped:
+            status = TransferStatus.FAILED
+            error = E.TransferFailedError(
+                f"transfer to {x.remote!r} stopped after chunk {x.chunk + 1} of {x.chunks}: {x.stopped}"
+            )
         if status is TransferStatus.DONE and x.chunk + 1 < x.chunks:
             x.chunk += 1
             try:

@@ -509,6 +509,8 @@ class Sender(Role):
         for s in self.tx.values():
             t = s.tasks.get(key)
             if t is not None and t.peer is peer:
+                if t.handle is not None:
+                    self.link.stop_transfer(t.handle, f"{peer} was lost")  # no new chunk into its memory
                 if t.state in IDLE_TASK_STATES:
                     t.move(TaskState.FAILED)  # nobody to answer
                 self._end(s, SessionState.FAILED, error)
@@ -727,6 +729,7 @@ class Sender(Role):
             if now > t.deadline and not t.doubt_sent:
                 # Logical timeout; the write may still land, so the receiver keeps its pages quarantined.
                 t.doubt_sent = True
+                self.link.stop_transfer(x, "its deadline passed")  # nothing more is started for it
                 with self.link.lock:
                     self._end(
                         s,
@@ -833,6 +836,7 @@ class Sender(Role):
             for key_t, (_, t) in list(self.inflight.items()):
                 if t.peer is peer:
                     del self.inflight[key_t]
+                    self.link.stop_transfer(t.handle, f"{peer} was lost")  # no new chunk into its memory
                     self.orphans.append(t.handle)
                     t.handle = None
                     peer.inflight -= 1
