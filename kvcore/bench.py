@@ -53,6 +53,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -572,11 +573,20 @@ class _Rank:
         from kvcore.agent import TransferOp, TransferStatus
 
         ag, plan = st["agent"], st["plan"]
+        # An agent that copies on its own threads announces the end: wait for that instead of spinning on
+        # poll, which would take a core from its copy threads (this bare agent is the bench's own).
+        ended = threading.Event()
+        announced = ag.capabilities.async_submit
+        if announced:
+            ag.set_completion_listener(lambda _hid: ended.set())
         t0 = time.perf_counter()
         h = ag.submit(TransferOp.WRITE, st["peer"], plan.src, plan.dst, plan.sizes)
         t1 = time.perf_counter()
         deadline = t0 + self.spec.timeout_s
         while ag.poll(h) is TransferStatus.PENDING:  # no back-off: the transport's own speed
+            if announced:
+                ended.wait(0.05)
+                ended.clear()
             if time.perf_counter() > deadline:
                 raise BenchTimeoutError(f"{self.backend} agent transfer still pending after {self.spec.timeout_s}s")
         t2 = time.perf_counter()
