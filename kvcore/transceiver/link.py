@@ -314,7 +314,7 @@ class Link:
                 if self._chunk_ready:
                     item = self._work.get_nowait()  # the next chunk waits only for work already queued
                 else:
-                    item = self._work.get(timeout=0.0005 if self._busy() else 0.02)
+                    item = self._work.get(timeout=0.0005 if self._polling() else 0.02)
             except queue.Empty:
                 item = None
             try:
@@ -330,13 +330,21 @@ class Link:
                 self._chunk_ready = self._pump() if self._chunked else False
                 self.agent.progress()
                 now = time.monotonic()
-                busy = self._busy()
+                busy = self._polling()
                 if busy or now - last_tick > 0.02:
                     last_tick = now
                     self._tick(now)
             except Exception:
                 self.counters["worker_errors"] += 1
                 log.exception("transceiver worker: unexpected error")
+
+    def _polling(self) -> bool:
+        """Whether the worker must poll transfers at its fast period (0.5 ms) rather than every 20 ms.
+
+        Not with an agent that announces every end (``async_submit``): its completions wake the worker
+        through the queue, and a fast tick would only take CPU from its copy threads.
+        """
+        return self._busy() and not self.agent.capabilities.async_submit
 
     # --- data plane (worker thread) ------------------------------------------------------------
 
