@@ -19,7 +19,7 @@ demo: install
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check kvcore plugins
-	$(PYTHON) -m mypy kvcore
+	$(PYTHON) -m mypy --strict kvcore
 
 test: install lint
 	$(PYTHON) -m pytest

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 import numpy as np
@@ -67,6 +67,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvcore.agent")
+P = TypeVar("P")
 
 #: Version of the agent-descriptor envelope; bumped on an incompatible change.
 DESCRIPTOR_VERSION = 1
@@ -414,6 +415,31 @@ class TransferAgent(ABC):
             if r.kind not in MemoryKind.__members__ or r.address <= 0 or r.length <= 0:
                 raise RemoteAgentError(f"agent descriptor of {desc.name!r} holds an invalid region {r!r}")
         return desc
+
+    @staticmethod
+    def decode_payload(
+        descriptor: AgentDescriptor, decoder: msgspec.msgpack.Decoder[P], *, version: int | None = None
+    ) -> P:
+        """A peer's transport payload, bound-checked and decoded with ``decoder``; its ``version`` field must equal
+        ``version`` (unless that is ``None``: a payload without a version of its own).
+
+        The one way agents read what a peer put in ``AgentDescriptor.payload``: nested junk cannot raise
+        ``RecursionError`` (bounds first), and every problem is a ``RemoteAgentError`` naming the peer, the
+        backend and what was wrong, e.g. ``peer 'x': ucx payload version: expected 2, got 1``.
+        """
+        who, backend = f"peer {descriptor.name!r}", descriptor.backend
+        what = f"{who}: {backend} payload is malformed"
+        check_msgpack_bounds(descriptor.payload, error=RemoteAgentError, what=what)
+        try:
+            payload = decoder.decode(descriptor.payload)
+        except msgspec.DecodeError as exc:
+            raise RemoteAgentError(f"{what}: {exc}") from exc
+        except Exception as exc:  # nothing a peer sends may escape as an untyped error
+            raise RemoteAgentError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        got = getattr(payload, "version", None)
+        if version is not None and got != version:
+            raise RemoteAgentError(f"{who}: {backend} payload version: expected {version}, got {got!r}")
+        return payload
 
     def load_remote_agent(self, descriptor: bytes) -> str:
         """Load (or refresh) a peer from its descriptor; returns the peer's name for ``submit``."""

@@ -18,9 +18,9 @@ function ``case(run: BackendRun) -> dict``; :data:`CASES` maps names to them.
     fragment plan (built once with :func:`kvcore.mapping.plan_transfer` from the
     same page tables), polled without back-off: the transport without kvcore's
     control plane;
-  - ``nixl_initialize`` / ``nixl_prepped`` (nixl only): NIXL's own API on the
-    identical descriptor list, no kvcore code in the loop: ``initialize_xfer``
-    per transfer, or prepared lists made once and re-posted;
+  - the baselines the backend's plugin registers (``kvcore.baselines``; NIXL's
+    ``nixl_initialize`` / ``nixl_prepped``): the transport's own API on the
+    identical descriptor list, no kvcore code in the loop;
   - ``memcpy``: numpy ``copyto`` of the same number of bytes between two
     pre-faulted buffers, and ``memcpy_scattered``: one ``memmove`` per fragment
     of the same plan into a local buffer (the physical references).
@@ -58,12 +58,16 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
 from kvcore.errors import KvcoreError
+from kvcore.params import derive_ticket
+
+if TYPE_CHECKING:
+    from kvcore.registry import BenchBaselineRegistry
 
 __all__ = [
     "BenchError",
@@ -80,7 +84,6 @@ __all__ = [
 
 _GB = 1e9
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # per-block word offset: a misplaced or torn block never matches
-_BACKEND_ORDER = ("nixl", "ucx", "shm")
 SMALL_SLOTS = 8  # distinct one-block slots the small requests cycle through
 
 
@@ -286,6 +289,10 @@ def _logical_ids(shape: Shape) -> dict[str, np.ndarray]:
     }
 
 
+#: The environment variable that carries the run's ticket secret to its rank processes.
+_SECRET_ENV = "KVCORE_BENCH_TICKET_SECRET"
+
+
 class _Rank:
     """One rank process: owns an agent, and per case a pool, a page table and a ``Transceiver``; serves commands."""
 
@@ -296,6 +303,8 @@ class _Rank:
 
         torch.set_num_threads(1)
         self.role, self.backend, self.spec, self.conn = role, backend, spec, conn
+        # Both sides derive every request's ticket from the run's secret (the orchestrator set it before spawning).
+        self.secret = bytes.fromhex(os.environ[_SECRET_ENV])
         self.config = TransceiverConfig.load(
             backend=backend,
             agent_options=dict(spec.agent_options.get(backend, {})),
@@ -443,16 +452,34 @@ class _Rank:
     # --- context: kvcore -----------------------------------------------------------------------
 
     def op_send(
-        self, rid0: int, n: int, region: str, count: int | None = None, slot_blocks: int | None = None
+        self,
+        rid0: int,
+        n: int,
+        region: str,
+        count: int | None = None,
+        slot_blocks: int | None = None,
+        mode: str = "push",
     ) -> dict[str, Any]:
-        """Start sending ``n`` requests (ids ``rid0..``); the serve loop polls them until released."""
+        """Start sending ``n`` requests (ids ``rid0..``); the serve loop polls them until released.
+
+        Pull mode returns each request's transfer parameters (``to_dict()``) for the generation rank.
+        """
         assert self.shape is not None
         now = time.monotonic()
+        params = []
         for i in range(n):
             blocks = self._blocks(region, i, count, slot_blocks)
-            self.tx.start_send(rid0 + i, blocks, prompt_len=len(blocks) * self.shape.tokens_per_block)
+            p = self.tx.start_send(
+                rid0 + i,
+                blocks,
+                prompt_len=len(blocks) * self.shape.tokens_per_block,
+                ticket=derive_ticket(self.secret, rid0 + i),
+                mode=mode,
+            )
+            if mode == "pull":
+                params.append(p.to_dict())
             self.pending[rid0 + i] = now
-        return {}
+        return {"params": params}
 
     def op_drain(self) -> dict[str, Any]:
         """Wait until every started request is released; returns outcome counts, errors and live stats."""
@@ -504,8 +531,20 @@ class _Rank:
             state["agent"] = ag
             state["peer"] = ag.load_remote_agent(self.gen_info.agent_descriptor)
             state["descriptor"] = ag.descriptor()  # the generation side must load it first (see op_admit)
-        elif mode in ("nixl_initialize", "nixl_prepped"):
-            state.update(self._nixl_native(src, dst, sizes, pool_base, pool_bytes, prepped=mode == "nixl_prepped"))
+        elif mode in _baselines():
+            from kvcore.baselines import BaselinePlan
+
+            native = BaselinePlan(
+                src,
+                dst,
+                sizes,
+                pool_base,
+                pool_bytes,
+                self.gen_info.agent_descriptor,
+                self.config.agent_options,
+                self.spec.timeout_s,
+            )
+            state["baseline"] = _baselines().get(mode)(native)
         elif mode == "memcpy":
             state["src"] = self.pool.numpy().reshape(-1)[: int(sizes.sum())]
             state["dst"] = np.empty_like(state["src"])
@@ -529,42 +568,12 @@ class _Rank:
             "fragment_bytes": int(sizes.max()) if plan.count else 0,
         }
 
-    def _nixl_native(
-        self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, pool_base: int, pool_bytes: int, prepped: bool
-    ) -> dict[str, Any]:
-        """NIXL's own API on the identical descriptors: a second, bare ``nixl_agent`` in this process."""
-        from kvcore_nixl.agent import DEFAULT_BACKEND_PARAMS, decode_payload, load_nixl
-
-        api = load_nixl()
-        opts = self.config.agent_options
-        backend = str(opts.get("nixl_backend", "UCX"))
-        params = {
-            **DEFAULT_BACKEND_PARAMS.get(backend, {}),
-            **{str(k): str(v) for k, v in dict(opts.get("backend_params", {})).items()},
-        }
-        name = f"bench-bare-nixl-{os.getpid()}-{'prepped' if prepped else 'init'}-{time.monotonic_ns()}"
-        bare = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
-        bare.create_backend(backend, params)
-        reg = bare.register_memory(np.array([[pool_base, pool_bytes, 0]], dtype=np.uint64), "DRAM")
-        rname = bare.add_remote_agent(decode_payload(self.gen_info.agent_descriptor).metadata)
-        rname = rname.decode() if isinstance(rname, bytes) else rname
-        zeros = np.zeros_like(sizes)
-        ld = np.ascontiguousarray(np.stack([src, sizes, zeros], axis=1))
-        rd = np.ascontiguousarray(np.stack([dst, sizes, zeros], axis=1))
-        st: dict[str, Any] = {"nixl": bare, "reg": reg, "rname": rname, "ld": ld, "rd": rd}
-        if prepped:
-            st["lh"] = bare.prep_xfer_dlist("NIXL_INIT_AGENT", ld, "DRAM")
-            st["rh"] = bare.prep_xfer_dlist(rname, rd, "DRAM")
-            idx = np.arange(sizes.size, dtype=np.int32)
-            st["xh"] = bare.make_prepped_xfer("WRITE", st["lh"], idx, st["rh"], idx, b"")
-        return st
-
     def op_xfer(self, mode: str, repeat: int = 1) -> dict[str, Any]:
         """Run one bare mode ``repeat`` times; returns the wall time (and submit time) of each."""
         st = self.bare[mode]
         times, submits = [], []
         for _ in range(repeat):
-            t, s = getattr(self, "_once_" + mode)(st)
+            t, s = st["baseline"].once() if "baseline" in st else getattr(self, "_once_" + mode)(st)
             times.append(t)
             submits.append(s)
         return {"seconds": times, "submit_seconds": submits}
@@ -595,37 +604,6 @@ class _Rank:
         if err is not None:
             raise err
         return t2 - t0, t1 - t0
-
-    def _nixl_wait(self, st: dict[str, Any], h: Any, state: str, t0: float) -> None:
-        deadline = t0 + self.spec.timeout_s
-        while state == "PROC":
-            if time.perf_counter() > deadline:
-                raise BenchTimeoutError(f"bare NIXL transfer still pending after {self.spec.timeout_s}s")
-            state = st["nixl"].check_xfer_state(h)
-        if state != "DONE":
-            raise BenchError(f"bare NIXL transfer ended in state {state!r}")
-
-    def _once_nixl_initialize(self, st: dict[str, Any]) -> tuple[float, float]:
-        nx = st["nixl"]
-        t0 = time.perf_counter()
-        h = nx.initialize_xfer(
-            "WRITE", nx.get_xfer_descs(st["ld"], "DRAM"), nx.get_xfer_descs(st["rd"], "DRAM"), st["rname"], b""
-        )
-        state = nx.transfer(h, b"")
-        t1 = time.perf_counter()
-        try:
-            self._nixl_wait(st, h, state, t0)
-        finally:
-            t2 = time.perf_counter()
-            h.release()
-        return t2 - t0, t1 - t0
-
-    def _once_nixl_prepped(self, st: dict[str, Any]) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        state = st["nixl"].transfer(st["xh"], b"")
-        t1 = time.perf_counter()
-        self._nixl_wait(st, st["xh"], state, t0)
-        return time.perf_counter() - t0, t1 - t0
 
     def _once_memcpy(self, st: dict[str, Any]) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -665,13 +643,8 @@ class _Rank:
             return
         if "agent" in st:
             st["agent"].close()
-        if "nixl" in st:
-            nx = st["nixl"]
-            for key in ("xh", "lh", "rh"):
-                if key in st:
-                    st[key].release()
-            nx.remove_remote_agent(st["rname"])
-            nx.deregister_memory(st["reg"])
+        if "baseline" in st:
+            st["baseline"].close()
 
     def op_unprepare(self, mode: str) -> dict[str, Any]:
         self._unprepare(mode)
@@ -747,8 +720,12 @@ class _Rank:
         pipelined: bool,
         count: int | None = None,
         slot_blocks: int | None = None,
+        params: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """Receive ``n`` requests, one at a time (latency each) or all started at once (elapsed until all DONE)."""
+        """Receive ``n`` requests, one at a time (latency each) or all started at once (elapsed until all DONE).
+
+        With ``params`` (pull mode: the context's transfer parameters, one per request) they are received with them.
+        """
         assert self.shape is not None
         tpb = self.shape.tokens_per_block
         latency: list[float] = []
@@ -772,11 +749,18 @@ class _Rank:
                 time.sleep(self.spec.poll_interval_s)
             return done
 
+        def start(i: int, blocks: Any) -> None:
+            if params:
+                self.tx.start_receive(params=params[i], block_ids=blocks)
+                return
+            self.tx.start_receive(
+                rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb, ticket=derive_ticket(self.secret, rid0 + i)
+            )
+
         if pipelined:
             t0 = time.perf_counter()
             for i in range(n):
-                blocks = self._blocks(region, i, count, slot_blocks)
-                self.tx.start_receive(rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb)
+                start(i, self._blocks(region, i, count, slot_blocks))
             done = wait(set(range(rid0, rid0 + n)))
             elapsed = max(done.values()) - t0
         else:
@@ -784,7 +768,7 @@ class _Rank:
             for i in range(n):
                 blocks = self._blocks(region, i, count, slot_blocks)
                 t0 = time.perf_counter()
-                self.tx.start_receive(rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb)
+                start(i, blocks)
                 latency.append(wait({rid0 + i})[rid0 + i] - t0)
             elapsed = time.perf_counter() - t_all
         return {"latency_s": latency, "elapsed_s": elapsed, "not_done": not_done}
@@ -922,10 +906,12 @@ class _Rank:
                     self.pool[int(ids[slot])].zero_()  # a missing write cannot pass for a done one
                     slot_of[rid], src_of[rid] = slot, src
                     pending[rid] = time.monotonic()
-                    self.tx.start_receive(rid, endpoint, ids[slot : slot + 1], prompt_len=tpb)
+                    self.tx.start_receive(
+                        rid, endpoint, ids[slot : slot + 1], prompt_len=tpb, ticket=derive_ticket(self.secret, rid)
+                    )
                 else:
                     pending[rid] = time.monotonic()
-                    self.tx.start_send(rid, ids[src : src + 1], prompt_len=tpb)
+                    self.tx.start_send(rid, ids[src : src + 1], prompt_len=tpb, ticket=derive_ticket(self.secret, rid))
                 if rng.random() < cancel_rate / 2:
                     heapq.heappush(cancels, (time.monotonic() + float(rng.uniform(0.0, 0.005)), rid))
                 started += 1
@@ -1016,6 +1002,7 @@ class _RankProc:
     """The orchestrator's handle on one rank process: commands out, replies back, every wait bounded."""
 
     def __init__(self, role: str, backend: str, spec: BenchSpec) -> None:
+        os.environ.setdefault(_SECRET_ENV, os.urandom(32).hex())  # inherited by every rank process of this run
         ctx = mp.get_context("spawn")
         self.role, self.spec = role, spec
         self.conn, child = ctx.Pipe()
@@ -1136,12 +1123,14 @@ class BackendRun:
             "leaks": leaks,
         }
 
-    def kvcore_once(self, region: str) -> float:
+    def kvcore_once(self, region: str, mode: str = "push") -> float:
         """One request through both Transceivers into zeroed memory; returns seconds and checks the bytes."""
         assert self.ctx is not None and self.gen is not None
         rid = self.rids(1)
-        self.ctx.call("send", rid0=rid, n=1, region=region)
-        r = self.gen.call("receive", endpoint=self.endpoint, rid0=rid, n=1, region=region, pipelined=False)
+        params = self.ctx.call("send", rid0=rid, n=1, region=region, mode=mode)["params"]
+        r = self.gen.call(
+            "receive", endpoint=self.endpoint, rid0=rid, n=1, region=region, pipelined=False, params=params or None
+        )
         if r["not_done"]:
             raise BenchError(f"{self.backend}: kvcore request failed: {r['not_done'][0]}")
         return float(r["latency_s"][0])
@@ -1157,6 +1146,11 @@ CaseFn = Callable[[BackendRun], dict[str, Any]]
 CASES: dict[str, CaseFn] = {}
 #: Progress units of a case for a spec; a case with units calls ``run.tick()`` that many times.
 CASE_UNITS: dict[str, Callable[[BenchSpec], int]] = {}
+
+
+def _one_unit(spec: BenchSpec) -> int:
+    """A case without declared units counts as one unit of the progress bar."""
+    return 1
 
 
 def register_case(name: str, units: Callable[[BenchSpec], int] | None = None) -> Callable[[CaseFn], CaseFn]:
@@ -1196,8 +1190,8 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
     out: dict[str, Any] = {"shape": asdict(shape), "bytes": shape.nbytes, "iterations": spec.iterations}
     out.update(run.open(shape))
     modes = ["kvcore", "agent"]
-    if run.backend == "nixl":
-        modes += ["nixl_initialize", "nixl_prepped"]
+    natives = _baselines().for_backend(run.backend)  # the transport's own API, if its plugin registers it
+    modes += natives
     modes += ["memcpy", "memcpy_scattered"]
     times: dict[str, list[float]] = {m: [] for m in modes}
     submits: dict[str, list[float]] = {m: [] for m in modes}
@@ -1251,7 +1245,6 @@ def _transfer_case(run: BackendRun, shape: Shape) -> dict[str, Any]:
             res["setup_ms"] = setup[m]["setup_ms"]
         out["modes"][m] = res
     g = {m: out["modes"][m]["gbps_median"] for m in modes}
-    natives = [m for m in modes if m.startswith("nixl_")]
     bare = max(natives, key=lambda m: g[m]) if natives else "agent"
     out["bare_mode"] = bare
     out["ratios"] = {
@@ -1332,6 +1325,45 @@ def case_bounce(run: BackendRun) -> dict[str, Any]:
     off = modes["off"]["gbps"]
     out["ratio_bounce_vs_fragments"] = modes["on"]["gbps"] / off if off else None
     out["verified"] = modes["off"]["verified"] and modes["on"]["verified"]
+    return out
+
+
+@register_case("modes", units=lambda spec: spec.iterations + 2)
+def case_modes(run: BackendRun) -> dict[str, Any]:
+    """Push vs pull, same run: the Llama-3-8B-shaped request and one-block requests, alternating modes."""
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    out: dict[str, Any] = {"push_vs_pull": ["push", "pull"]}
+    for label, shape, region, n in (
+        ("big", spec.llama_shape(), "big", spec.iterations),
+        ("one_block", replace(spec.frag16k_shape(), name="one_block", tokens=32), "first", spec.latency_requests),
+    ):
+        res: dict[str, Any] = {"shape": asdict(shape), "bytes": shape.nbytes if label == "big" else shape.block_bytes}
+        res.update(run.open(shape))
+        times: dict[str, list[float]] = {"push": [], "pull": []}
+        verified = True
+        try:
+            run.say(f"{run.backend} modes: {label}, {n} requests per mode")
+            for i in range(n):
+                for mode in ("push", "pull") if i % 2 == 0 else ("pull", "push"):  # neither always goes first
+                    run.gen.call("zero", region=region)
+                    times[mode].append(run.kvcore_once(region, mode))
+                    verified = verified and run.gen.call("verify", region=region)["ok"]
+                if label == "big":
+                    run.tick()
+        finally:
+            res.update(run.close_shape())
+        for mode, ts in times.items():
+            res[mode] = {
+                "ms_median": statistics.median(ts) * 1e3,
+                "ms_p90": _pct(ts, 90) * 1e3,
+                "gbps_median": res["bytes"] / statistics.median(ts) / _GB,
+            }
+        res["pull_vs_push_time"] = statistics.median(times["pull"]) / statistics.median(times["push"])
+        res["verified"] = verified and res["pool_verified"] and not res["leaks"]
+        out[label] = res
+        run.tick()
+    out["verified"] = out["big"]["verified"] and out["one_block"]["verified"]
     return out
 
 
@@ -1590,7 +1622,8 @@ def case_matrix(run: BackendRun) -> dict[str, Any]:
     spec = run.spec
     block = spec.matrix_block_bytes()
     per_token = block // spec.tokens_per_block
-    bare = ["agent"] + (["nixl_initialize"] if run.backend == "nixl" else []) + ["memcpy", "memcpy_scattered"]
+    native = _baselines().matrix_mode(run.backend)
+    bare = ["agent"] + ([native] if native else []) + ["memcpy", "memcpy_scattered"]
     cells: list[dict[str, Any]] = []
     out: dict[str, Any] = {
         "model": {
@@ -1694,7 +1727,7 @@ def case_matrix(run: BackendRun) -> dict[str, Any]:
 
 
 def installed_backends() -> list[str]:
-    """Every transfer agent whose plugin loads here, the NIXL/UCX/shm ones first."""
+    """Every transfer agent whose plugin loads here: network agents first (by auto-selection priority), then by name."""
     from kvcore.plugins import get_plugin_manager
 
     reg = get_plugin_manager().registries.transfer_agents
@@ -1705,7 +1738,14 @@ def installed_backends() -> list[str]:
         except KvcoreError:
             continue
         ok.append(name)
-    return sorted(ok, key=lambda n: (_BACKEND_ORDER.index(n) if n in _BACKEND_ORDER else len(_BACKEND_ORDER), n))
+    return reg.preferred_order(ok)
+
+
+def _baselines() -> BenchBaselineRegistry:
+    """The bench baselines the installed plugins register (a transport's own API); the core names none."""
+    from kvcore.plugins import get_plugin_manager
+
+    return get_plugin_manager().registries.bench_baselines
 
 
 def _machine() -> dict[str, Any]:
@@ -1768,7 +1808,7 @@ def run_bench(
         return result
     backends = spec.backends or installed_backends()
     if progress is not None:
-        progress.start(len(backends) * sum(CASE_UNITS.get(c, lambda _s: 1)(spec) for c in spec.cases))
+        progress.start(len(backends) * sum(CASE_UNITS.get(c, _one_unit)(spec) for c in spec.cases))
         try:
             return _run_bench(spec, backends, progress.say, progress.advance)
         finally:
@@ -1944,6 +1984,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:g} KiB"
+
+
 def print_result(result: dict[str, Any]) -> None:
     """Rich tables for people: bandwidth per backend, case and mode; small-request latency and rate."""
     from rich.console import Console
@@ -1974,7 +2018,23 @@ def print_result(result: dict[str, Any]) -> None:
         if entry.get("error"):
             t.add_row(backend, "-", "[red]error[/]", "", "", "", "", "", f"[red]{entry['error'][:80]}[/]")
         for case, c in entry["cases"].items():
-            if "ratio_bounce_vs_fragments" in c:
+            if "push_vs_pull" in c:
+                for label in ("big", "one_block"):
+                    r = c[label]
+                    for i, mode in enumerate(("push", "pull")):
+                        t.add_row(
+                            backend if i == 0 else "",
+                            f"{case} ({label}, {_size(r['bytes'])})" if i == 0 else "",
+                            mode,
+                            f"{r[mode]['gbps_median']:.2f}",
+                            "",
+                            f"{r[mode]['ms_median']:.2f}",
+                            "",
+                            f"pull/push time {r['pull_vs_push_time']:.2f}" if mode == "pull" else "",
+                            "[green]yes[/]" if r["verified"] else "[red]NO[/]",
+                            end_section=i == 1,
+                        )
+            elif "ratio_bounce_vs_fragments" in c:
                 for i, (mode, r) in enumerate(c["modes"].items()):
                     ratio = c["ratio_bounce_vs_fragments"]
                     t.add_row(
@@ -2120,7 +2180,8 @@ def _print_matrix(con: Any, result: dict[str, Any]) -> None:
             for r in rows
             if (r["backend"], r["request_tokens"], r["fragment_bytes"]) == (backend, tokens, frag)
         }
-        bare = cell.get(("nixl_initialize", 1)) or cell.get(("agent", 1))
+        native = _baselines().matrix_mode(backend)
+        bare = (cell.get((native, 1)) if native else None) or cell.get(("agent", 1))
         kv1 = cell.get(("kvcore", 1))
 
         def g(key: tuple[str, int], cell: dict[tuple[str, int], dict[str, Any]] = cell) -> str:
@@ -2175,22 +2236,23 @@ def plot_result(result: dict[str, Any], path: str) -> None:
         raise BenchError("--plot: this run has no matrix cells and no transfer cases to plot")
     sizes = sorted({r["request_bytes"] for r in rows}) if any(r["request_tokens"] for r in rows) else [None]
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4.2), squeeze=False, sharey=True)
-    styles = {"kvcore": "-", "agent": "--", "nixl_initialize": "--", "memcpy_scattered": ":"}
     backends = list(result["backends"])
+    natives = {b: m for b in backends if (m := _baselines().matrix_mode(b))}  # plotted as the backend's "bare"
+    styles = {"kvcore": "-", "agent": "--", **dict.fromkeys(natives.values(), "--"), "memcpy_scattered": ":"}
     colors = {b: f"C{i}" for i, b in enumerate(backends)}
     for ax, size in zip(axes[0], sizes):
         here = [r for r in rows if size is None or r["request_bytes"] == size]
         for b in backends:
             for mode, style in styles.items():
-                if b == "nixl" and mode == "agent" and any(r["mode"] == "nixl_initialize" for r in here):
-                    continue  # bare NIXL is its own API
+                if mode == "agent" and b in natives and any(r["mode"] == natives[b] for r in here):
+                    continue  # the bare transport is its own API
                 pts = sorted(
                     (r["fragment_bytes"], r["gbps_median"])
                     for r in here
                     if r["backend"] == b and r["mode"] == mode and r["inflight"] == 1
                 )
                 if pts:
-                    label = f"{b} {'bare' if mode in ('agent', 'nixl_initialize') else mode}"
+                    label = f"{b} {'bare' if mode == 'agent' or mode == natives.get(b) else mode}"
                     ax.plot(*zip(*pts), style, marker="o", color=colors[b], label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")  # GB/s spans decades: one-block kvcore requests to memcpy

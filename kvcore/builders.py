@@ -11,10 +11,13 @@ role                   layout kind         mapper kind
 ``kv`` token-major     token_major_sharded ``head_mismatch_token_major``
 ``mla`` (kv_factor 1)  replicated          ``replicated``
 ``mamba_conv``         sectioned           ``mamba_conv``
+``mamba_conv_groups``  sectioned           ``mamba_conv``
 ``mamba_ssm``          head_major_sharded  ``mamba_ssm``
 =====================  ==================  ==============================
 
-A homogeneous pair uses the core's ``matching_heads`` mapper regardless (see
+``mamba_conv_groups`` (the B|C sections, sharded by whole groups) exists when
+``MambaGeometry.n_groups`` is declared; ``mamba_conv`` then holds x only. A
+homogeneous pair uses the core's ``matching_heads`` mapper regardless (see
 kvcore.mapping).
 """
 
@@ -24,7 +27,17 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import LayoutError
-from kvcore.page import HEAD_MAJOR, REPLICATED, SECTIONED, TOKEN_MAJOR, PageTable, Pool, PoolView, ViewLayout
+from kvcore.page import (
+    DEFAULT_GROUP,
+    HEAD_MAJOR,
+    REPLICATED,
+    SECTIONED,
+    TOKEN_MAJOR,
+    PageTable,
+    Pool,
+    PoolView,
+    ViewLayout,
+)
 from kvcore.peer import shard_position
 from kvcore.topology import AttentionGeometry, MambaGeometry, Topology, dtype_bytes
 
@@ -35,6 +48,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HEAD_MAJOR_POOL",
+    "MAMBA_LAYER_MAJOR",
+    "MAMBA_LAYOUTS",
+    "MAMBA_VLLM",
     "TOKEN_MAJOR_LAYERS",
     "TOKEN_MAJOR_LAYERS_KV_FIRST",
     "Allocator",
@@ -42,6 +58,7 @@ __all__ = [
     "allocate_mamba_state",
     "build_head_major_pool",
     "build_kv_page_table",
+    "covered_layers",
     "build_mamba_state",
     "build_page_table",
     "build_token_major_layers",
@@ -50,6 +67,10 @@ __all__ = [
 ]
 
 HEAD_MAJOR_POOL = "head_major_pool"
+#: Mamba state layouts :func:`build_mamba_state` accepts.
+MAMBA_LAYER_MAJOR = "layer_major"
+MAMBA_VLLM = "vllm"
+MAMBA_LAYOUTS = (MAMBA_LAYER_MAJOR, MAMBA_VLLM)
 TOKEN_MAJOR_LAYERS = "token_major_layers"
 TOKEN_MAJOR_LAYERS_KV_FIRST = "token_major_layers_kv_first"
 
@@ -115,6 +136,22 @@ def _check_tensor(t: Any, expected: tuple[int, ...], dtype: str, what: str) -> N
         raise LayoutError(f"{what}: expected a contiguous tensor, got strides {list(t.stride())}")
 
 
+def covered_layers(topology: Topology, geometry: AttentionGeometry, layers: Sequence[int] | None) -> tuple[int, ...]:
+    """The global layers of ``layers`` (all model layers when ``None``) this rank holds, ascending.
+
+    ``layers`` must be distinct model layers (``0 <= layer < geometry.num_layers``).
+    """
+    start, stop = topology.layer_range
+    if layers is None:
+        return tuple(range(start, stop))
+    wanted = [int(layer) for layer in layers]
+    if len(set(wanted)) != len(wanted) or any(not 0 <= layer < geometry.num_layers for layer in wanted):
+        raise LayoutError(
+            f"layers: expected distinct global layers in 0..{geometry.num_layers - 1} (num_layers), got {wanted}"
+        )
+    return tuple(sorted(layer for layer in wanted if start <= layer < stop))
+
+
 def build_head_major_pool(
     kv_cache: torch.Tensor,
     *,
@@ -122,17 +159,24 @@ def build_head_major_pool(
     geometry: AttentionGeometry,
     role: str | None = None,
     window: int | None = None,
+    layers: Sequence[int] | None = None,
+    group: str = DEFAULT_GROUP,
 ) -> PageTable:
     """Page table of one tensor holding all local layers: ``[blocks, layers, kv, heads, tokens, dim]``.
 
     One pool (a slot is one block of every local layer); one view whose entry
     ``(layer, k)`` sits at ``(layer*kv + k) * buffer_bytes`` in the slot.
     ``window`` marks the layers as sliding-window attention (tokens).
+    ``layers`` lists the model's global layers this cache covers (a hybrid's
+    attention layers, or one layer group's); the tensor then holds only this
+    rank's share of them, in order, and a rank holding none gets an empty
+    table. ``group`` names the layer group (see :class:`kvcore.page.PoolView`).
     """
     if geometry.layout != "head_major":
         raise LayoutError(f"layout: expected 'head_major' for build_head_major_pool, got {geometry.layout!r}")
     heads = geometry.kv_heads_per_rank(topology)
-    nl, kv = topology.num_local_layers, geometry.kv_factor
+    local = covered_layers(topology, geometry, layers)
+    nl, kv = len(local), geometry.kv_factor
     if kv_cache.dim() != 6:
         raise LayoutError(
             f"kv_cache: expected shape [blocks, {nl}, {kv}, {heads}, {geometry.tokens_per_block}, "
@@ -141,17 +185,18 @@ def build_head_major_pool(
     blocks = kv_cache.shape[0]
     expected = (blocks, nl, kv, heads, geometry.tokens_per_block, geometry.head_dim)
     _check_tensor(kv_cache, expected, geometry.dtype, "kv_cache")
+    if not nl:
+        return PageTable(pools=(), views=())
     if blocks < 1:
         raise LayoutError("kv_cache: expected at least one block, got 0")
     buf = geometry.buffer_bytes(topology)
     slot = nl * kv * buf
     pool = Pool(base=kv_cache.data_ptr(), slot_bytes=slot, slot_stride=slot, num_slots=blocks)
     view_role, mapper, layout = kv_view_layout(topology, geometry)
-    start, stop = topology.layer_range
     view = PoolView(
         role=role or view_role,
         mapper=mapper,
-        layers=tuple(range(start, stop)),
+        layers=local,
         buffers_per_layer=kv,
         buffer_bytes=buf,
         pools=(0,) * (nl * kv),
@@ -160,6 +205,7 @@ def build_head_major_pool(
         tokens_per_slot=geometry.tokens_per_block,
         window=window,
         dtype=geometry.dtype,
+        group=group,
     )
     return PageTable(pools=(pool,), views=(view,))
 
@@ -172,19 +218,27 @@ def build_token_major_layers(
     kv_first: bool | None = None,
     role: str | None = None,
     window: int | None = None,
+    layers: Sequence[int] | None = None,
+    group: str = DEFAULT_GROUP,
 ) -> PageTable:
     """Page table of one tensor per local layer: ``[kv, blocks, tokens, heads, dim]`` or ``[blocks, kv, tokens, heads, dim]``.
 
     ``kv_first=None`` detects the order from the shape (``LayoutError`` when both
     orders fit, i.e. ``blocks == kv_factor``). Blocks-first gives one pool per
-    layer (K and V in one slot); kv-first gives one pool per layer and buffer.
+    layer (K and V in one slot); kv-first gives one pool per layer and buffer
+    (vLLM's FlashAttention layout). ``layers`` and ``group`` as in
+    :func:`build_head_major_pool`: with ``layers``, ``kv_caches`` holds one
+    tensor per local layer of that list.
     """
     if geometry.layout != "token_major":
         raise LayoutError(f"layout: expected 'token_major' for build_token_major_layers, got {geometry.layout!r}")
     heads = geometry.kv_heads_per_rank(topology)
-    nl, kv, tpb, d = topology.num_local_layers, geometry.kv_factor, geometry.tokens_per_block, geometry.head_dim
+    local = covered_layers(topology, geometry, layers)
+    nl, kv, tpb, d = len(local), geometry.kv_factor, geometry.tokens_per_block, geometry.head_dim
     if len(kv_caches) != nl:
-        raise LayoutError(f"kv_caches: expected {nl} tensors (local layers), got {len(kv_caches)}")
+        raise LayoutError(f"kv_caches: expected {nl} tensors (local layers {list(local)}), got {len(kv_caches)}")
+    if not nl:
+        return PageTable(pools=(), views=())
     buf = geometry.buffer_bytes(topology)
     pools: list[Pool] = []
     pool_ids: list[int] = []
@@ -218,11 +272,10 @@ def build_token_major_layers(
                 pool_ids.append(pool_idx)
                 offsets.append(k * buf)
     view_role, mapper, layout = kv_view_layout(topology, geometry)
-    start, stop = topology.layer_range
     view = PoolView(
         role=role or view_role,
         mapper=mapper,
-        layers=tuple(range(start, stop)),
+        layers=local,
         buffers_per_layer=kv,
         buffer_bytes=buf,
         pools=tuple(pool_ids),
@@ -231,77 +284,176 @@ def build_token_major_layers(
         tokens_per_slot=tpb,
         window=window,
         dtype=geometry.dtype,
+        group=group,
     )
     return PageTable(pools=tuple(pools), views=(view,))
 
 
+def _check_slot_tensor(t: Any, expected: tuple[int, ...], dtype: str, what: str) -> int:
+    """Check a ``[slots, ...]`` tensor whose slots may be strided (vLLM's page views); return the slot stride in bytes."""
+    actual = tuple(t.shape)
+    if actual != expected:
+        raise LayoutError(f"{what}: expected shape {list(expected)}, got {list(actual)}")
+    if str(t.dtype).removeprefix("torch.") != dtype.removeprefix("torch."):
+        raise LayoutError(f"{what}: expected dtype {dtype}, got {str(t.dtype).removeprefix('torch.')}")
+    inner: list[int] = []
+    step = 1
+    for n in reversed(expected[1:]):
+        inner.append(step)
+        step *= n
+    inner.reverse()
+    strides = list(t.stride())
+    if strides[1:] != inner:
+        raise LayoutError(f"{what}: expected each slot contiguous (strides {['*', *inner]}), got strides {strides}")
+    eb = dtype_bytes(dtype)
+    if expected[0] > 1 and strides[0] < step:
+        raise LayoutError(f"{what}: expected a slot stride >= {step} elements (one slot), got {strides[0]}")
+    return (strides[0] if expected[0] > 1 else step) * eb
+
+
+def _conv_views(
+    topology: Topology,
+    geometry: MambaGeometry,
+    pools: Sequence[int],
+    rows: int,
+    row_sections: tuple[int, ...],
+    layers: tuple[int, ...],
+) -> list[PoolView]:
+    """Conv views over ``rows`` rows per slot, each row the sections ``row_sections`` (bytes) side by side.
+
+    Without ``n_groups`` one view re-shards every section over TP; with it the
+    x section (``mamba_conv``) and the B|C sections (``mamba_conv_groups``,
+    sharded by whole groups, replicated when TP exceeds ``n_groups``) are
+    separate views, so owner election picks one writer for each.
+    """
+    size, rank = topology.attention_tp
+    row_bytes = sum(row_sections)
+    position = shard_position(size, rank, size)
+    parts: list[tuple[str, int, tuple[int, ...], tuple[int, int, int, int]]] = []
+    if geometry.n_groups:
+        parts.append(("mamba_conv", 0, row_sections[:1], position))
+        parts.append(("mamba_conv_groups", row_sections[0], row_sections[1:], geometry.group_position(topology)))
+    else:
+        parts.append(("mamba_conv", 0, row_sections, position))
+    views = []
+    for role, start, sections, (n, i, r, j) in parts:
+        views.append(
+            PoolView(
+                role=role,
+                mapper="mamba_conv",
+                layers=layers,
+                buffers_per_layer=rows,
+                buffer_bytes=sum(sections),
+                pools=tuple(p for p in pools for _ in range(rows)),
+                offsets=tuple(row * row_bytes + start for _ in pools for row in range(rows)),
+                layout=ViewLayout(
+                    kind=SECTIONED, num_shards=n, shard_index=i, num_replicas=r, replica_index=j, section_bytes=sections
+                ),
+                dtype=geometry.conv_dtype,
+            )
+        )
+    return views
+
+
 def build_mamba_state(
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
+    conv_state: Any,
+    ssm_state: Any,
     *,
     topology: Topology,
     geometry: MambaGeometry,
+    layout: str = MAMBA_LAYER_MAJOR,
 ) -> PageTable:
-    """Page table of layer-major Mamba state: conv ``[layers, slots, conv_dim, d_conv-1]``, SSM ``[layers, slots, heads, head_dim, d_state]``.
+    """Page table of this rank's Mamba state (``geometry.local_layers``), one slot per request.
 
-    ``layers`` are this rank's Mamba layers (``geometry.local_layers``), one
-    pool per layer and state kind; one slot per request.
+    ``layout="layer_major"`` (default): one conv tensor ``[layers, slots,
+    conv_dim, d_conv-1]`` (channel-major) and one SSM tensor ``[layers, slots,
+    heads, head_dim, d_state]``, both contiguous.
+
+    ``layout="vllm"``: vLLM's layout, one tensor per layer: ``conv_state`` is a
+    list of ``[slots, d_conv-1, conv_dim]`` and ``ssm_state`` a list of
+    ``[slots, heads, head_dim, d_state]``; each slot contiguous, slots strided
+    as vLLM's page views are (conv and SSM interleaved in one page buffer).
+    Its rows of ``x|B|C`` make ``d_conv-1`` conv fragments per layer and section.
+
+    Both peers must use the same layout. A rank without Mamba layers gets an
+    empty table (``[]`` tensors or tensors with 0 layers).
     """
-    size, rank = topology.attention_tp
+    if layout not in MAMBA_LAYOUTS:
+        raise LayoutError(f"layout: expected one of {list(MAMBA_LAYOUTS)}, got {layout!r}")
     local = geometry.local_layers(topology)
     nl = len(local)
-    conv_shape, ssm_shape = geometry.conv_shape(topology), geometry.ssm_shape(topology)
-    if conv_state.dim() != 4 or ssm_state.dim() != 5:
-        raise LayoutError(
-            f"mamba state: expected conv [{nl}, slots, {conv_shape[0]}, {conv_shape[1]}] and ssm "
-            f"[{nl}, slots, {', '.join(map(str, ssm_shape))}], got {list(conv_state.shape)} and {list(ssm_state.shape)}"
-        )
-    slots = conv_state.shape[1]
-    _check_tensor(conv_state, (nl, slots, *conv_shape), geometry.conv_dtype, "conv_state")
-    _check_tensor(ssm_state, (nl, slots, *ssm_shape), geometry.ssm_dtype, "ssm_state")
-    if nl == 0:
-        return PageTable(pools=(), views=())
-    sections = geometry.conv_section_bytes(topology)
-    conv_bytes = sum(sections)
+    conv_dim, rows = geometry.conv_dim(topology), geometry.d_conv - 1
+    ssm_shape = geometry.ssm_shape(topology)
+    ceb = dtype_bytes(geometry.conv_dtype)
+    conv_bytes = conv_dim * rows * ceb
     ssm_bytes = ssm_shape[0] * geometry.ssm_head_bytes()
     pools: list[Pool] = []
-    for tensor, nbytes in ((conv_state, conv_bytes), (ssm_state, ssm_bytes)):
-        base = tensor.data_ptr()
-        for li in range(nl):
-            pools.append(Pool(base=base + li * slots * nbytes, slot_bytes=nbytes, slot_stride=nbytes, num_slots=slots))
+    if layout == MAMBA_LAYER_MAJOR:
+        if conv_state.dim() != 4 or ssm_state.dim() != 5:
+            raise LayoutError(
+                f"mamba state: expected conv [{nl}, slots, {conv_dim}, {rows}] and ssm "
+                f"[{nl}, slots, {', '.join(map(str, ssm_shape))}], got {list(conv_state.shape)} and "
+                f"{list(ssm_state.shape)}"
+            )
+        slots = conv_state.shape[1]
+        _check_tensor(conv_state, (nl, slots, conv_dim, rows), geometry.conv_dtype, "conv_state")
+        _check_tensor(ssm_state, (nl, slots, *ssm_shape), geometry.ssm_dtype, "ssm_state")
+        if nl == 0:
+            return PageTable(pools=(), views=())
+        for tensor, nbytes in ((conv_state, conv_bytes), (ssm_state, ssm_bytes)):
+            base = tensor.data_ptr()
+            for li in range(nl):
+                pools.append(
+                    Pool(base=base + li * slots * nbytes, slot_bytes=nbytes, slot_stride=nbytes, num_slots=slots)
+                )
+        conv_rows, row_sections = 1, geometry.conv_section_bytes(topology)
+    else:
+        if len(conv_state) != nl or len(ssm_state) != nl:
+            raise LayoutError(
+                f"mamba state: expected {nl} conv and {nl} ssm tensors (local Mamba layers {list(local)}), "
+                f"got {len(conv_state)} and {len(ssm_state)}"
+            )
+        if nl == 0:
+            return PageTable(pools=(), views=())
+        specs: list[tuple[Any, int, tuple[int, ...], str, str]] = [
+            (conv_state, conv_bytes, (rows, conv_dim), geometry.conv_dtype, "conv_state")
+        ]
+        specs.append((ssm_state, ssm_bytes, ssm_shape, geometry.ssm_dtype, "ssm_state"))
+        for tensors, nbytes, shape, dtype, name in specs:
+            for li, t in enumerate(tensors):
+                what = f"{name}[{li}] (layer {local[li]})"
+                if t.dim() != 1 + len(shape):
+                    raise LayoutError(f"{what}: expected [slots, {', '.join(map(str, shape))}], got {list(t.shape)}")
+                stride = _check_slot_tensor(t, (t.shape[0], *shape), dtype, what)
+                if t.shape[0] < 1:
+                    raise LayoutError(f"{what}: expected at least one slot, got 0")
+                pools.append(Pool(base=t.data_ptr(), slot_bytes=nbytes, slot_stride=stride, num_slots=t.shape[0]))
+        conv_rows = rows
+        row_sections = tuple(c * ceb for c in geometry.conv_section_channels(topology))
+    size, rank = topology.attention_tp
     n, i, r, j = shard_position(size, rank, size)
-    conv_view = PoolView(
-        role="mamba_conv",
-        mapper="mamba_conv",
-        layers=local,
-        buffers_per_layer=1,
-        buffer_bytes=conv_bytes,
-        pools=tuple(range(nl)),
-        offsets=(0,) * nl,
-        layout=ViewLayout(
-            kind=SECTIONED, num_shards=n, shard_index=i, num_replicas=r, replica_index=j, section_bytes=sections
-        ),
-        dtype=geometry.conv_dtype,
+    views = _conv_views(topology, geometry, range(nl), conv_rows, row_sections, local)
+    views.append(
+        PoolView(
+            role="mamba_ssm",
+            mapper="mamba_ssm",
+            layers=local,
+            buffers_per_layer=1,
+            buffer_bytes=ssm_bytes,
+            pools=tuple(range(nl, 2 * nl)),
+            offsets=(0,) * nl,
+            layout=ViewLayout(
+                kind=HEAD_MAJOR,
+                num_shards=n,
+                shard_index=i,
+                num_replicas=r,
+                replica_index=j,
+                unit_bytes=geometry.ssm_head_bytes(),
+            ),
+            dtype=geometry.ssm_dtype,
+        )
     )
-    ssm_view = PoolView(
-        role="mamba_ssm",
-        mapper="mamba_ssm",
-        layers=local,
-        buffers_per_layer=1,
-        buffer_bytes=ssm_bytes,
-        pools=tuple(range(nl, 2 * nl)),
-        offsets=(0,) * nl,
-        layout=ViewLayout(
-            kind=HEAD_MAJOR,
-            num_shards=n,
-            shard_index=i,
-            num_replicas=r,
-            replica_index=j,
-            unit_bytes=geometry.ssm_head_bytes(),
-        ),
-        dtype=geometry.ssm_dtype,
-    )
-    return PageTable(pools=tuple(pools), views=(conv_view, ssm_view))
+    return PageTable(pools=tuple(pools), views=tuple(views))
 
 
 def build_page_table(name: str, *args: Any, pm: PluginManager | None = None, **kwargs: Any) -> PageTable:
@@ -323,6 +475,7 @@ def allocate_kv_cache(
     num_blocks: int,
     layout: str | None = None,
     allocator: Allocator | None = None,
+    layers: Sequence[int] | None = None,
 ) -> Any:
     """Tensors a builder accepts for this rank: one tensor (``head_major_pool``) or a list (token-major layouts).
 
@@ -330,6 +483,8 @@ def allocate_kv_cache(
     ``token_major_layers`` (``[blocks, kv, tokens, heads, dim]``, default for
     token-major) or ``token_major_layers_kv_first``. ``allocator(shape, dtype)``
     defaults to ``torch.zeros``; receivers pass their agent's ``allocate_tensor``.
+    ``layers`` restricts the cache to those global layers (a hybrid's attention
+    layers); a rank holding none of them gets a tensor with 0 layers (or ``[]``).
     """
     if num_blocks < 1:
         raise LayoutError(f"num_blocks: expected >= 1, got {num_blocks}")
@@ -338,7 +493,8 @@ def allocate_kv_cache(
     if layout is None:
         layout = HEAD_MAJOR_POOL if geometry.layout == "head_major" else TOKEN_MAJOR_LAYERS
     heads = geometry.kv_heads_per_rank(topology)
-    nl, kv, tpb, d = topology.num_local_layers, geometry.kv_factor, geometry.tokens_per_block, geometry.head_dim
+    nl = len(covered_layers(topology, geometry, layers))
+    kv, tpb, d = geometry.kv_factor, geometry.tokens_per_block, geometry.head_dim
     expected_layout = "head_major" if layout == HEAD_MAJOR_POOL else "token_major"
     if geometry.layout != expected_layout:
         raise LayoutError(f"layout: {layout!r} expected geometry.layout {expected_layout!r}, got {geometry.layout!r}")
@@ -354,26 +510,78 @@ def allocate_kv_cache(
 
 
 def build_kv_page_table(
-    kv_cache: Any, *, topology: Topology, geometry: AttentionGeometry, layout: str | None = None
+    kv_cache: Any,
+    *,
+    topology: Topology,
+    geometry: AttentionGeometry,
+    layout: str | None = None,
+    layers: Sequence[int] | None = None,
+    group: str = DEFAULT_GROUP,
+    window: int | None = None,
 ) -> PageTable:
-    """Page table of tensors made by :func:`allocate_kv_cache` with the same ``layout``."""
+    """Page table of tensors made by :func:`allocate_kv_cache` with the same ``layout`` and ``layers``."""
     if layout is None:
         layout = HEAD_MAJOR_POOL if geometry.layout == "head_major" else TOKEN_MAJOR_LAYERS
     if layout == HEAD_MAJOR_POOL:
-        return build_head_major_pool(kv_cache, topology=topology, geometry=geometry)
+        return build_head_major_pool(
+            kv_cache, topology=topology, geometry=geometry, layers=layers, group=group, window=window
+        )
     return build_token_major_layers(
-        kv_cache, topology=topology, geometry=geometry, kv_first=layout == TOKEN_MAJOR_LAYERS_KV_FIRST
+        kv_cache,
+        topology=topology,
+        geometry=geometry,
+        kv_first=layout == TOKEN_MAJOR_LAYERS_KV_FIRST,
+        layers=layers,
+        group=group,
+        window=window,
     )
 
 
 def allocate_mamba_state(
-    topology: Topology, geometry: MambaGeometry, num_slots: int, allocator: Allocator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(conv_state, ssm_state)`` tensors :func:`build_mamba_state` accepts for this rank."""
+    topology: Topology,
+    geometry: MambaGeometry,
+    num_slots: int,
+    allocator: Allocator | None = None,
+    layout: str = MAMBA_LAYER_MAJOR,
+    page_bytes: int | None = None,
+) -> tuple[Any, Any]:
+    """``(conv_state, ssm_state)`` that :func:`build_mamba_state` accepts for this rank with the same ``layout``.
+
+    ``layout="vllm"`` allocates as vLLM does: per local Mamba layer one buffer
+    of ``num_slots`` pages, each page ``conv | ssm`` (``page_bytes``, default
+    the two rounded up to their element sizes; vLLM pads it to the attention
+    page), returned as two lists of strided views.
+    """
     if num_slots < 1:
         raise LayoutError(f"num_slots: expected >= 1, got {num_slots}")
+    if layout not in MAMBA_LAYOUTS:
+        raise LayoutError(f"layout: expected one of {list(MAMBA_LAYOUTS)}, got {layout!r}")
     alloc = allocator or _zeros
     nl = len(geometry.local_layers(topology))
-    conv = alloc((nl, num_slots, *geometry.conv_shape(topology)), torch_dtype(geometry.conv_dtype))
-    ssm = alloc((nl, num_slots, *geometry.ssm_shape(topology)), torch_dtype(geometry.ssm_dtype))
-    return conv, ssm
+    cdt, sdt = torch_dtype(geometry.conv_dtype), torch_dtype(geometry.ssm_dtype)
+    conv_shape, ssm_shape = geometry.conv_shape(topology), geometry.ssm_shape(topology)
+    if layout == MAMBA_LAYER_MAJOR:
+        return alloc((nl, num_slots, *conv_shape), cdt), alloc((nl, num_slots, *ssm_shape), sdt)
+    import torch
+
+    ceb, seb = dtype_bytes(geometry.conv_dtype), dtype_bytes(geometry.ssm_dtype)
+    rows, dim = conv_shape[1], conv_shape[0]
+    ssm_off = -(-(dim * rows * ceb) // seb) * seb
+    unit = max(ceb, seb)
+    need = -(-(ssm_off + ssm_shape[0] * geometry.ssm_head_bytes()) // unit) * unit
+    page = need if page_bytes is None else page_bytes
+    if page < need or page % ceb or page % seb:
+        raise LayoutError(
+            f"page_bytes: expected >= {need} and a multiple of {ceb} and {seb} (element sizes), got {page_bytes}"
+        )
+    convs, ssms = [], []
+    hd_ds = ssm_shape[1] * ssm_shape[2]
+    for _ in range(nl):
+        raw = alloc((num_slots * page,), torch.uint8)
+        convs.append(torch.as_strided(raw.view(cdt), (num_slots, rows, dim), (page // ceb, dim, 1), 0))
+        ssms.append(
+            torch.as_strided(
+                raw.view(sdt), (num_slots, *ssm_shape), (page // seb, hd_ds, ssm_shape[2], 1), ssm_off // seb
+            )
+        )
+    return convs, ssms

@@ -7,10 +7,10 @@ environment variables, a YAML or TOML file, then the defaults below.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,15 +22,15 @@ if TYPE_CHECKING:
     from kvcore.agent import TransferAgent
     from kvcore.plugins import PluginManager
 
-__all__ = ["TransceiverConfig", "resolve_backend", "create_agent", "AUTO_PREFERENCE"]
+__all__ = ["TransceiverConfig", "resolve_backend", "create_agent"]
 
 log = logging.getLogger("kvcore.config")
 
 # A host name, an IPv4 address, or an IPv6 address with or without brackets.
-_ADVERTISE_RE = re.compile(r"\A(?:[A-Za-z0-9.\-]+|\[?[0-9A-Fa-f:.]+\]?)\Z")
+#: The hard bound on ``max_aux_bytes``: an aux payload travels in one control frame.
+MAX_AUX_BYTES = 1024 * 1024
 
-#: The order ``backend="auto"`` tries: the first whose plugin loads wins.
-AUTO_PREFERENCE = ("nixl", "shm")
+_ADVERTISE_RE = re.compile(r"\A(?:[A-Za-z0-9.\-]+|\[?[0-9A-Fa-f:.]+\]?)\Z")
 
 
 @dataclass
@@ -66,6 +66,13 @@ class TransceiverConfig:
     bounce_enabled: bool = True
     bounce_buffer_bytes: int = 64 * 1024 * 1024  # receiver arena and sender staging buffer, per rank
     required_plugins: list[str] = field(default_factory=list)
+    transfer_mode: str = (
+        "push"  # per request default: "push" (the context writes) or "pull" (the generation side reads)
+    )
+    require_tickets: bool = True  # serve a request only to a receiver presenting its ticket (from TransferParams)
+    max_aux_bytes: int = 64 * 1024  # bound on one request's aux payload (first token, draft tokens...)
+    lease_s: float = 60.0  # the context keeps a request's pages this long after start_send or the last renewal
+    max_lease_s: float = 600.0  # ... but never longer than this from start_send, however often it is renewed
     # --- control-plane authentication (docs/security.md); no own key configured: no authentication ---
     auth_key_file: str = ""  # this rank's secret CurveZMQ certificate (*.key_secret, from `kvcore keygen`)
     auth_secret_key: str = field(default="", repr=False)  # or its Z85 secret key itself (KVCORE_AUTH_SECRET_KEY)
@@ -109,6 +116,8 @@ class TransceiverConfig:
             "fencing_grace_s",
             "refused_peer_ttl_s",
             "quarantine_query_interval_s",
+            "lease_s",
+            "max_lease_s",
         ):
             if not float(getattr(self, name)) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -126,6 +135,12 @@ class TransceiverConfig:
         ):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.transfer_mode not in ("push", "pull"):
+            raise ConfigError(f"transfer_mode must be 'push' or 'pull', got {self.transfer_mode!r}")
+        if not 0 <= int(self.max_aux_bytes) <= MAX_AUX_BYTES:
+            raise ConfigError(f"max_aux_bytes must be in 0..{MAX_AUX_BYTES}, got {self.max_aux_bytes!r}")
+        if float(self.max_lease_s) < float(self.lease_s):
+            raise ConfigError(f"max_lease_s ({self.max_lease_s}) must be >= lease_s ({self.lease_s})")
         if not isinstance(self.auth_allowed_keys, list):
             raise ConfigError(
                 f"auth_allowed_keys must be a list of Z85 keys, got {type(self.auth_allowed_keys).__name__}"
@@ -209,29 +224,15 @@ class TransceiverConfig:
 
     @classmethod
     def _from_env(cls, env: Mapping[str, str]) -> dict[str, Any]:
+        """The ``KVCORE_<FIELD>`` variables present, each converted to its field's declared type (kvcore.convert)."""
+        from kvcore.convert import from_text
+
+        types = typing.get_type_hints(cls)
         out: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             key = "KVCORE_" + f.name.upper()
-            if key not in env:
-                continue
-            raw = env[key]
-            try:
-                if f.name == "agent_options":
-                    out[f.name] = json.loads(raw)
-                elif f.name in ("required_plugins", "auth_allowed_keys"):
-                    out[f.name] = [p.strip() for p in raw.split(",") if p.strip()]
-                elif f.name == "ports":
-                    out[f.name] = [int(p) for p in raw.split(",") if p.strip()]
-                elif f.type in ("int", int):
-                    out[f.name] = int(raw)
-                elif f.type in ("float", float):
-                    out[f.name] = float(raw)
-                elif f.type in ("bool", bool):
-                    out[f.name] = raw.strip().lower() in {"1", "true", "yes", "on"}
-                else:
-                    out[f.name] = raw
-            except ValueError as exc:
-                raise ConfigError(f"{key}={raw!r} is not a valid {f.type}: {exc}") from exc
+            if key in env:
+                out[f.name] = from_text(env[key], types[f.name], name=key)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -242,10 +243,12 @@ def check_required_plugins(config: TransceiverConfig, pm: PluginManager) -> None
     """Fail fast when a ``required_plugins`` entry (``"kvcore-nixl>=0.1"``) is missing or too old."""
     from packaging.requirements import Requirement
 
+    from kvcore.registry import PluginStatus
+
     for spec in config.required_plugins:
         req = Requirement(spec)
         rec = next((r for r in pm.records if r.dist and r.dist.replace("_", "-") == req.name.replace("_", "-")), None)
-        if rec is None or rec.status != "loaded":
+        if rec is None or rec.status is not PluginStatus.LOADED:
             state = "not installed" if rec is None else f"{rec.status}: {rec.error}"
             raise ConfigError(f"required plugin {spec!r} is {state}")
         if rec.version and req.specifier and rec.version not in req.specifier:
@@ -255,7 +258,10 @@ def check_required_plugins(config: TransceiverConfig, pm: PluginManager) -> None
 def resolve_backend(
     config: TransceiverConfig | str, pm: PluginManager | None = None
 ) -> tuple[str, type[TransferAgent]]:
-    """The backend name and agent class the configuration selects; ``auto`` tries ``AUTO_PREFERENCE`` in order."""
+    """The backend name and agent class the configuration selects.
+
+    ``auto`` tries the agents whose plugins gave them an ``auto_priority``, highest first (the core names none).
+    """
     from kvcore.agent import TransferAgent
     from kvcore.plugins import get_plugin_manager
 
@@ -266,7 +272,13 @@ def resolve_backend(
     registry = pm.registries.transfer_agents
     if name == "auto":
         failures = []
-        for candidate in AUTO_PREFERENCE:
+        candidates = registry.auto_candidates()
+        if not candidates:
+            raise UnknownBackendError(
+                "backend 'auto' found no usable transfer agent: no installed plugin offers one for automatic "
+                f"selection (registered: {', '.join(registry.names()) or 'none'}); name one with backend=..."
+            )
+        for candidate in candidates:
             try:
                 cls = registry.get(candidate)
             except UnknownBackendError as exc:

@@ -22,10 +22,11 @@ key pair per instance (:func:`instance_keys`). ``--two-hosts`` runs the
 context instance and the generation instance in two namespaced hosts
 (:mod:`kvcore.demo_hosts`, built on :mod:`kvcore.testing.hosts`).
 
-The oracles here (:func:`heads_of_rank`, :func:`layers_of_rank`,
+The oracles (:func:`heads_of_rank`, :func:`layers_of_rank`,
 :func:`conv_channels_of_rank`, :func:`ssm_heads_of_rank`, :func:`expected_values`,
 :func:`expected_conv`, :func:`expected_ssm`) are written from the model
-definition and never call kvcore's sharding or mapping code.
+definition and never call kvcore's sharding or mapping code; they live in
+:mod:`kvcore.testing.oracle`, the one oracle the tests and plugins use too.
 """
 
 from __future__ import annotations
@@ -44,10 +45,21 @@ import tempfile
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import msgspec
+
+from kvcore.params import TransferParams, derive_ticket
+from kvcore.testing.oracle import (
+    conv_channels_of_rank,
+    expected_conv,
+    expected_ssm,
+    expected_values,
+    heads_of_rank,
+    layers_of_rank,
+    ssm_heads_of_rank,
+)
 
 __all__ = [
     "BOUNCE_MODES",
@@ -104,6 +116,7 @@ class DemoSpec:
     mamba_ssm_dtype: str = "float32"
     bounce: str = "auto"
     layerwise: bool = False  # context ranks send the first half of their layers, then the rest (layers_ready)
+    mode: str = "push"  # "pull": generation ranks read the context's blocks (transfer parameters carry them)
     cached_prefix_blocks: int = 0
     spare_blocks: int = 8  # at least one per DP group: the first-contact requests use them
     timeout_s: float = 120.0
@@ -184,6 +197,10 @@ class DemoSpec:
         """Raise ``ValueError`` naming the first field that cannot work."""
         if self.bounce not in BOUNCE_MODES:
             raise ValueError(f"bounce: expected one of {list(BOUNCE_MODES)}, got {self.bounce!r}")
+        if self.mode not in ("push", "pull"):
+            raise ValueError(f"mode: expected 'push' or 'pull', got {self.mode!r}")
+        if self.mode == "pull" and self.layerwise:
+            raise ValueError("mode 'pull' reads every layer at once: it cannot be combined with layerwise")
         if self.layout not in ("head_major", "token_major"):
             raise ValueError(f"layout: expected 'head_major' or 'token_major', got {self.layout!r}")
         for name in (
@@ -233,86 +250,6 @@ class DemoSpec:
 def _tp_pp_rank(rank: int, tp_size: int) -> tuple[int, int]:
     """``(tp_rank, pp_rank)`` of an instance-global rank (TP-minor: ``rank = pp*tp_size + tp``)."""
     return rank % tp_size, rank // tp_size
-
-
-def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int, attention_dp: bool, mla: bool = False) -> list[int]:
-    """Global KV-head ids a rank holds (independent of kvcore's own arithmetic).
-
-    Attention DP or TP1: all heads. MLA: the single latent "head" 0 on every rank.
-    Heads >= TP: a contiguous share. Fewer heads than ranks: each head is
-    replicated on ``tp_size // total_heads`` consecutive ranks.
-    """
-    if mla:
-        return [0]
-    if attention_dp or tp_size == 1:
-        return list(range(total_heads))
-    if total_heads >= tp_size:
-        per = total_heads // tp_size
-        return list(range(tp_rank * per, (tp_rank + 1) * per))
-    return [tp_rank * total_heads // tp_size]
-
-
-def layers_of_rank(num_layers: int, pp_size: int, pp_rank: int, layers_per_pp: list[int] | None = None) -> list[int]:
-    """Global layers of a PP stage: ``layers_per_pp`` when given, else an even split (earlier stages get the remainder)."""
-    if layers_per_pp is None:
-        per, extra = divmod(num_layers, pp_size)
-        layers_per_pp = [per + (1 if p < extra else 0) for p in range(pp_size)]
-    start = sum(layers_per_pp[:pp_rank])
-    return list(range(start, start + layers_per_pp[pp_rank]))
-
-
-def conv_channels_of_rank(sections: tuple[int, ...], tp_size: int, tp_rank: int, attention_dp: bool) -> list[int]:
-    """Global conv channels a rank holds: its contiguous share of every section, sections concatenated."""
-    n = 1 if attention_dp else tp_size
-    i = 0 if attention_dp else tp_rank
-    out: list[int] = []
-    start = 0
-    for size in sections:
-        per = size // n
-        out.extend(range(start + i * per, start + (i + 1) * per))
-        start += size
-    return out
-
-
-def ssm_heads_of_rank(nheads: int, tp_size: int, tp_rank: int, attention_dp: bool) -> list[int]:
-    """Global SSM heads a rank holds: all under attention DP, else a contiguous share."""
-    if attention_dp:
-        return list(range(nheads))
-    per = nheads // tp_size
-    return list(range(tp_rank * per, (tp_rank + 1) * per))
-
-
-def _index(values: list[int] | range, dims: int, axis: int) -> Any:
-    import torch
-
-    shape = [1] * dims
-    shape[axis] = -1
-    return torch.tensor(list(values), dtype=torch.int64).view(shape)
-
-
-def expected_values(
-    request: int, layers: list[int], kv: int, heads: list[int], tokens: range, dim: int, dtype: Any
-) -> Any:
-    """The logical KV ``[layers, kv, heads, tokens, dim]`` of a request: small integers, exact in bf16/fp16."""
-    lt, kt, ht = _index(layers, 5, 0), _index(range(kv), 5, 1), _index(heads, 5, 2)
-    tt, dt = _index(tokens, 5, 3), _index(range(dim), 5, 4)
-    v = (request * 7919 + lt * 131 + kt * 31 + ht * 17 + tt * 3 + dt) % 251 - 125
-    return v.to(dtype)
-
-
-def expected_conv(request: int, layers: list[int], channels: list[int], taps: int, dtype: Any) -> Any:
-    """The logical Mamba conv state ``[layers, channels, taps]`` of a request."""
-    lt, ct, tt = _index(layers, 3, 0), _index(channels, 3, 1), _index(range(taps), 3, 2)
-    v = (request * 6007 + lt * 101 + ct * 13 + tt * 7 + 3) % 241 - 120
-    return v.to(dtype)
-
-
-def expected_ssm(request: int, layers: list[int], heads: list[int], head_dim: int, d_state: int, dtype: Any) -> Any:
-    """The logical Mamba SSM state ``[layers, heads, head_dim, d_state]`` of a request."""
-    lt, ht = _index(layers, 4, 0), _index(heads, 4, 1)
-    it, st = _index(range(head_dim), 4, 2), _index(range(d_state), 4, 3)
-    v = (request * 4999 + lt * 89 + ht * 37 + it * 5 + st * 11 + 1) % 239 - 119
-    return v.to(dtype)
 
 
 # --- rank-local tensor access ------------------------------------------------------------------
@@ -397,11 +334,24 @@ def _rank_main(role: str, rank: int, spec_b: bytes, dist_port: int, conn: Any) -
         raise SystemExit(1) from None
 
 
+def _assignment(spec: DemoSpec, role: str) -> tuple[dict[int, Any], dict[int, int]]:
+    """Each request's blocks and state slot on one instance (the same on every rank of it, as a block manager's)."""
+    import numpy as np
+
+    rng = np.random.default_rng(spec.seed + (0 if role == "context" else 1))
+    perm = rng.permutation(spec.num_blocks)
+    nbpr = spec.blocks_per_request
+    blocks = {r: perm[r * nbpr : (r + 1) * nbpr] for r in range(spec.requests)}
+    spare = perm[spec.requests * nbpr :]
+    blocks.update({w: spare[i : i + 1] for i, w in enumerate(spec.warm_ids)})
+    slots = rng.permutation(spec.num_slots)
+    return blocks, {r: int(slots[r]) for r in range(spec.num_slots)}
+
+
 class _Rank:
     """One rank's storage, its oracle view of what it holds, and its request assignment."""
 
     def __init__(self, role: str, rank: int, spec: DemoSpec, agent: Any) -> None:
-        import numpy as np
         import torch
 
         from kvcore.builders import allocate_kv_cache, allocate_mamba_state, build_page_table
@@ -466,14 +416,7 @@ class _Rank:
         self.page_table = tables[0] if len(tables) == 1 else PageTable.combine(tables)
         # Same block and slot assignment on every rank of an instance (as a real block manager would do),
         # different between the instances so addresses never line up by accident.
-        rng = np.random.default_rng(spec.seed + (0 if role == "context" else 1))
-        perm = rng.permutation(spec.num_blocks)
-        nbpr = spec.blocks_per_request
-        self.blocks = {r: perm[r * nbpr : (r + 1) * nbpr] for r in range(spec.requests)}
-        spare = perm[spec.requests * nbpr :]
-        self.blocks.update({w: spare[i : i + 1] for i, w in enumerate(spec.warm_ids)})
-        slots = rng.permutation(spec.num_slots)
-        self.slots = {r: int(slots[r]) for r in range(spec.num_slots)}
+        self.blocks, self.slots = _assignment(spec, role)
 
     def mine(self, ids: list[int] | range) -> list[int]:
         """The requests among ``ids`` that this rank's DP group handles."""
@@ -587,16 +530,42 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
             for r in work:
                 me.fill(r)
             if rank == 0:
-                _send(conn, {"kind": "endpoint", "endpoint": tx.info_endpoint, "backend": agent.backend})
-            _recv(conn, spec.timeout_s)  # go
-            for w in warm:
-                tx.start_send(w, me.blocks[w], prompt_len=spec.tokens_per_block, state_slot=me.state_slot(w))
-            _drive(tx, collective, spec, warm)
-            t0 = time.perf_counter()
+                _send(
+                    conn,
+                    {
+                        "kind": "endpoint",
+                        "endpoint": tx.info_endpoint,
+                        "backend": agent.backend,
+                        "incarnation": tx.incarnation,
+                    },
+                )
+            go = _recv(conn, spec.timeout_s)
+            secret = go["secret"]  # every request's ticket is derived from the run's secret (both sides know it)
             first, stop = me.topology.layer_range
             half = first + (stop - first) // 2 if spec.layerwise else None
-            for r in work:
-                tx.start_send(r, me.blocks[r], prompt_len=spec.tokens, state_slot=me.state_slot(r), layers_ready=half)
+
+            def send(r: int, prompt_len: int, layers: int | None) -> None:
+                tx.start_send(
+                    r,
+                    me.blocks[r],
+                    prompt_len=prompt_len,
+                    state_slot=me.state_slot(r),
+                    layers_ready=layers,
+                    ticket=derive_ticket(secret, r),
+                    mode=spec.mode,
+                )
+
+            for w in warm:
+                send(w, spec.tokens_per_block, None)
+            if spec.mode == "pull":
+                # The parameters of a pull request exist only once start_send ran: send everything, then say so.
+                for r in work:
+                    send(r, spec.tokens, None)
+                _send(conn, {"kind": "sent"})
+            _drive(tx, collective, spec, warm)
+            t0 = time.perf_counter()
+            for r in work if spec.mode == "push" else ():
+                send(r, spec.tokens, half)
             if spec.layerwise:
                 tx.poll()  # let the first slices go out before the rest is declared ready
                 for r in work:
@@ -616,17 +585,26 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
         else:
             go = _recv(conn, spec.timeout_s)
             skip = spec.cached_prefix_blocks
+            if spec.mode == "pull":
+                _recv(conn, spec.timeout_s)  # every context rank has started sending
+            ctx_blocks, ctx_slots = _assignment(spec, "context")
 
             def receive(r: int, prompt_len: int, first_block: int) -> None:
                 starts[r] = time.perf_counter()
-                tx.start_receive(
+                # What the context's start_send returned, as a router would forward it (rebuilt here from the
+                # run's shared facts: the secret, the context's block assignment and its incarnation).
+                params = TransferParams.make(
                     r,
                     go["endpoint"],
-                    me.blocks[r][first_block:],
+                    ticket=derive_ticket(go["secret"], r),
+                    mode=spec.mode,  # type: ignore[arg-type]
+                    dp_rank=spec.dp_group("context", r),
                     prompt_len=prompt_len,
-                    state_slot=me.state_slot(r),
-                    ctx_dp_rank=spec.dp_group("context", r),
+                    block_ids=ctx_blocks[r].tolist() if spec.mode == "pull" else (),
+                    state_slot=ctx_slots[r] if spec.mode == "pull" and spec.mamba else -1,
+                    incarnation=go["incarnation"] if spec.mode == "pull" else "",
                 )
+                tx.start_receive(params=params, block_ids=me.blocks[r][first_block:], state_slot=me.state_slot(r))
 
             starts: dict[int, float] = {}
             for w in warm:
@@ -913,8 +891,16 @@ def _run_local(spec: DemoSpec, *, progress: bool) -> dict[str, Any]:
         first = ranks.wait([("context", 0)], t_spawned + spec.timeout_s)[("context", 0)]
         t_ready = time.monotonic()
         summary["backend"] = first["backend"]
+        secret = os.urandom(32)  # the run's ticket secret: only this driver and its ranks know it
+        go = {"kind": "go", "endpoint": first["endpoint"], "secret": secret, "incarnation": first["incarnation"]}
         for c in ranks.conns.values():
-            _send(c, {"kind": "go", "endpoint": first["endpoint"]})
+            _send(c, go)
+        if spec.mode == "pull":
+            ctx_keys = [k for k in ranks.conns if k[0] == "context"]
+            ranks.wait(ctx_keys, time.monotonic() + spec.timeout_s)
+            for k, c in ranks.conns.items():
+                if k[0] == "generation":
+                    _send(c, {"kind": "sent"})
         gen_keys = [k for k in ranks.conns if k[0] == "generation"]
         shown = len([r for r in range(spec.requests) if spec.dp_group("generation", r) == 0])
         on_progress = None
@@ -926,7 +912,7 @@ def _run_local(spec: DemoSpec, *, progress: bool) -> dict[str, Any]:
             task = bar.add_task(f"moving {spec.requests} requests ({summary['backend']})", total=shown)
 
             def on_progress(n: int) -> None:
-                bar.update(task, completed=n)  # type: ignore[union-attr]
+                bar.update(task, completed=n)
 
         reports = ranks.wait(list(ranks.conns), time.monotonic() + 2 * spec.timeout_s + 60, on_progress)
         for c in ranks.conns.values():
@@ -1074,8 +1060,19 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="context ranks mark half of their layers ready first, the rest afterwards (layer-wise sending)",
     )
-    p.add_argument("--cached-prefix-blocks", type=int, default=0, help="blocks the generation side already holds")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request bound in seconds")
+    p.add_argument(
+        "--mode",
+        default=d.mode,
+        choices=["push", "pull"],
+        help="push: context ranks write into the generation side; pull: generation ranks read the context's blocks",
+    )
+    p.add_argument(
+        "--cached-prefix-blocks",
+        type=int,
+        default=d.cached_prefix_blocks,
+        help="blocks the generation side already holds",
+    )
+    p.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s", help="per-request bound in seconds")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--auth",
@@ -1095,34 +1092,9 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    spec = DemoSpec(
-        backend=args.backend,
-        requests=args.requests,
-        tokens=args.tokens,
-        layers=args.layers,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        tokens_per_block=args.tokens_per_block,
-        dtype=args.dtype,
-        layout=args.layout,
-        ctx_tp=args.ctx_tp,
-        ctx_pp=args.ctx_pp,
-        gen_tp=args.gen_tp,
-        gen_pp=args.gen_pp,
-        ctx_layers_per_pp=args.ctx_layers_per_pp,
-        gen_layers_per_pp=args.gen_layers_per_pp,
-        ctx_attention_dp=args.ctx_attention_dp,
-        gen_attention_dp=args.gen_attention_dp,
-        mla=args.mla,
-        mamba=args.mamba,
-        bounce=args.bounce,
-        layerwise=args.layerwise,
-        cached_prefix_blocks=args.cached_prefix_blocks,
-        timeout_s=args.timeout,
-        seed=args.seed,
-        auth=args.auth,
-        two_hosts=args.two_hosts,
-    )
+    # Every option's dest is a DemoSpec field: the spec is built from them, never listed a third time.
+    given = vars(args)
+    spec = DemoSpec(**{f.name: given[f.name] for f in fields(DemoSpec) if f.name in given})
     try:
         summary = run_demo(spec, progress=not args.json and sys.stderr.isatty())
     except Exception as exc:
@@ -1162,6 +1134,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         model += ", Mamba-hybrid (conv + SSM state on odd layers)"
     t.add_row("model", f"{sp['layers']} layers, {model}, head dim {sp['head_dim']}, {sp['dtype']}")
     t.add_row("layout", f"{sp['layout']}, bounce {sp.get('bounce', 'auto')}")
+    how = "the generation ranks read the context's blocks" if sp.get("mode") == "pull" else "the context writes"
+    t.add_row("mode", f"{sp.get('mode', 'push')} ({how})")
     if s.get("hosts"):
         t.add_row("hosts", s["hosts"])
     t.add_row(

@@ -25,15 +25,13 @@ if TYPE_CHECKING:
     from kvcore.demo import DemoSpec
 
 __all__ = [
-    "NETWORK_BACKENDS",
+    "network_backends",
     "TwoHostsUnavailable",
     "resolve_two_hosts_backend",
     "run_two_hosts",
     "validate_two_hosts",
 ]
 
-#: Transfer agents that reach a peer on another host.
-NETWORK_BACKENDS = ("nixl", "ucx")
 #: Seconds between the orchestrator's status polls of the generation ranks (bounds the timing error).
 _POLL_S = 0.002
 
@@ -42,26 +40,37 @@ class TwoHostsUnavailable(RuntimeError):
     """Namespaced hosts cannot be made here (not root, no ``ip``/``unshare``, a container refusing namespaces)."""
 
 
+def network_backends() -> list[str]:
+    """The registered transfer agents that reach a peer on another host (their plugins declare ``remote=True``)."""
+    from kvcore.plugins import get_plugin_manager
+
+    return get_plugin_manager().registries.transfer_agents.remote_names()
+
+
 def resolve_two_hosts_backend(backend: str) -> str:
-    """The network agent to use: ``backend`` itself, or for ``auto`` the first of nixl, ucx whose plugin loads.
+    """The network agent to use: ``backend`` itself, or for ``auto`` the first network agent whose plugin loads.
 
     ``ValueError`` names the choices for shm or any agent that cannot cross hosts.
     """
     from kvcore.config import resolve_backend
     from kvcore.errors import KvcoreError
 
+    network = network_backends()
     if backend == "auto":
-        for name in NETWORK_BACKENDS:
+        for name in network:
             try:
                 resolve_backend(name)
             except KvcoreError:
                 continue
             return name
-        raise ValueError("backend: --two-hosts needs nixl or ucx, and neither plugin is installed")
-    if backend not in NETWORK_BACKENDS:
         raise ValueError(
-            f"backend: --two-hosts needs a network transport ({' or '.join(NETWORK_BACKENDS)}), got {backend!r}"
-            + (": the shm agent only reaches processes on its own host" if backend == "shm" else "")
+            "backend: --two-hosts needs a network transport (an agent whose plugin declares remote=True), "
+            f"and none loads here (registered network agents: {', '.join(network) or 'none'})"
+        )
+    if backend not in network:
+        raise ValueError(
+            f"backend: --two-hosts needs a network transport ({' or '.join(network) or 'none installed'}), "
+            f"got {backend!r}" + (": the shm agent only reaches processes on its own host" if backend == "shm" else "")
         )
     return backend
 

@@ -35,6 +35,9 @@ __all__ = [
     "SessionError",
     "RequestCancelledError",
     "ResourceExhaustedError",
+    "TicketError",
+    "LeaseExpiredError",
+    "PayloadTooLargeError",
 ]
 
 
@@ -163,3 +166,15 @@ class RequestCancelledError(SessionError):
 
 class ResourceExhaustedError(SessionError):
     """A configured limit (sessions, buffers, memory) was reached."""
+
+
+class TicketError(SessionError):
+    """A receiver did not present the request's ticket (from the context's transfer parameters); nothing was sent."""
+
+
+class LeaseExpiredError(TransferTimeoutError):
+    """The context side let go of a request's pages: its lease ran out before every receiver had the KV."""
+
+
+class PayloadTooLargeError(SessionError, ValueError):
+    """An aux payload is larger than ``max_aux_bytes`` allows (on the side that refused it)."""

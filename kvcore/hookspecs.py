@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from kvcore.registry import LayoutMapperRegistry, PageTableBuilderRegistry, TransferAgentRegistry
+    from kvcore.registry import (
+        BenchBaselineRegistry,
+        LayoutMapperRegistry,
+        PageTableBuilderRegistry,
+        TransferAgentRegistry,
+    )
 
 PROJECT = "kvcore"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -27,9 +32,13 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def kvcore_register_transfer_agents(registry: TransferAgentRegistry) -> None:
     """Register the transfer agents (transports) this plugin provides.
 
-    Call ``registry.add(name, "package.module:Class", capabilities=AgentCapabilities(...))``
+    Call ``registry.add(name, "package.module:Class", capabilities=CAPABILITIES)``
     once per agent. ``name`` is the backend name users put in configuration
-    (``backend="nixl"``). The class must subclass ``kvcore.TransferAgent``.
+    (``backend="nixl"``). The class must subclass ``kvcore.TransferAgent`` and
+    read the same ``CAPABILITIES`` object back as its ``capabilities``
+    attribute (state them once, in the hook module). ``auto_priority=N`` lets
+    ``backend="auto"`` pick the agent (highest first); ``install_hint=`` says
+    how to get a native library the agent's module fails to import without.
 
     :param registry: collects agents by backend name; a duplicate name raises
         ``DuplicateBackendError`` naming both plugins.
@@ -55,5 +64,20 @@ def kvcore_register_page_table_builders(registry: PageTableBuilderRegistry) -> N
     Call ``registry.add(name, "package.module:callable_or_class")`` once per builder.
 
     :param registry: collects builders by name; a duplicate name raises
+        ``DuplicateBackendError`` naming both plugins.
+    """
+
+
+@hookspec
+def kvcore_register_bench_baselines(registry: BenchBaselineRegistry) -> None:
+    """Register ``kvcore bench`` baselines: a transport's own API timed beside its kvcore agent.
+
+    Call ``registry.add(mode, "package.module:Class", backend="nixl")`` once per
+    mode; the class subclasses ``kvcore.baselines.BenchBaseline``. The bench runs
+    the mode (on the identical fragment plan, bytes verified) whenever it
+    measures ``backend``. ``in_matrix=True`` (one per backend) also runs it in the
+    matrix and reports it there as the backend's bare speed.
+
+    :param registry: collects baselines by mode name; a duplicate name raises
         ``DuplicateBackendError`` naming both plugins.
     """

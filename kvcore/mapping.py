@@ -23,27 +23,25 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import msgspec
 import numpy as np
 
+from kvcore.blocks import BlockIds, as_id_array
 from kvcore.errors import (
     IncompatiblePeerError,
-    LayoutError,
     MappingError,
     PoolMismatchError,
     TopologyError,
     UnknownBackendError,
 )
-from kvcore.page import REPLICATED, SECTIONED, PageTable, PoolView, ViewLayout
+from kvcore.fragments import merge_runs
+from kvcore.page import DEFAULT_GROUP, REPLICATED, SECTIONED, PageTable, PoolView, ViewLayout
 from kvcore.peer import owns, peer_ranks
 from kvcore.topology import AttentionGeometry, MambaGeometry, Topology, require_no_cp
-
-if TYPE_CHECKING:
-    from kvcore.registry import LayoutMapperRegistry
 
 __all__ = [
     "MATCHING_HEADS",
@@ -112,18 +110,8 @@ class FragmentPlan:
 
     def merge_contiguous(self) -> FragmentPlan:
         """Merge neighbours contiguous on both sides (``src[i] == src[i-1]+size[i-1]``, same for dst); order kept."""
-        n = self.count
-        if n < 2:
-            return self
-        end_s = self.src[:-1] + self.sizes[:-1]
-        end_d = self.dst[:-1] + self.sizes[:-1]
-        starts = np.empty(n, dtype=bool)
-        starts[0] = True
-        np.logical_or(self.src[1:] != end_s, self.dst[1:] != end_d, out=starts[1:])
-        idx = np.flatnonzero(starts)
-        if len(idx) == n:
-            return self
-        return FragmentPlan(self.src[idx], self.dst[idx], np.add.reduceat(self.sizes, idx))
+        src, dst, sizes, _ = merge_runs(self.src, self.dst, self.sizes)
+        return self if sizes is self.sizes else FragmentPlan(src, dst, sizes)
 
     def __repr__(self) -> str:
         return f"FragmentPlan(count={self.count}, nbytes={self.nbytes})"
@@ -250,6 +238,7 @@ def _view_diffs(role: str, cv: PoolView, gv: PoolView) -> list[str]:
     cmp("state vs token view (tokens_per_slot)", cv.tokens_per_slot, gv.tokens_per_slot)
     cmp("buffers_per_layer", cv.buffers_per_layer, gv.buffers_per_layer)
     cmp("window", cv.window, gv.window)
+    cmp("layer group", cv.group, gv.group)
     if cv.dtype or gv.dtype:
         cmp("dtype", cv.dtype or "(not declared)", gv.dtype or "(not declared)")
     cl, gl = cv.layout, gv.layout
@@ -333,7 +322,8 @@ def align_blocks(
     ``prompt_len``). The receiver's list may be shorter (it holds a cached
     prefix): only the common suffix moves. With a sliding ``window``, blocks
     before ``(prompt_len+1-window)//tokens_per_block`` are stale and skipped
-    (peers.md B5).
+    (peers.md B5), and either list may start earlier. A source list that
+    starts after the first block the destination needs raises ``MappingError``.
     """
     ns, nd = len(src_ids), len(dst_ids)
     if prompt_len is None:
@@ -349,9 +339,15 @@ def align_blocks(
             f"block ids: expected at most {total} blocks (ceil(prompt_len/tokens_per_block)), "
             f"got {ns} (source) and {nd} (destination)"
         )
-    first = max(total - ns, total - nd)
+    first = total - nd
     if window is not None:
         first = max(first, max(0, (prompt_len + 1 - window) // tokens_per_block))  # type: ignore[operator]
+    if total - ns > first:
+        # the destination would keep holes: blocks it waits for that the source does not hold
+        raise MappingError(
+            f"block ids: the destination needs blocks {first}..{total - 1} of the request, the source holds only "
+            f"blocks {total - ns}..{total - 1} ({ns} ids)"
+        )
     return src_ids[first - (total - ns) :], dst_ids[first - (total - nd) :]
 
 
@@ -372,7 +368,17 @@ def select_mapper_kind(src: PoolView, dst: PoolView) -> str:
 _INSTANCES: dict[type, LayoutMapper] = {}
 
 
-def _mapper(kind: str, mappers: LayoutMapperRegistry, role: str) -> LayoutMapper:
+class MapperLookup(Protocol):
+    """What planning needs of the layout-mapper registry: the mapper class of a kind.
+
+    ``kvcore.registry.LayoutMapperRegistry`` is one; naming the protocol here keeps this module from importing
+    the registry (the registry's types refer to ``LayoutMapper``: importing back would close a circle).
+    """
+
+    def get(self, name: str) -> type[LayoutMapper]: ...
+
+
+def _mapper(kind: str, mappers: MapperLookup, role: str) -> LayoutMapper:
     try:
         cls = mappers.get(kind)
     except UnknownBackendError as exc:
@@ -383,13 +389,22 @@ def _mapper(kind: str, mappers: LayoutMapperRegistry, role: str) -> LayoutMapper
     return inst
 
 
-def _as_ids(ids: Sequence[int] | np.ndarray | None, what: str) -> np.ndarray:
-    if ids is None:
-        return np.zeros(0, dtype=np.int64)
-    arr = np.asarray(ids)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise LayoutError(f"{what}: expected integer block ids, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False).reshape(-1)
+def _group_ids(ids: BlockIds | None, table: PageTable, what: str) -> dict[str, np.ndarray]:
+    """Block ids per token group of ``table``: a mapping as given, a plain list for the table's only group.
+
+    Range checks happen where addresses are computed; duplicates are the
+    caller's to refuse (:func:`kvcore.blocks.normalize_block_ids`).
+    """
+    if isinstance(ids, Mapping):
+        return {name: as_id_array(v, f"{what}[{name!r}]") for name, v in ids.items()}
+    arr = as_id_array(ids, what)
+    groups = list(table.groups())
+    if len(groups) > 1:
+        raise MappingError(
+            f"{what}: the page table holds layer groups {groups}; expected a mapping of group name to "
+            f"block ids, got one list"
+        )
+    return {groups[0] if groups else DEFAULT_GROUP: arr}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -416,7 +431,8 @@ class _Entries:
         """``table.entry_addresses(view, entries, ids)``, without recomputing what does not depend on ``ids``."""
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.slots):
             return table.entry_addresses(self.view, self.entries, ids)  # raises, naming the bad ids
-        return self.start[:, None] + ids.astype(np.uint64)[None, :] * self.stride[:, None]
+        out: np.ndarray = self.start[:, None] + ids.astype(np.uint64)[None, :] * self.stride[:, None]
+        return out
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -425,26 +441,34 @@ class _PairPlan:
 
     sv: PoolView
     dv: PoolView
-    kind: str  # the mapper kind (looked up per request, as before caching: only for pairs with blocks)
+    kind: str  # the mapper kind, looked up per request (as before caching: only for pairs with blocks)
     src: _Entries
     dst: _Entries
     group: int
-    tokens_mismatch: bool  # slot sizes differ: raised per request, where the uncached planner raised it
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    """A layout error met while building: raised per request at its place, after the per-request checks before it."""
+
+    cls: type[Exception]
+    message: str
 
 
 _PLAN_CACHE_ENTRIES = 256
-_plan_cache: dict[tuple[int, ...], tuple[tuple[object, ...], tuple[_PairPlan, ...]]] = {}
+_plan_cache: dict[tuple[int, ...], tuple[tuple[object, ...], tuple[_PairPlan | _Deferred, ...]]] = {}
 _plan_cache_lock = threading.Lock()
 
 
 def _pair_plans(
-    src: RankLayout, dst: RankLayout, mappers: LayoutMapperRegistry, layer_range: tuple[int, int] | None
-) -> tuple[_PairPlan, ...]:
+    src: RankLayout, dst: RankLayout, mappers: MapperLookup, layer_range: tuple[int, int] | None
+) -> tuple[_PairPlan | _Deferred, ...]:
     """The request-independent part of :func:`plan_transfer`, cached per (source, destination, mappers, layers).
 
     Keyed by the identity of the layouts' parts (a peer's ``RankInfo`` keeps them for its lifetime); the cache
     holds them, so an id is never reused while its entry lives. At most 256 entries, least recently used out.
-    Errors are never cached: a pair that does not plan raises the same error on every call.
+    Topology errors are raised, never cached; layout errors are kept as ``_Deferred`` steps, so every call
+    raises the error the uncached planner raised, in the same order as the per-request checks.
     """
     parts: tuple[object, ...] = (
         src.topology,
@@ -461,7 +485,7 @@ def _pair_plans(
         if hit is not None and all(a is b for a, b in zip(hit[0], parts, strict=True)):
             _plan_cache[key] = hit  # most recently used last
             return hit[1]
-    plans = _build_pair_plans(src, dst, mappers, layer_range)
+    plans = _build_pair_plans(src, dst, layer_range)
     with _plan_cache_lock:
         _plan_cache[key] = (parts, plans)
         while len(_plan_cache) > _PLAN_CACHE_ENTRIES:
@@ -470,8 +494,8 @@ def _pair_plans(
 
 
 def _build_pair_plans(
-    src: RankLayout, dst: RankLayout, mappers: LayoutMapperRegistry, layer_range: tuple[int, int] | None
-) -> tuple[_PairPlan, ...]:
+    src: RankLayout, dst: RankLayout, layer_range: tuple[int, int] | None
+) -> tuple[_PairPlan | _Deferred, ...]:
     require_no_cp(src.topology, dst.topology, what="plan_transfer")
     contacted = peer_ranks(dst.topology, src.topology, src.topology.dp_rank)
     if src.topology.rank not in contacted:
@@ -490,7 +514,7 @@ def _build_pair_plans(
     )
     if missing:
         shown = ", ".join(f"layer {k[0]} role {k[1]!r} only on {side}" for side, k in missing[:8])
-        raise PoolMismatchError(f"pool roles differ on shared layers: {shown}")
+        return (_Deferred(PoolMismatchError, f"pool roles differ on shared layers: {shown}"),)
     # (src view, dst view) -> [(src pos, dst pos)] in source physical order
     pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for key, (svi, spos) in sidx.items():
@@ -498,15 +522,33 @@ def _build_pair_plans(
             dvi, dpos = didx[key]
             pairs.setdefault((svi, dvi), []).append((spos, dpos))
     dst_dp = dst.topology.dp_rank
-    out: list[_PairPlan] = []
+    out: list[_PairPlan | _Deferred] = []
     for (svi, dvi), positions in pairs.items():
         sv, dv = st.views[svi], dt.views[dvi]
-        kind = select_mapper_kind(sv, dv)
+        try:
+            kind = select_mapper_kind(sv, dv)
+        except PoolMismatchError as exc:
+            out.append(_Deferred(PoolMismatchError, str(exc)))
+            break
         if sv.buffers_per_layer != dv.buffers_per_layer or sv.is_state != dv.is_state:
-            raise PoolMismatchError(
-                f"view {sv.role!r}: buffers_per_layer/tokens_per_slot differ: source "
-                f"{sv.buffers_per_layer}/{sv.tokens_per_slot}, destination {dv.buffers_per_layer}/{dv.tokens_per_slot}"
+            out.append(
+                _Deferred(
+                    PoolMismatchError,
+                    f"view {sv.role!r}: buffers_per_layer/tokens_per_slot differ: source "
+                    f"{sv.buffers_per_layer}/{sv.tokens_per_slot}, destination "
+                    f"{dv.buffers_per_layer}/{dv.tokens_per_slot}",
+                )
             )
+            break
+        if sv.group != dv.group:
+            out.append(
+                _Deferred(
+                    PoolMismatchError,
+                    f"view {sv.role!r} layers {sorted(set(sv.layers) & set(dv.layers))[:8]}: layer group differs: "
+                    f"source {sv.group!r}, destination {dv.group!r}",
+                )
+            )
+            break
         if not owns(sv.layout, dv.layout, dst_dp):
             continue
         bf = sv.buffers_per_layer
@@ -521,15 +563,7 @@ def _build_pair_plans(
         runs = np.unique(s_pools, return_counts=True)[1]
         group = int(runs[0]) if (runs == runs[0]).all() else 1
         out.append(
-            _PairPlan(
-                sv,
-                dv,
-                kind,
-                _Entries.build(st, svi, s_entries),
-                _Entries.build(dt, dvi, d_entries),
-                group,
-                not sv.is_state and sv.tokens_per_slot != dv.tokens_per_slot,
-            )
+            _PairPlan(sv, dv, kind, _Entries.build(st, svi, s_entries), _Entries.build(dt, dvi, d_entries), group)
         )
     return tuple(out)
 
@@ -537,10 +571,10 @@ def _build_pair_plans(
 def plan_transfer(
     src: RankLayout,
     dst: RankLayout,
-    src_block_ids: Sequence[int] | np.ndarray,
-    dst_block_ids: Sequence[int] | np.ndarray,
+    src_block_ids: BlockIds,
+    dst_block_ids: BlockIds,
     *,
-    mappers: LayoutMapperRegistry | None = None,
+    mappers: MapperLookup | None = None,
     src_state_slot: int | None = None,
     dst_state_slot: int | None = None,
     sliding_window: int | None = None,
@@ -554,7 +588,12 @@ def plan_transfer(
     bounce path packs and unpacks in, which both sides can compute alike.
 
     Block lists are the resident suffixes of the request's blocks on each side
-    (see :func:`align_blocks`); state views (Mamba) use the state slots. Views
+    (see :func:`align_blocks`), one per layer group: a mapping ``{group: ids}``
+    or, for a table with a single token group, a plain list. Each token view
+    uses its group's list; a group a side lacks raises ``MappingError`` naming
+    it, and a shared layer in different groups on the two sides raises
+    ``PoolMismatchError``. State views (Mamba) use the state slots; a pair
+    without state views ignores them. Views
     are matched by ``(global layer, role)``; roles or mapper kinds that differ
     raise ``PoolMismatchError``. Only bytes ``src`` owns for ``dst`` are planned
     (:func:`kvcore.peer.owns`); the result may be empty. ``layer_range``
@@ -564,11 +603,16 @@ def plan_transfer(
         from kvcore.plugins import get_plugin_manager
 
         mappers = get_plugin_manager().layout_mappers
-    s_ids, d_ids = _as_ids(src_block_ids, "src_block_ids"), _as_ids(dst_block_ids, "dst_block_ids")
+    steps = _pair_plans(src, dst, mappers, layer_range)  # raises the topology errors, as before caching
     st, dt = src.page_table, dst.page_table
+    s_groups = _group_ids(src_block_ids, st, "src_block_ids")
+    d_groups = _group_ids(dst_block_ids, dt, "dst_block_ids")
     plans: list[FragmentPlan] = []
-    for pp in _pair_plans(src, dst, mappers, layer_range):
-        sv = pp.sv
+    state_plans: list[FragmentPlan] = []
+    for pp in steps:
+        if isinstance(pp, _Deferred):
+            raise pp.cls(pp.message)  # a layout error, raised where the uncached planner raised it
+        sv, dv = pp.sv, pp.dv
         if sv.is_state:
             if src_state_slot is None or dst_state_slot is None:
                 raise MappingError(
@@ -576,15 +620,30 @@ def plan_transfer(
                 )
             sb, db = np.array([src_state_slot], np.int64), np.array([dst_state_slot], np.int64)
         else:
-            if pp.tokens_mismatch:
+            if sv.tokens_per_slot != dv.tokens_per_slot:
                 raise PoolMismatchError(
-                    f"view {sv.role!r} tokens_per_slot: source {sv.tokens_per_slot}, destination {pp.dv.tokens_per_slot}"
+                    f"view {sv.role!r} tokens_per_slot: source {sv.tokens_per_slot}, destination {dv.tokens_per_slot}"
+                )
+            s_ids, d_ids = s_groups.get(sv.group), d_groups.get(dv.group)
+            if s_ids is None or d_ids is None:
+                side, have = ("source", s_groups) if s_ids is None else ("destination", d_groups)
+                raise MappingError(
+                    f"{side} block ids: expected ids for layer group {sv.group!r} (view {sv.role!r}), "
+                    f"got ids for {sorted(have)}"
                 )
             window = sv.window if sv.window is not None else sliding_window
             sb, db = align_blocks(s_ids, d_ids, sv.tokens_per_slot, prompt_len=prompt_len, window=window)  # type: ignore[arg-type]
             if not len(sb):
                 continue
-        pair = ViewPair(sv, pp.dv, pp.src.addresses(st, sb), pp.dst.addresses(dt, db), group=pp.group)
-        plans.append(_mapper(pp.kind, mappers, sv.role).map(pair))
+        pair = ViewPair(sv, dv, pp.src.addresses(st, sb), pp.dst.addresses(dt, db), group=pp.group)
+        (state_plans if sv.is_state else plans).append(_mapper(pp.kind, mappers, sv.role).map(pair))
+    if state_plans:
+        state = FragmentPlan.concat(state_plans)
+        if merge:
+            # a slot's state is a handful of fragments spread over views (conv rows of x and of B|C, SSM);
+            # in address order the ones adjacent in memory (one vLLM page) merge into one
+            order = np.argsort(state.src, kind="stable")
+            state = FragmentPlan(state.src[order], state.dst[order], state.sizes[order])
+        plans.append(state)
     plan = FragmentPlan.concat(plans)
     return plan.merge_contiguous() if merge else plan

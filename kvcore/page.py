@@ -28,7 +28,9 @@ import numpy as np
 from kvcore.errors import LayoutError
 
 __all__ = [
+    "DEFAULT_GROUP",
     "LAYOUT_KINDS",
+    "MAX_GROUP_NAME",
     "MAX_ENTRIES_PER_VIEW",
     "MAX_POOLS",
     "MAX_TABLE_BYTES",
@@ -37,6 +39,7 @@ __all__ = [
     "Pool",
     "PoolView",
     "ViewLayout",
+    "check_group_name",
 ]
 
 HEAD_MAJOR = "head_major_sharded"
@@ -46,11 +49,23 @@ SECTIONED = "sectioned"
 #: Layout declaration kinds a view may use.
 LAYOUT_KINDS = (HEAD_MAJOR, TOKEN_MAJOR, REPLICATED, SECTIONED)
 
+#: The layer group of views whose builder named none; a plain block-id list means this group.
+DEFAULT_GROUP = "default"
+#: Longest layer-group name (characters).
+MAX_GROUP_NAME = 64
 MAX_POOLS = 16384
 MAX_VIEWS = 1024
 MAX_ENTRIES_PER_VIEW = 65536
 #: Bound on an encoded table accepted from a peer.
 MAX_TABLE_BYTES = 16 * 1024 * 1024
+
+
+def check_group_name(name: object, what: str = "group") -> str:
+    """``name`` if it is a usable layer-group name (1..64 printable characters), else ``LayoutError``."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_GROUP_NAME or not name.isprintable():
+        shown = repr(name) if not isinstance(name, str) else repr(name[:80])
+        raise LayoutError(f"{what}: expected a name of 1..{MAX_GROUP_NAME} printable characters, got {shown}")
+    return name
 
 
 class ViewLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -172,6 +187,11 @@ class PoolView(msgspec.Struct, frozen=True, kw_only=True):
     for state views (one slot per request). ``window`` is the sliding-window
     size in tokens for windowed attention layers, else ``None``. ``mapper`` is
     the mapper kind both peers must declare for this role (see kvcore.mapping).
+
+    ``group`` names the layer group the view belongs to (vLLM's KV cache group,
+    TensorRT-LLM's layer group): token views of one group share one block-id
+    list per request, each group its own (e.g. ``"full"`` and ``"swa"``).
+    Both peers must put a shared layer in the same group.
     """
 
     role: str
@@ -185,8 +205,10 @@ class PoolView(msgspec.Struct, frozen=True, kw_only=True):
     tokens_per_slot: int | None = None
     window: int | None = None
     dtype: str = ""  # element type of the buffers ("" when the builder does not say): peers must agree
+    group: str = DEFAULT_GROUP
 
     def __post_init__(self) -> None:
+        check_group_name(self.group, f"view {self.role!r} group")
         for name in ("layers", "pools", "offsets"):
             value = getattr(self, name)
             if not isinstance(value, tuple):
@@ -281,7 +303,8 @@ class PageTable(msgspec.Struct, frozen=True, kw_only=True):
         base = np.fromiter((p.base for p in self.pools), dtype=np.uint64, count=len(self.pools))
         stride = np.fromiter((p.slot_stride for p in self.pools), dtype=np.uint64, count=len(self.pools))
         start = base[pool_idx] + offsets
-        return start[:, None] + ids.astype(np.uint64)[None, :] * stride[pool_idx][:, None]
+        out: np.ndarray = start[:, None] + ids.astype(np.uint64)[None, :] * stride[pool_idx][:, None]
+        return out
 
     def regions(self) -> list[tuple[int, int]]:
         """Every ``(address, length)`` the table covers, sorted, overlapping ranges merged.
@@ -308,6 +331,28 @@ class PageTable(msgspec.Struct, frozen=True, kw_only=True):
 
     def roles(self) -> set[str]:
         return {view.role for view in self.views}
+
+    def groups(self) -> dict[str, tuple[int, ...]]:
+        """Layer groups of the token (block) views: name -> the sorted global layers this table holds of it.
+
+        State views (one slot per request) are not listed: they take the state
+        slot, not block ids. A table without token views has no groups.
+        """
+        out: dict[str, set[int]] = {}
+        for view in self.views:
+            if not view.is_state:
+                out.setdefault(view.group, set()).update(view.layers)
+        return {name: tuple(sorted(layers)) for name, layers in sorted(out.items())}
+
+    def group_slots(self, group: str) -> int:
+        """Block ids valid in token group ``group``: the fewest slots of any pool its views use (0 if none)."""
+        pools = {p for v in self.views if not v.is_state and v.group == group for p in v.pools}
+        return min((self.pools[p].num_slots for p in pools), default=0)
+
+    def state_slots(self) -> int:
+        """State slots valid in every state view: the fewest slots of their pools (0 without state views)."""
+        pools = {p for v in self.views if v.is_state for p in v.pools}
+        return min((self.pools[p].num_slots for p in pools), default=0)
 
     # --- composition and wire ----------------------------------------------------------------
 

@@ -22,7 +22,6 @@ import logging
 import os
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from importlib import metadata
 from types import ModuleType
 from typing import Any
@@ -30,13 +29,24 @@ from typing import Any
 import pluggy
 
 from kvcore import hookspecs
+from kvcore.convert import parse_bool
 from kvcore.errors import DuplicateBackendError, PluginAPIVersionError, PluginLoadError
-from kvcore.registry import Registries, Registry
+from kvcore.registry import (
+    BenchBaselineRegistry,
+    LayoutMapperRegistry,
+    PageTableBuilderRegistry,
+    PluginRecord,
+    PluginStatus,
+    Registries,
+    Registry,
+    TransferAgentRegistry,
+)
 
 __all__ = [
     "KVCORE_PLUGIN_API",
     "ENTRY_POINT_GROUP",
     "PluginRecord",
+    "PluginStatus",
     "PluginManager",
     "make_plugin_manager",
     "get_plugin_manager",
@@ -50,56 +60,18 @@ KVCORE_PLUGIN_API = 1
 ENTRY_POINT_GROUP = "kvcore"
 BUILTIN_PLUGINS = ("kvcore.builtin.plugin",)
 
-LOADED, FAILED, BLOCKED, API_MISMATCH = "loaded", "failed", "blocked", "api_mismatch"
-
-
-@dataclass
-class PluginRecord:
-    """What happened to one plugin: where it came from, its status, what it registered, its error."""
-
-    name: str
-    dist: str | None
-    version: str | None
-    status: str  # loaded | failed | blocked | api_mismatch
-    module: str = ""
-    builtin: bool = False
-    phase: str | None = None  # import | api | validate | register, for failures
-    error: str | None = None
-    exception: BaseException | None = field(default=None, repr=False)
-    provides: dict[str, list[str]] = field(default_factory=dict)
-    hooks: list[str] = field(default_factory=list)
-
-    @property
-    def dist_label(self) -> str:
-        if self.builtin:
-            return "kvcore (built-in)"
-        if self.dist:
-            return f"{self.dist} {self.version or '?'}"
-        return "no distribution"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "distribution": self.dist,
-            "version": self.version,
-            "status": self.status,
-            "builtin": self.builtin,
-            "module": self.module,
-            "phase": self.phase,
-            "error": self.error,
-            "provides": self.provides,
-            "hooks": self.hooks,
-        }
+LOADED, FAILED, BLOCKED, API_MISMATCH = (
+    PluginStatus.LOADED,
+    PluginStatus.FAILED,
+    PluginStatus.BLOCKED,
+    PluginStatus.API_MISMATCH,
+)
 
 
 def _split(value: str | None) -> set[str] | None:
     if value is None:
         return None
     return {v.strip() for v in value.split(",") if v.strip()}
-
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def _describe(exc: BaseException) -> str:
@@ -129,10 +101,12 @@ class PluginManager:
 
     def __init__(self, *, env: Mapping[str, str] | None = None, strict: bool | None = None) -> None:
         self.env = dict(os.environ if env is None else env)
-        self.strict = _truthy(self.env.get("KVCORE_STRICT_PLUGINS")) if strict is None else strict
+        if strict is None:
+            strict = parse_bool(self.env.get("KVCORE_STRICT_PLUGINS"), name="KVCORE_STRICT_PLUGINS")
+        self.strict = strict
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
-        if _truthy(self.env.get("KVCORE_TRACE_PLUGINS")):
+        if parse_bool(self.env.get("KVCORE_TRACE_PLUGINS"), name="KVCORE_TRACE_PLUGINS"):
             self.pm.trace.root.setwriter(lambda msg: log.debug("%s", msg.rstrip()))
             self.pm.enable_tracing()
         self.records: list[PluginRecord] = []
@@ -232,14 +206,11 @@ class PluginManager:
             self.pm.unregister(name=rec.name)
             self._fail(rec, "validate", exc)
             return
-        rec.hooks = sorted(
-            hc.name
-            for hc in self.pm.get_hookcallers(self.pm.get_plugin(rec.name)) or ()  # type: ignore[union-attr]
-        )
+        rec.hooks = sorted(hc.name for hc in self.pm.get_hookcallers(self.pm.get_plugin(rec.name)) or ())
         self.records.append(rec)
         self._registries = None
 
-    def _fail(self, rec: PluginRecord, phase: str, exc: BaseException, status: str = FAILED) -> None:
+    def _fail(self, rec: PluginRecord, phase: str, exc: BaseException, status: PluginStatus = FAILED) -> None:
         rec.status, rec.phase, rec.exception = status, phase, exc
         rec.error = _describe(exc)
         self.records.append(rec)
@@ -268,24 +239,22 @@ class PluginManager:
 
     def _build_registries(self) -> Registries:
         regs = Registries()
-        hooks = (
+        hooks: tuple[tuple[str, Registry[Any], str], ...] = (
             ("kvcore_register_transfer_agents", regs.transfer_agents, "transfer_agents"),
             ("kvcore_register_layout_mappers", regs.layout_mappers, "layout_mappers"),
             ("kvcore_register_page_table_builders", regs.page_table_builders, "page_table_builders"),
+            ("kvcore_register_bench_baselines", regs.bench_baselines, "bench_baselines"),
         )
         by_name = {r.name: r for r in self.records}
         for hook_name, registry, key in hooks:
-            caller = getattr(self.pm.hook, hook_name)
-            # Call each plugin's impl on its own so a failure is attributed to that plugin alone; in
-            # registration order (built-ins first), so a duplicate blames the later, blockable plugin.
-            for impl in caller.get_hookimpls():
-                rec = by_name.get(impl.plugin_name)
+            for plugin_name, call in self._isolated_calls(hook_name):
+                rec = by_name.get(plugin_name)
                 if rec is None or rec.status != LOADED:
                     continue
                 before = set(registry.names())
-                registry._current_plugin = impl.plugin_name
+                registry._current_plugin = plugin_name
                 try:
-                    impl.function(registry=registry)
+                    call(registry=registry)
                 except Exception as exc:
                     self._record_register_failure(rec, exc, registry, before)
                     continue
@@ -297,8 +266,28 @@ class PluginManager:
             for dup in registry._conflicts:
                 # An ambiguous name is removed so it can never be selected by accident.
                 registry._entries.pop(dup, None)
-            registry._failed = [r for r in self.records if r.status != LOADED and r.status != BLOCKED]
+            registry._failed = [r for r in self.records if r.status not in (LOADED, BLOCKED)]
         return regs
+
+    def _isolated_calls(self, hook_name: str) -> list[tuple[str, Any]]:
+        """One pluggy call per plugin implementing ``hook_name``: (plugin name, hook caller for it alone).
+
+        Each call goes through pluggy's own call path (``subset_hook_caller``), so ``KVCORE_TRACE_PLUGINS``
+        traces it and wrapper impls wrap it, while a failure stays attributed to the one plugin that raised.
+        Order: ``tryfirst`` impls, then plain ones, then ``trylast``; within each, registration order (built-ins
+        first), so a duplicate name blames the later, blockable plugin.
+        """
+        caller = getattr(self.pm.hook, hook_name)
+        impls = caller.get_hookimpls()
+        wrappers = {id(i.plugin) for i in impls if i.wrapper or i.hookwrapper}
+        plain = [i for i in impls if id(i.plugin) not in wrappers]
+        order = {name: n for n, (name, _) in enumerate(self.pm.list_name_plugin())}
+        plain.sort(key=lambda i: (0 if i.tryfirst else 2 if i.trylast else 1, order.get(i.plugin_name, 0)))
+        calls = []
+        for impl in plain:
+            others = [i.plugin for i in plain if i.plugin is not impl.plugin]
+            calls.append((impl.plugin_name, self.pm.subset_hook_caller(hook_name, remove_plugins=others)))
+        return calls
 
     def _record_register_failure(
         self, rec: PluginRecord, exc: BaseException, registry: Registry[Any], before: set[str]
@@ -320,16 +309,20 @@ class PluginManager:
         return next((r for r in self.records if r.name == name), None)
 
     @property
-    def transfer_agents(self) -> Any:
+    def transfer_agents(self) -> TransferAgentRegistry:
         return self.registries.transfer_agents
 
     @property
-    def layout_mappers(self) -> Any:
+    def layout_mappers(self) -> LayoutMapperRegistry:
         return self.registries.layout_mappers
 
     @property
-    def page_table_builders(self) -> Any:
+    def page_table_builders(self) -> PageTableBuilderRegistry:
         return self.registries.page_table_builders
+
+    @property
+    def bench_baselines(self) -> BenchBaselineRegistry:
+        return self.registries.bench_baselines
 
 
 def make_plugin_manager(

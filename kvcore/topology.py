@@ -264,10 +264,18 @@ class AttentionGeometry(msgspec.Struct, frozen=True, kw_only=True):
 class MambaGeometry(msgspec.Struct, frozen=True, kw_only=True):
     """Model-wide Mamba2 / GDN state geometry (totals over the model; conv and SSM state are TP-sharded).
 
-    Conv state per slot and layer is channel-major ``[conv_dim, d_conv-1]`` where
-    the channels are the concatenated sections (``x|B|C`` for Mamba2,
-    ``q|k|v`` for GDN), each sharded over TP on its own. SSM state per slot and
-    layer is ``[nheads, head_dim, d_state]``, sharded by heads.
+    Conv state per slot and layer holds the concatenated channel sections
+    (``x|B|C`` for Mamba2, ``q|k|v`` for GDN), each sharded over TP on its own;
+    SSM state per slot and layer is ``[nheads, head_dim, d_state]``, sharded by heads.
+
+    ``n_groups`` (Mamba2) declares that ``conv_sections`` is ``x|B|C`` with B
+    and C holding ``n_groups*d_state`` channels each. B and C are then sharded
+    by whole groups: with ``n_groups >= TP`` each rank holds ``n_groups/TP``
+    groups; with ``n_groups < TP`` each rank holds the one group its SSM heads
+    belong to (group ``tp_rank*n_groups//TP``), so ranks replicate it. For
+    ``n_groups == 1`` that is vLLM's rule (``extra_groups_for_head_shards``:
+    every rank holds the whole group). ``n_groups=0`` (not declared) shards
+    every section over TP.
     """
 
     layers: tuple[int, ...]
@@ -278,6 +286,7 @@ class MambaGeometry(msgspec.Struct, frozen=True, kw_only=True):
     d_state: int
     conv_dtype: str
     ssm_dtype: str
+    n_groups: int = 0
 
     def __post_init__(self) -> None:
         if not self.conv_sections or any(s < 1 for s in self.conv_sections):
@@ -294,30 +303,71 @@ class MambaGeometry(msgspec.Struct, frozen=True, kw_only=True):
             msgspec.structs.force_setattr(self, "layers", tuple(self.layers))
         if not isinstance(self.conv_sections, tuple):
             msgspec.structs.force_setattr(self, "conv_sections", tuple(self.conv_sections))
+        if not isinstance(self.n_groups, int) or self.n_groups < 0:
+            raise LayoutError(f"n_groups: expected an integer >= 0 (0: not declared), got {self.n_groups!r}")
+        if self.n_groups:
+            bc = self.n_groups * self.d_state
+            if len(self.conv_sections) != 3 or self.conv_sections[1:] != (bc, bc):
+                raise LayoutError(
+                    f"conv_sections: expected (d_inner, n_groups*d_state, n_groups*d_state) = (x, {bc}, {bc}) "
+                    f"with n_groups={self.n_groups}, got {list(self.conv_sections)}"
+                )
+            if self.nheads % self.n_groups:
+                raise LayoutError(f"nheads: expected a multiple of n_groups {self.n_groups}, got {self.nheads}")
 
     def tp_shards(self, topology: Topology) -> int:
-        """Shards of the state over the attention TP group (1 under attention DP)."""
+        """Shards of the head-sharded state (x channels, SSM heads) over the attention TP group (1 under attention DP)."""
         size, _ = topology.attention_tp
-        for name, value in [("nheads", self.nheads)] + [
-            (f"conv_sections[{i}]", s) for i, s in enumerate(self.conv_sections)
-        ]:
+        sharded = self.conv_sections[:1] if self.n_groups else self.conv_sections
+        for name, value in [("nheads", self.nheads)] + [(f"conv_sections[{i}]", s) for i, s in enumerate(sharded)]:
             if value % size:
                 raise TopologyError(f"{name}: expected a multiple of the TP size {size}, got {value}")
+        if self.n_groups:
+            self.group_position(topology)
         return size
+
+    def group_position(self, topology: Topology) -> tuple[int, int, int, int]:
+        """``(num_shards, shard_index, num_replicas, replica_index)`` of this rank's B|C groups (``n_groups`` declared).
+
+        ``num_shards = min(TP, n_groups)``; the surplus ranks are replicas. TP and
+        ``n_groups`` must divide one another (``TopologyError`` otherwise).
+        """
+        if not self.n_groups:
+            raise LayoutError("n_groups: expected a declared value (>= 1) for group sharding, got 0")
+        size, rank = topology.attention_tp
+        shards = min(size, self.n_groups)
+        if size % shards or self.n_groups % shards:
+            raise TopologyError(
+                f"n_groups: expected a divisor or a multiple of the TP size {size}, got {self.n_groups}"
+            )
+        replicas = size // shards
+        return shards, rank // replicas, replicas, rank % replicas
 
     def local_layers(self, topology: Topology) -> tuple[int, ...]:
         start, stop = topology.layer_range
         return tuple(layer for layer in self.layers if start <= layer < stop)
 
+    def conv_section_channels(self, topology: Topology) -> tuple[int, ...]:
+        """Per-rank channels of each conv section (B and C by whole groups when ``n_groups`` is declared)."""
+        n = self.tp_shards(topology)
+        if not self.n_groups:
+            return tuple(s // n for s in self.conv_sections)
+        shards = self.group_position(topology)[0]
+        bc = self.n_groups // shards * self.d_state
+        return (self.conv_sections[0] // n, bc, bc)
+
     def conv_section_bytes(self, topology: Topology) -> tuple[int, ...]:
         """Per-rank bytes of each conv section in one slot of one layer."""
-        n = self.tp_shards(topology)
         eb = dtype_bytes(self.conv_dtype)
-        return tuple(s // n * (self.d_conv - 1) * eb for s in self.conv_sections)
+        return tuple(c * (self.d_conv - 1) * eb for c in self.conv_section_channels(topology))
+
+    def conv_dim(self, topology: Topology) -> int:
+        """Conv channels one rank holds (vLLM's ``conv_dim // tp`` after ``extra_groups_for_head_shards``)."""
+        return sum(self.conv_section_channels(topology))
 
     def conv_shape(self, topology: Topology) -> tuple[int, int]:
-        n = self.tp_shards(topology)
-        return (sum(self.conv_sections) // n, self.d_conv - 1)
+        """Channel-major conv state of one slot and layer: ``(conv_dim, d_conv-1)``."""
+        return (self.conv_dim(topology), self.d_conv - 1)
 
     def ssm_shape(self, topology: Topology) -> tuple[int, int, int]:
         n = self.tp_shards(topology)

@@ -17,6 +17,7 @@ from kvcore.errors import MessageDecodeError, MessageTooLargeError, ProtocolErro
 from kvcore.mapping import RankLayout
 from kvcore.msgbounds import MAX_CONTAINER_ENTRIES, MAX_DEPTH, MAX_ITEMS, check_msgpack_bounds
 from kvcore.page import PageTable
+from kvcore.params import BytesId
 from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
 
 __all__ = [
@@ -31,6 +32,9 @@ __all__ = [
     "TransferResult",
     "Cancel",
     "ErrorReply",
+    "PullDone",
+    "Renew",
+    "RequestId",
     "Message",
     "encode",
     "decode",
@@ -60,6 +64,13 @@ CURVE_KEY_BYTES = 32
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 ErrorText = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)]
 Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
+Ticket = Annotated[bytes, msgspec.Meta(max_length=64)]
+#: A request id: an int (0..2**64-1, checked in decode), a str, or bytes wrapped in ``BytesId`` (msgpack keeps
+#: str and bytes apart, but one msgspec union cannot hold both); each at most 256 characters/bytes.
+RequestId = int | Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | BytesId
+#: Hard bound on an aux payload on the wire (the configured max_aux_bytes is at most this).
+MAX_AUX_BYTES = 1024 * 1024
+Aux = Annotated[bytes, msgspec.Meta(max_length=MAX_AUX_BYTES)]
 
 
 class RankInfo(msgspec.Struct, frozen=True):
@@ -127,7 +138,7 @@ class RegisterResult(_Msg, tag="register_result", frozen=True):
 class RequestData(_Msg, tag="request_data", frozen=True):
     """gen -> ctx rank: write request ``request_id`` into these destination blocks."""
 
-    request_id: int
+    request_id: RequestId
     gen_instance: Name
     gen_rank: int
     gen_incarnation: Name
@@ -140,12 +151,13 @@ class RequestData(_Msg, tag="request_data", frozen=True):
     bounce_digest: bytes = b""  # kvcore.bounce.plan_digest of the receiver's view of the unmerged plan
     ctx_incarnation: Name = ""  # the context incarnation the receiver believes it asks
     nonce: Nonce = b""  # the receiver's secret for this request: every answer echoes it, its cancels carry it
+    ticket: Ticket = b""  # the request's ticket from the context's TransferParams
 
 
 class TransferResult(_Msg, tag="transfer_result", frozen=True):
     """ctx rank -> gen rank: the outcome of one writer's part of a request (exactly one per writer)."""
 
-    request_id: int
+    request_id: RequestId
     ctx_rank: int
     ctx_incarnation: Name
     status: Literal["ok", "failed", "cancelled"]
@@ -156,16 +168,18 @@ class TransferResult(_Msg, tag="transfer_result", frozen=True):
     bounced: bool = False  # the bytes sit packed in the bounce lease; the receiver must scatter them
     nonce: Nonce = b""  # echo of RequestData.nonce: the receiver ignores answers without it
     in_doubt: bool = False  # "failed" at the writer's deadline while the write may still land; a final result follows
+    aux: Aux = b""  # with "ok": the request's aux payload from this context rank (first token, draft tokens...)
 
 
 class Cancel(_Msg, tag="cancel", frozen=True):
     """Either direction: the sender cancelled ``request_id``."""
 
-    request_id: int
+    request_id: RequestId
     instance: Name
     rank: int
     reason: ErrorText = ""
     nonce: Nonce = b""  # the RequestData.nonce of the request being cancelled (generation -> context)
+    ticket: Ticket = b""  # a decline (no nonce: never asked) proves it may speak for the request with its ticket
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):
@@ -173,7 +187,40 @@ class ErrorReply(_Msg, tag="error", frozen=True):
 
     kind: Name
     error: ErrorText
-    request_id: int = -1
+    request_id: RequestId = -1
+
+
+class PullDone(_Msg, tag="pull_done", frozen=True):
+    """gen -> ctx rank (pull mode): my read of your blocks ended; you may let go of them for me.
+
+    The context answers with the receiver's final TransferResult (echoing ``nonce``): "ok" only if it still held
+    the request's blocks, unchanged, for the whole read (its lease had not run out).
+    """
+
+    request_id: RequestId
+    gen_instance: Name
+    gen_rank: int
+    gen_incarnation: Name
+    ticket: Ticket
+    nonce: Nonce
+    status: Literal["ok", "failed", "cancelled"]
+    ctx_incarnation: Name
+    blocks_digest: Nonce = b""  # digest of the context blocks and state slot the receiver read (kvcore.params)
+    nbytes: int = 0
+    fragments: int = 0
+    error_kind: Name = ""
+    error: ErrorText = ""
+
+
+class Renew(_Msg, tag="renew", frozen=True):
+    """gen -> ctx rank: keep request ``request_id`` for me (a lease renewal while I wait to receive it)."""
+
+    request_id: RequestId
+    gen_instance: Name
+    gen_rank: int
+    gen_incarnation: Name
+    ticket: Ticket
+    nonce: Nonce  # a failure answer (lease already gone) echoes it
 
 
 Message = (
@@ -185,6 +232,8 @@ Message = (
     | TransferResult
     | Cancel
     | ErrorReply
+    | PullDone
+    | Renew
 )
 
 
@@ -195,7 +244,7 @@ class _VersionProbe(msgspec.Struct):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
+_decoder = msgspec.msgpack.Decoder(Message)
 _probe = msgspec.msgpack.Decoder(_VersionProbe)
 
 
@@ -251,9 +300,10 @@ def _peek_version(frame: bytes) -> int | None:
 
 
 def _validate(msg: Message) -> None:
+    rid = getattr(msg, "request_id", None)
+    if isinstance(rid, int) and not (0 <= rid <= MAX_U64) and not (isinstance(msg, ErrorReply) and rid == -1):
+        raise MessageDecodeError(f"{type(msg).__name__}.request_id {rid} is outside 0..2**64-1")
     if isinstance(msg, RequestData):
-        if not (0 <= msg.request_id <= MAX_U64):
-            raise MessageDecodeError(f"request_id {msg.request_id} is outside 0..2**64-1")
         if len(msg.block_ids) % 8 or len(msg.block_ids) > 8 * MAX_BLOCKS_PER_REQUEST:
             raise MessageDecodeError(
                 f"block_ids must be little-endian int64 and at most {MAX_BLOCKS_PER_REQUEST} entries, "

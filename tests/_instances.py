@@ -9,6 +9,28 @@ from typing import Any
 
 import msgspec
 
+#: The secret the tests derive every request's ticket from (both sides of a test know it, as a router would).
+TEST_TICKET_SECRET = b"kvcore-tests-ticket-secret-0001"
+
+
+def ticket_for(request: Any) -> bytes:
+    """The ticket a test request carries on both sides (``kvcore.params.derive_ticket`` from the test secret)."""
+    from kvcore.params import derive_ticket
+
+    try:
+        return derive_ticket(TEST_TICKET_SECRET, request)
+    except Exception:
+        return b"\0" * 16  # an invalid request id: the call under test refuses it before the ticket matters
+
+
+def _pattern_id(request: Any) -> int:
+    """An int for ``fill_value`` from any request id (str and bytes ids hashed, independently of kvcore)."""
+    if isinstance(request, int):
+        return request
+    import zlib
+
+    return zlib.crc32(request.encode() if isinstance(request, str) else request)
+
 
 def fill_value(request: int, block_ids: Any, nbytes_per_block: int) -> Any:
     """Per-block byte pattern of a request (independent of kvcore): uint8 ``[blocks, bytes]``."""
@@ -106,8 +128,21 @@ def _context_main(
                     break
                 if cmd["op"] == "send":
                     blocks = cmd["blocks"]
-                    flat[blocks] = torch.from_numpy(fill_value(cmd["rid"], blocks, flat.shape[1]))
-                    tx.start_send(cmd["rid"], blocks)
+                    flat[blocks] = torch.from_numpy(fill_value(_pattern_id(cmd["rid"]), blocks, flat.shape[1]))
+                    try:
+                        params = tx.start_send(
+                            cmd["rid"],
+                            blocks,
+                            ticket=ticket_for(cmd["rid"]),
+                            mode=cmd.get("mode"),
+                            aux=cmd.get("aux"),
+                        )
+                    except Exception as exc:
+                        if cmd.get("reply"):
+                            conn.send_bytes(msgspec.msgpack.encode({"error": f"{type(exc).__name__}: {exc}"}))
+                        continue
+                    if cmd.get("reply"):
+                        conn.send_bytes(msgspec.msgpack.encode({"params": params.to_dict()}))
                 elif cmd["op"] == "cancel":
                     tx.cancel(cmd["rid"])
                 elif cmd["op"] == "stats":
@@ -158,9 +193,26 @@ class ContextProcess:
         while self.conn.poll(0):
             self.events.append(msgspec.msgpack.decode(self.conn.recv_bytes()))
 
-    def send(self, rid: int, blocks: list[int]) -> None:
+    def send(self, rid: Any, blocks: list[int]) -> None:
         self._drain()
         self.conn.send_bytes(msgspec.msgpack.encode({"op": "send", "rid": rid, "blocks": blocks}))
+
+    def start_send(
+        self, rid: Any, blocks: list[int], *, mode: str | None = None, aux: bytes | None = None, timeout: float = 20
+    ) -> dict[str, Any]:
+        """``start_send`` in the child; returns the transfer parameters' ``to_dict()`` (or raises with its error)."""
+        self._drain()
+        cmd = {"op": "send", "rid": rid, "blocks": blocks, "mode": mode, "aux": aux, "reply": True}
+        self.conn.send_bytes(msgspec.msgpack.encode(cmd))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self._recv(timeout)
+            if "params" in m:
+                return dict(m["params"])
+            if "error" in m:
+                raise RuntimeError(m["error"])
+            self.events.append(m)
+        raise TimeoutError("no transfer parameters")
 
     def cancel(self, rid: int) -> None:
         self._drain()
@@ -230,7 +282,8 @@ def _generation_main(
                 if cmd["op"] == "exit":
                     break
                 if cmd["op"] == "receive":
-                    tx.start_receive(cmd["rid"], cmd["endpoint"], cmd["blocks"])
+                    ticket = cmd.get("ticket") or ticket_for(cmd["rid"])
+                    tx.start_receive(cmd["rid"], cmd["endpoint"], cmd["blocks"], ticket=ticket)
                 elif cmd["op"] == "cancel":
                     tx.cancel(cmd["rid"])
                 elif cmd["op"] == "stats":
@@ -248,10 +301,13 @@ class GenerationProcess(ContextProcess):
 
     _main = staticmethod(_generation_main)
 
-    def receive(self, rid: int, endpoint: str, blocks: list[int]) -> None:
+    def receive(self, rid: Any, endpoint: str, blocks: list[int], ticket: bytes | None = None) -> None:
+        """Start receiving ``rid``; ``ticket`` defaults to the test ticket every side derives (``ticket_for``)."""
         self._drain()
         self.conn.send_bytes(
-            msgspec.msgpack.encode({"op": "receive", "rid": rid, "endpoint": endpoint, "blocks": blocks})
+            msgspec.msgpack.encode(
+                {"op": "receive", "rid": rid, "endpoint": endpoint, "blocks": blocks, "ticket": ticket}
+            )
         )
 
     def read(self, blocks: list[int], timeout: float = 10) -> bytes:

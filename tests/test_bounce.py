@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _instances import ticket_for
 
 from kvcore.bounce import Arena, gather, plan_digest, scatter, wants_bounce
 
@@ -97,9 +98,9 @@ def test_token_major_head_mismatch_through_bounce_matches_direct(force: bool) ->
     try:
         for layer in caches[0]:
             layer.copy_(torch.randn(layer.shape).to(layer.dtype))
-        ctx.start_send(1, [3, 5, 7], prompt_len=12)
+        ctx.start_send(1, [3, 5, 7], prompt_len=12, ticket=ticket_for(1))
         for g in gens:
-            g.start_receive(1, ctx.info_endpoint, [0, 9, 2], prompt_len=12)
+            g.start_receive(1, ctx.info_endpoint, [0, 9, 2], prompt_len=12, ticket=ticket_for(1))
         for g in gens:
             assert g.wait_all([1], 20)[1].state.value == "DONE"
         assert ctx.wait_all([1], 20)[1].state.value == "DONE"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from _faults import RankGroup, fault_plugin_manager, halves_plugin_manager
-from _instances import fill_value
+from _instances import fill_value, ticket_for
 
 from kvcore.transceiver import SessionState
 
@@ -39,8 +39,8 @@ def _move(ctx: RankGroup, gen: RankGroup, rid: int, src: list[int], dst: list[in
     cflat, gflat = _flat(ctx.caches[0]), _flat(gen.caches[0])
     want = fill_value(rid, src, cflat.shape[1])
     cflat[src] = torch.from_numpy(want)
-    ctx.txs[0].start_send(rid, src)
-    gen.txs[0].start_receive(rid, ctx.info_endpoint, dst)
+    ctx.txs[0].start_send(rid, src, ticket=ticket_for(rid))
+    gen.txs[0].start_receive(rid, ctx.info_endpoint, dst, ticket=ticket_for(rid))
     assert gen.txs[0].wait_all([rid], 30)[rid].state is SessionState.DONE
     assert ctx.txs[0].wait_all([rid], 30)[rid].state is SessionState.DONE
     assert np.array_equal(gflat[dst].numpy(), want), f"request {rid}: bytes differ"

@@ -120,3 +120,38 @@ def test_required_plugins() -> None:
         check_required_plugins(TransceiverConfig(required_plugins=["kvcore>=99"]), pm)
     with pytest.raises(ConfigError, match="required plugin 'kvcore-nothing' is not installed"):
         check_required_plugins(TransceiverConfig(required_plugins=["kvcore-nothing"]), pm)
+
+
+# --- text conversion (kvcore.convert): one place for every KVCORE_* value ---------------------------
+
+
+def test_env_values_convert_by_declared_type() -> None:
+    cfg = TransceiverConfig.load(
+        env={
+            "KVCORE_PORTS": "7001, 7002",
+            "KVCORE_ALLOW_INSECURE_BIND": "on",
+            "KVCORE_AUTH_ALLOWED_KEYS": "a,b",
+            "KVCORE_AGENT_OPTIONS": '{"x": [1, 2]}',
+        }
+    )
+    assert cfg.ports == [7001, 7002] and cfg.allow_insecure_bind is True
+    assert cfg.auth_allowed_keys == ["a", "b"] and cfg.agent_options == {"x": [1, 2]}
+
+
+def test_env_boolean_that_is_no_boolean_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"KVCORE_BOUNCE_ENABLED='maybe' is not a boolean"):
+        TransceiverConfig.load(env={"KVCORE_BOUNCE_ENABLED": "maybe"})
+
+
+def test_env_json_that_is_no_object_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"KVCORE_AGENT_OPTIONS='\[1\]' is not a JSON object"):
+        TransceiverConfig.load(env={"KVCORE_AGENT_OPTIONS": "[1]"})
+
+
+def test_plugin_switches_use_the_same_words() -> None:
+    from kvcore.plugins import make_plugin_manager
+
+    assert make_plugin_manager(load_entry_points=False, env={"KVCORE_STRICT_PLUGINS": "yes"}).strict is True
+    assert make_plugin_manager(load_entry_points=False, env={"KVCORE_STRICT_PLUGINS": "off"}).strict is False
+    with pytest.raises(ConfigError, match="KVCORE_STRICT_PLUGINS='sometimes' is not a boolean"):
+        make_plugin_manager(load_entry_points=False, env={"KVCORE_STRICT_PLUGINS": "sometimes"})

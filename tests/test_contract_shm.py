@@ -19,10 +19,22 @@ import torch
 from kvcore.agent import TransferAgent, TransferOp
 from kvcore.builtin.shm import ShmAgent
 from kvcore.errors import PeerLostError, RemoteAgentError, RemoteRangeError
-from kvcore.testing.contract import *  # noqa: F403
+from kvcore.testing.contract import TransferAgentContract
 from kvcore.testing.harness import PeerProcess, digest, pattern
 
-KVCORE_CONTRACT_BACKEND = "shm"
+
+class TestShmContract(TransferAgentContract):
+    """The shared contract suite, run against the built-in shm agent."""
+
+    backend = "shm"
+
+
+@pytest.fixture(scope="module")
+def kvcore_peer() -> Iterator[PeerProcess]:
+    """One shm peer process for this module's shm-specific tests."""
+    peer = PeerProcess("shm", {}, name=f"peer-{uuid.uuid4().hex[:8]}")
+    yield peer
+    peer.close()
 
 MiB = 1024 * 1024
 
@@ -229,3 +241,23 @@ def test_no_fd_or_thread_leak(kvcore_peer: PeerProcess) -> None:
     leaked_fds, leaked_threads = new_since(before_fds, before_threads)
     assert leaked_fds == set(), f"fds opened and never closed: {sorted(leaked_fds)}"
     assert leaked_threads == set(), f"threads left running: {sorted(t.name for t in leaked_threads)}"
+
+
+def test_old_star_import_still_runs_the_suite_with_a_deprecation_warning(tmp_path: os.PathLike[str]) -> None:
+    """``from kvcore.testing.contract import *`` + KVCORE_CONTRACT_BACKEND keeps working for one release, warned."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    module = Path(tmp_path) / "test_old_style_contract.py"
+    module.write_text('from kvcore.testing.contract import *  # noqa: F403\n\nKVCORE_CONTRACT_BACKEND = "shm"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", str(module), "-q", "-p", "no:cacheprovider", "-k", "descriptor_exchange"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "TestLegacyContract::test_contract_descriptor_exchange" in out.stdout or "1 passed" in out.stdout
+    assert "1 passed" in out.stdout and "subclass kvcore.testing.contract.TransferAgentContract" in out.stdout

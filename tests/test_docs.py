@@ -51,6 +51,7 @@ def test_writing_a_transport_points_at_a_real_example() -> None:
     example = DOCS / "examples" / "kvcore-cma"
     for path in ("pyproject.toml", "src/kvcore_cma/plugin.py", "src/kvcore_cma/agent.py", "tests/test_cma_contract.py"):
         assert (example / path).is_file(), f"docs/examples/kvcore-cma/{path} is missing"
-    assert "from kvcore.testing.contract import *" in guide
+    assert "class TestCmaContract(TransferAgentContract):" in guide
+    assert "class TestCmaContract(TransferAgentContract):" in (example / "tests/test_cma_contract.py").read_text()
     assert 'cma = "kvcore_cma.plugin"' in (example / "pyproject.toml").read_text()
     assert "KVCORE_PLUGIN_API = 1" in (example / "src/kvcore_cma/plugin.py").read_text()

@@ -77,6 +77,20 @@ CASES: dict[str, dict[str, Any]] = {
     "layerwise-pp2-tp4": dict(ctx_tp=1, ctx_pp=2, gen_tp=4, layerwise=True),
 }
 
+#: Pull mode (the generation ranks read the context's blocks) over the same matrix as push.
+PULL_CASES: dict[str, dict[str, Any]] = {
+    "pull-tp2-tp4": dict(ctx_tp=2, gen_tp=4),
+    "pull-tp4-tp2": dict(ctx_tp=4, gen_tp=2),
+    "pull-tp1pp4-tp2pp2": dict(ctx_tp=1, ctx_pp=4, gen_tp=2, gen_pp=2),
+    "pull-gqa-2heads-tp1-tp4": dict(kv_heads=2, ctx_tp=1, gen_tp=4),
+    "pull-mla-tp4-tp2": dict(mla=True, head_dim=64, ctx_tp=4, gen_tp=2),
+    "pull-mamba-tp2-tp4": dict(mamba=True, ctx_tp=2, gen_tp=4),
+    "pull-token_major-prefix-cached": dict(ctx_tp=2, gen_tp=2, tokens=64, cached_prefix_blocks=3, layout="token_major"),
+    "pull-ctx-adp-tp2-tp2": dict(ctx_tp=2, ctx_attention_dp=True, gen_tp=2),
+}
+#: Pull cases run on every installed transport besides shm.
+PULL_SUBSET = ("pull-tp2-tp4", "pull-tp4-tp2", "pull-mamba-tp2-tp4")
+
 #: Run on every installed transport besides shm.
 SUBSET = (
     "tp2-tp2-head_major",
@@ -158,6 +172,21 @@ def test_other_transports(backend: str, case: str) -> None:
     _check_bounce(summary, overrides.get("bounce", "auto"))
 
 
+@pytest.mark.parametrize("case", list(PULL_CASES))
+def test_pull_shm(case: str) -> None:
+    summary = _run("shm", {**PULL_CASES[case], "mode": "pull"})
+    assert summary["counters"].get("bounced_writes_total", 0) == 0  # a pull reads fragments directly
+
+
+@pytest.mark.parametrize("backend", ["nixl", "ucx"])
+@pytest.mark.parametrize("case", list(PULL_SUBSET))
+def test_pull_other_transports(backend: str, case: str) -> None:
+    why = _backend_available(backend)
+    if why is not None:
+        pytest.skip(why)
+    _run(backend, {**PULL_CASES[case], "mode": "pull"})
+
+
 def test_wrong_bytes_are_detected() -> None:
     """The verification is not vacuous: one request filled with another request's values fails the run."""
     spec = DemoSpec(backend="shm", **{**SMALL, "gen_tp": 4, "poison": 5})
@@ -185,6 +214,10 @@ def test_spec_validation_names_the_field() -> None:
         DemoSpec(bounce="sometimes").validate()
     with pytest.raises(ValueError, match="layers_per_pp"):
         DemoSpec(ctx_pp=2, ctx_layers_per_pp=[3, 3], layers=4).validate()
+    with pytest.raises(ValueError, match="layerwise"):
+        DemoSpec(mode="pull", layerwise=True).validate()
+    with pytest.raises(ValueError, match="mode"):
+        DemoSpec(mode="teleport").validate()
     with pytest.raises(ValueError, match="processes"):
         DemoSpec(ctx_tp=8, gen_tp=8, ctx_pp=2).validate()
     assert DemoSpec(bounce="on").config_overrides()["bounce_min_fragments"] == 1

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from _faults import RankGroup, fault_plugin_manager
-from _instances import ContextProcess, fill_value
+from _instances import ContextProcess, fill_value, ticket_for
 
 from kvcore import errors as E
 from kvcore import wire
@@ -52,15 +52,15 @@ def test_resource_exhausted_at_the_call_and_admitted_again_after_release(ctx: Ra
     gen = RankGroup.build("generation", pm=pm, max_inflight_requests=2)
     try:
         tx = gen.txs[0]
-        tx.start_receive(1, ctx.info_endpoint, [0])
-        tx.start_receive(2, ctx.info_endpoint, [1])
+        tx.start_receive(1, ctx.info_endpoint, [0], ticket=ticket_for(1))
+        tx.start_receive(2, ctx.info_endpoint, [1], ticket=ticket_for(2))
         with pytest.raises(E.ResourceExhaustedError, match="max_inflight_requests=2"):
-            tx.start_receive(3, ctx.info_endpoint, [2])
-        ctx.txs[0].start_send(1, [5])
+            tx.start_receive(3, ctx.info_endpoint, [2], ticket=ticket_for(3))
+        ctx.txs[0].start_send(1, [5], ticket=ticket_for(1))
         assert _wait(gen, [1])[1].state is SessionState.DONE
-        tx.start_receive(3, ctx.info_endpoint, [2])  # one slot free again
-        ctx.txs[0].start_send(2, [6])
-        ctx.txs[0].start_send(3, [7])
+        tx.start_receive(3, ctx.info_endpoint, [2], ticket=ticket_for(3))  # one slot free again
+        ctx.txs[0].start_send(2, [6], ticket=ticket_for(2))
+        ctx.txs[0].start_send(3, [7], ticket=ticket_for(3))
         assert {o.state for o in _wait(gen, [2, 3]).values()} == {SessionState.DONE}
     finally:
         gen.close()
@@ -71,12 +71,12 @@ def test_resource_exhausted_from_the_context_side_reaches_the_receiver(pm: Any) 
     ctx = RankGroup.build("context", pm=pm, max_early_requests=1)
     gen = RankGroup.build("generation", pm=pm)
     try:
-        gen.txs[0].start_receive(1, ctx.info_endpoint, [0])
+        gen.txs[0].start_receive(1, ctx.info_endpoint, [0], ticket=ticket_for(1))
         deadline = time.monotonic() + 20
         while ctx.txs[0].stats()["early_requests"] != 1:
             assert time.monotonic() < deadline, "the first request never reached the context rank"
             time.sleep(0.01)
-        gen.txs[0].start_receive(2, ctx.info_endpoint, [1])
+        gen.txs[0].start_receive(2, ctx.info_endpoint, [1], ticket=ticket_for(2))
         out = gen.txs[0].wait_all([2], 20)[2]  # long before the 30 s request timeout
         assert out.state is SessionState.FAILED
         assert isinstance(out.error, E.ResourceExhaustedError), repr(out.error)
@@ -91,8 +91,8 @@ def test_backend_mismatch_is_refused_at_first_contact_naming_both_backends(pm: A
     gen = RankGroup.build("generation", pm=pm)
     try:
         _flat(ctx.caches[0])[[1, 2]] = torch.from_numpy(fill_value(1, [1, 2], _flat(ctx.caches[0]).shape[1]))
-        ctx.txs[0].start_send(1, [1, 2])
-        gen.txs[0].start_receive(1, ctx.info_endpoint, [3, 4])
+        ctx.txs[0].start_send(1, [1, 2], ticket=ticket_for(1))
+        gen.txs[0].start_receive(1, ctx.info_endpoint, [3, 4], ticket=ticket_for(1))
         out = _wait(gen, [1])[1]
         assert out.state is SessionState.FAILED
         assert isinstance(out.error, E.IncompatiblePeerError), repr(out.error)
@@ -115,7 +115,7 @@ def test_an_instance_speaking_another_protocol_version_is_refused_with_a_typed_e
         gen = RankGroup.build("generation", pm=fault_plugin_manager(), timeout=60.0)
         try:
             c.send(1, [2])
-            gen.txs[0].start_receive(1, c.endpoint, [3])
+            gen.txs[0].start_receive(1, c.endpoint, [3], ticket=ticket_for(1))
             out = gen.txs[0].wait_all([1], 15)[1]  # well before the 60 s request timeout
             assert out.state is SessionState.FAILED
             assert isinstance(out.error, E.ProtocolVersionError), repr(out.error)
@@ -132,8 +132,8 @@ def test_remote_range_error_when_the_receiver_pools_are_not_agent_memory(ctx: Ra
     gen = RankGroup.build("generation", pm=pm, allocator=lambda shape, dtype: torch.zeros(shape, dtype=dtype))
     try:
         _flat(ctx.caches[0])[[1]] = torch.from_numpy(fill_value(1, [1], _flat(ctx.caches[0]).shape[1]))
-        ctx.txs[0].start_send(1, [1])
-        gen.txs[0].start_receive(1, ctx.info_endpoint, [2])
+        ctx.txs[0].start_send(1, [1], ticket=ticket_for(1))
+        gen.txs[0].start_receive(1, ctx.info_endpoint, [2], ticket=ticket_for(1))
         out = _wait(gen, [1])[1]
         assert out.state is SessionState.FAILED
         assert isinstance(out.error, E.RemoteRangeError), repr(out.error)
@@ -150,9 +150,9 @@ def test_peer_closing_with_requests_in_flight_fails_them_with_peer_lost() -> Non
     gen = RankGroup.build("generation", pm=fault_plugin_manager(), timeout=60.0)
     try:
         c.send(1, [2])
-        gen.txs[0].start_receive(1, c.endpoint, [3])
+        gen.txs[0].start_receive(1, c.endpoint, [3], ticket=ticket_for(1))
         assert _wait(gen, [1])[1].state is SessionState.DONE  # connected and working
-        gen.txs[0].start_receive(2, c.endpoint, [4])  # the context never starts sending it
+        gen.txs[0].start_receive(2, c.endpoint, [4], ticket=ticket_for(2))  # the context never starts sending it
         deadline = time.monotonic() + 20
         while c.stats()["early_requests"] != 1:
             assert time.monotonic() < deadline, "the request never reached the context rank"
@@ -170,33 +170,35 @@ def test_peer_closing_with_requests_in_flight_fails_them_with_peer_lost() -> Non
 def test_close_with_requests_in_flight_returns_and_refuses_later_calls(ctx: RankGroup, pm: Any) -> None:
     gen = RankGroup.build("generation", pm=pm)
     try:
-        gen.txs[0].start_receive(1, ctx.info_endpoint, [0])  # never sent
-        ctx.txs[0].start_send(2, [1])  # never asked for
+        gen.txs[0].start_receive(1, ctx.info_endpoint, [0], ticket=ticket_for(1))  # never sent
+        ctx.txs[0].start_send(2, [1], ticket=ticket_for(2))  # never asked for
         gen.txs[0].close()
         ctx.txs[0].close()
         with pytest.raises(E.SessionError, match="closed"):
-            gen.txs[0].start_receive(3, ctx.info_endpoint, [0])
+            gen.txs[0].start_receive(3, ctx.info_endpoint, [0], ticket=ticket_for(3))
         with pytest.raises(E.SessionError, match="closed"):
-            ctx.txs[0].start_send(4, [0])
+            ctx.txs[0].start_send(4, [0], ticket=ticket_for(4))
         gen.txs[0].close()  # idempotent
     finally:
         gen.close()
 
 
-def test_missing_mapper_plugin_is_a_typed_error_naming_the_plugin_to_install() -> None:
-    """Context TP2 -> generation TP1 needs the head-count mixer; without kvcore-mixers the request fails, typed."""
+def test_missing_mapper_plugin_is_a_typed_error_naming_the_missing_mapper() -> None:
+    """Context TP2 -> generation TP1 needs the head-count mixer; without kvcore-mixers the request fails, typed.
+
+    The core names no plugin: the error names the mapper kind and points at 'kvcore plugins'."""
     from kvcore.plugins import make_plugin_manager
 
     pm = make_plugin_manager(load_entry_points=False)  # the built-ins only: no kvcore-mixers
     ctx = RankGroup.build("context", tp=2, pm=pm)
     gen = RankGroup.build("generation", pm=pm)
     try:
-        ctx.each(lambda _r, tx: tx.start_send(1, [1]))
-        gen.txs[0].start_receive(1, ctx.info_endpoint, [2])
+        ctx.each(lambda _r, tx: tx.start_send(1, [1], ticket=ticket_for(1)))
+        gen.txs[0].start_receive(1, ctx.info_endpoint, [2], ticket=ticket_for(1))
         out = _wait(gen, [1])[1]
         assert out.state is SessionState.FAILED
         assert isinstance(out.error, E.MappingError), repr(out.error)
-        assert "kvcore-mixers" in str(out.error), str(out.error)
+        assert "head_mismatch_head_major" in str(out.error) and "kvcore plugins" in str(out.error), str(out.error)
         assert not _flat(gen.caches[0]).any()
     finally:
         gen.close()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from _faults import RankGroup, fault_plugin_manager, layer_pattern
-from _instances import GenerationProcess, fill_value, make_rank
+from _instances import GenerationProcess, fill_value, make_rank, ticket_for
 
 from kvcore import errors as E
 from kvcore.transceiver import SessionState
@@ -113,8 +113,8 @@ def test_pages_are_not_released_while_a_write_is_in_flight_and_stay_untouched_af
         gen = RankGroup.build("generation", pm=fault_plugin_manager(), timeout=2.0)
         gflat = _flat(gen.caches[0])
     try:
-        ctx.txs[0].start_send(1, src)
-        gen.txs[0].start_receive(1, ctx.info_endpoint, dst)
+        ctx.txs[0].start_send(1, src, ticket=ticket_for(1))
+        gen.txs[0].start_receive(1, ctx.info_endpoint, dst, ticket=ticket_for(1))
         assert ctx.agents[0].holding.wait(20), "the context rank never submitted the write"
         if how == "cancel":
             assert gen.txs[0].cancel(1)
@@ -177,8 +177,8 @@ def test_done_only_once_every_writer_landed_bytes_checked_at_done(pm: Any) -> No
         want = np.stack(
             [np.stack([layer_pattern(5, j, layer, per_layer) for layer in range(4)]) for j in range(len(src))]
         )
-        ctx.each(lambda _r, tx: tx.start_send(5, src))
-        gen.txs[0].start_receive(5, ctx.info_endpoint, dst)
+        ctx.each(lambda _r, tx: tx.start_send(5, src, ticket=ticket_for(5)))
+        gen.txs[0].start_receive(5, ctx.info_endpoint, dst, ticket=ticket_for(5))
         log = Log()
 
         def first_stage_landed() -> bool:
@@ -212,14 +212,14 @@ def test_one_rank_failing_makes_the_instance_outcome_the_worst(pm: Any) -> None:
     gen = RankGroup.build("generation", pp=2, pm=pm)
     try:
         _fill(ctx, 7, [1, 2])
-        ctx.txs[0].start_send(7, [1, 2])
+        ctx.txs[0].start_send(7, [1, 2], ticket=ticket_for(7))
         # Rank 0 asks first and its part lands (so rank 0 alone would be DONE); only then does rank 1 ask.
-        gen.txs[0].start_receive(7, ctx.info_endpoint, [6, 8])
+        gen.txs[0].start_receive(7, ctx.info_endpoint, [6, 8], ticket=ticket_for(7))
         deadline = time.monotonic() + 20
         while not _flat(gen.caches[0])[[6, 8]].any():
             assert time.monotonic() < deadline, "rank 0's part never arrived"
             time.sleep(0.01)
-        gen.txs[1].start_receive(7, ctx.info_endpoint, [6, 8])
+        gen.txs[1].start_receive(7, ctx.info_endpoint, [6, 8], ticket=ticket_for(7))
         log = Log()
         _poll_until(
             [gen, ctx],
@@ -245,14 +245,14 @@ def test_a_generation_process_that_dies_mid_request_fails_the_send_with_peer_los
     agent, _, tx = make_rank("context", "ctx-disconnect", timeout=120.0)
     try:
         gp.receive(1, tx.info_endpoint, [1])
-        tx.start_send(1, [2])
+        tx.start_send(1, [2], ticket=ticket_for(1))
         assert tx.wait_all([1], 30)[1].state is SessionState.DONE  # the context rank now talks to the receiver
         gp.receive(2, tx.info_endpoint, [3, 4])
         deadline = time.monotonic() + 20
         while tx.stats()["early_requests"] != 1:  # its RequestData arrived before start_send
             assert time.monotonic() < deadline, "the receiver's request never arrived"
             time.sleep(0.01)
-        tx.start_send(2, [5, 6], layers_ready=2)  # half the layers: the rest would follow later
+        tx.start_send(2, [5, 6], layers_ready=2, ticket=ticket_for(2))  # half the layers: the rest would follow later
         gp.kill()
         out = tx.wait_all([2], 30)[2]  # the request timeout is 120 s: only the disconnect can end it sooner
         assert out.state is SessionState.FAILED, out
@@ -274,7 +274,7 @@ def test_a_request_to_a_peer_that_never_answers_times_out_within_its_bound(pm: A
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     gen = RankGroup.build("generation", pm=pm, timeout=2.0)
     try:
-        gen.txs[0].start_receive(1, f"tcp://127.0.0.1:{port}", [0])
+        gen.txs[0].start_receive(1, f"tcp://127.0.0.1:{port}", [0], ticket=ticket_for(1))
         assert silent.poll(10000), "the receiver never contacted the endpoint"
         out = gen.txs[0].wait_all([1], 30)[1]  # bound: 2 s; the wait is generous for a loaded machine
         assert out.state is SessionState.TIMED_OUT
@@ -289,7 +289,7 @@ def test_a_send_nobody_asks_for_times_out_within_its_bound(pm: Any) -> None:
     """The context side's own deadline ends a request no receiver ever asks for, and releases its pages."""
     ctx = RankGroup.build("context", pm=pm, timeout=2.0)
     try:
-        ctx.txs[0].start_send(1, [0, 1])
+        ctx.txs[0].start_send(1, [0, 1], ticket=ticket_for(1))
         out = ctx.txs[0].wait_all([1], 30)[1]
         assert out.state is SessionState.TIMED_OUT
         assert isinstance(out.error, E.TransferTimeoutError)
@@ -308,8 +308,8 @@ def test_transceivers_closed_leave_no_fd_and_no_thread_behind(pm: Any) -> None:
         try:
             for r in range(n):
                 _fill(ctx, r, [r % 8])
-                ctx.txs[0].start_send(r, [r % 8])
-                gen.txs[0].start_receive(r, ctx.info_endpoint, [8 + r % 8])
+                ctx.txs[0].start_send(r, [r % 8], ticket=ticket_for(r))
+                gen.txs[0].start_receive(r, ctx.info_endpoint, [8 + r % 8], ticket=ticket_for(r))
                 assert gen.txs[0].wait_all([r], 30)[r].state is SessionState.DONE
             assert ctx.txs[0].wait_all(list(range(n)), 30)
         finally:

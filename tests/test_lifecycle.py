@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _instances import ContextProcess, GenerationProcess, fill_value, free_port, make_rank
+from _instances import ContextProcess, GenerationProcess, fill_value, free_port, make_rank, ticket_for
 
 from kvcore import errors as E
 from kvcore.transceiver import SessionState, leaks
@@ -121,7 +121,7 @@ def test_context_restart_at_the_same_endpoint_then_next_request_done(
     endpoint = ctx.endpoint
     assert endpoint.endswith(f":{port}")
     ctx.send(1, [1, 2])
-    gen.tx.start_receive(1, endpoint, [3, 4])
+    gen.tx.start_receive(1, endpoint, [3, 4], ticket=ticket_for(1))
     assert gen.tx.wait_all([1], 30)[1].state is SessionState.DONE
     _expect(gen.flat, 1, [1, 2], [3, 4])
     if how == "kill":
@@ -132,7 +132,7 @@ def test_context_restart_at_the_same_endpoint_then_next_request_done(
     closing.append(ctx2)
     assert ctx2.endpoint == endpoint
     ctx2.send(2, [5, 6])
-    gen.tx.start_receive(2, endpoint, [7, 8])
+    gen.tx.start_receive(2, endpoint, [7, 8], ticket=ticket_for(2))
     out = gen.tx.wait_all([2], 40)[2]
     assert out.state is SessionState.DONE, out.error
     _expect(gen.flat, 2, [5, 6], [7, 8])
@@ -155,7 +155,7 @@ def test_generation_restart_at_the_same_endpoint_then_next_request_done(
     gp = GenerationProcess(backend, **opts)
     closing.append(gp)
     flat[[1, 2]] = torch.from_numpy(fill_value(1, [1, 2], flat.shape[1]))
-    ctx.start_send(1, [1, 2])
+    ctx.start_send(1, [1, 2], ticket=ticket_for(1))
     gp.receive(1, ctx.info_endpoint, [3, 4])
     assert gp.wait_released(1, 30)["state"] == "DONE"
     assert ctx.wait_all([1], 30)[1].state is SessionState.DONE
@@ -167,7 +167,7 @@ def test_generation_restart_at_the_same_endpoint_then_next_request_done(
     closing.append(gp2)
     assert gp2.endpoint == gp.endpoint
     flat[[5, 6]] = torch.from_numpy(fill_value(2, [5, 6], flat.shape[1]))
-    ctx.start_send(2, [5, 6])
+    ctx.start_send(2, [5, 6], ticket=ticket_for(2))
     gp2.receive(2, ctx.info_endpoint, [7, 8])
     out = gp2.wait_released(2, 40)
     assert out["state"] == "DONE", out
@@ -195,7 +195,7 @@ def test_repeated_kill_of_the_generation_side_leaves_the_context_at_baseline(bac
     for round_ in range(3):
         gp = GenerationProcess(backend, num_blocks=256)
         warm = 100 * round_ + 99  # first contact done: the kill below lands on a peer this rank has loaded
-        ctx.start_send(warm, [255])
+        ctx.start_send(warm, [255], ticket=ticket_for(warm))
         gp.receive(warm, ctx.info_endpoint, [255])
         assert ctx.wait_all([warm], 30)[warm].state is SessionState.DONE
         rids = [100 * round_ + i for i in range(8)]
@@ -204,7 +204,7 @@ def test_repeated_kill_of_the_generation_side_leaves_the_context_at_baseline(bac
         n = len(rids)
         _wait(lambda n=n: ctx.stats()["early_requests"] == n, 20, "the receivers' requests")
         for i, rid in enumerate(rids):
-            ctx.start_send(rid, list(range(i * 32, (i + 1) * 32)))
+            ctx.start_send(rid, list(range(i * 32, (i + 1) * 32)), ticket=ticket_for(rid))
         gp.kill()  # mid-transfer, or just after: either way the survivor must end clean
         outs = ctx.wait_all(rids, 60)
         assert all(o.state in (SessionState.DONE, SessionState.FAILED) for o in outs.values())
@@ -229,12 +229,12 @@ def test_repeated_kill_of_the_context_side_leaves_the_generation_at_baseline(bac
         ctx = ContextProcess(backend, num_blocks=256)
         warm = 100 * round_ + 99  # first contact done: the kill below lands on a peer this rank has loaded
         ctx.send(warm, [255])
-        gen.tx.start_receive(warm, ctx.endpoint, [255])
+        gen.tx.start_receive(warm, ctx.endpoint, [255], ticket=ticket_for(warm))
         assert gen.tx.wait_all([warm], 30)[warm].state is SessionState.DONE
         rids = [100 * round_ + i for i in range(8)]
         for i, rid in enumerate(rids):
             ctx.send(rid, list(range(i * 32, (i + 1) * 32)))
-            gen.tx.start_receive(rid, ctx.endpoint, list(range(i * 32, (i + 1) * 32)))
+            gen.tx.start_receive(rid, ctx.endpoint, list(range(i * 32, (i + 1) * 32)), ticket=ticket_for(rid))
         ctx.kill()
         outs = gen.tx.wait_all(rids, 60)
         for o in outs.values():
@@ -288,11 +288,11 @@ def test_soak_with_cancels_from_both_sides_every_request_terminal_and_released(
             slot[r] = free.pop()
             src_of[r] = slot[r]  # exclusive on both sides until the generation side releases it
             if r % 3 == 0:
-                gen.tx.start_receive(r, ctx.endpoint, [slot[r]])
+                gen.tx.start_receive(r, ctx.endpoint, [slot[r]], ticket=ticket_for(r))
                 ctx.send(r, [src_of[r]])
             else:
                 ctx.send(r, [src_of[r]])
-                gen.tx.start_receive(r, ctx.endpoint, [slot[r]])
+                gen.tx.start_receive(r, ctx.endpoint, [slot[r]], ticket=ticket_for(r))
             started += 1
             if r - 5 in gen_cancel:
                 gen.tx.cancel(r - 5)
@@ -331,11 +331,11 @@ def test_late_receiver_after_a_cancelled_send_gets_the_outcome_at_once(closing: 
     closing.extend([agent, ctx])
     gen = Gen(timeout=30)
     closing.append(gen)
-    ctx.start_send(5, [1])
+    ctx.start_send(5, [1], ticket=ticket_for(5))
     assert ctx.cancel(5)
     assert ctx.wait_all([5], 10)[5].state is SessionState.CANCELLED  # released: only a tombstone is left
     t0 = time.monotonic()
-    gen.tx.start_receive(5, ctx.info_endpoint, [2])
+    gen.tx.start_receive(5, ctx.info_endpoint, [2], ticket=ticket_for(5))
     out = gen.tx.wait_all([5], 25)[5]
     assert out.state is SessionState.CANCELLED, out  # not TIMED_OUT after request_timeout_s
     assert time.monotonic() - t0 < 15, "the late receiver waited for its timeout instead of the tombstone"
@@ -347,13 +347,15 @@ def test_late_receiver_after_a_failed_send_gets_the_failure_at_once(closing: lis
     closing.extend([agent, ctx])
     early, late = Gen(timeout=30), Gen(timeout=30)
     closing.extend([early, late])
-    ctx.start_send(6, [1, 2], prompt_len=16)
-    early.tx.start_receive(6, ctx.info_endpoint, [3, 4], prompt_len=9)  # disagrees: the send fails
+    ctx.start_send(6, [1, 2], prompt_len=16, ticket=ticket_for(6))
+    early.tx.start_receive(
+        6, ctx.info_endpoint, [3, 4], prompt_len=9, ticket=ticket_for(6)
+    )  # disagrees: the send fails
     e = early.tx.wait_all([6], 20)[6]
     assert e.state is SessionState.FAILED and isinstance(e.error, E.MappingError)
     assert "16" in str(e.error) and "9" in str(e.error), e.error  # both values named
     assert ctx.wait_all([6], 20)[6].state is SessionState.FAILED
-    late.tx.start_receive(6, ctx.info_endpoint, [3, 4], prompt_len=16)
+    late.tx.start_receive(6, ctx.info_endpoint, [3, 4], prompt_len=16, ticket=ticket_for(6))
     out = late.tx.wait_all([6], 25)[6]
     assert out.state is SessionState.FAILED and isinstance(out.error, E.MappingError), out
     assert not early.flat[[3, 4]].any() and not late.flat[[3, 4]].any()
@@ -365,8 +367,8 @@ def test_cancel_during_first_contact_lets_the_context_go_at_once(closing: list[A
     closing.extend([agent, ctx])
     gen = Gen(timeout=60)
     closing.append(gen)
-    ctx.start_send(3, [1])
-    gen.tx.start_receive(3, ctx.info_endpoint, [2])
+    ctx.start_send(3, [1], ticket=ticket_for(3))
+    gen.tx.start_receive(3, ctx.info_endpoint, [2], ticket=ticket_for(3))
     assert gen.tx.cancel(3)  # first contact is still under way: nobody was asked yet
     assert gen.tx.wait_all([3], 20)[3].state is SessionState.CANCELLED
     out = ctx.wait_all([3], 20)[3]  # far sooner than its 60 s request timeout
@@ -388,7 +390,7 @@ def test_dead_writer_is_fenced_same_host_at_once_other_host_after_the_grace(
     env = {"KVCORE_HOST_ID": "another-host"} if other_host else None
     ctx = ContextProcess(timeout=60, env=env)
     closing.append(ctx)
-    gen.tx.start_receive(9, ctx.endpoint, [1])
+    gen.tx.start_receive(9, ctx.endpoint, [1], ticket=ticket_for(9))
     _wait(lambda: ctx.stats()["early_requests"] == 1, 10, "the request to reach the context")
     ctx.kill()
     t_kill = time.monotonic()
@@ -417,7 +419,7 @@ def test_dead_writer_is_fenced_same_host_at_once_other_host_after_the_grace(
 def test_first_contact_with_nobody_fails_after_first_contact_timeout(closing: list[Any]) -> None:
     gen = Gen(timeout=60, first_contact_timeout_s=1.0)
     closing.append(gen)
-    gen.tx.start_receive(1, f"tcp://127.0.0.1:{free_port()}", [0])
+    gen.tx.start_receive(1, f"tcp://127.0.0.1:{free_port()}", [0], ticket=ticket_for(1))
     out = gen.tx.wait_all([1], 20)[1]  # far sooner than request_timeout_s
     assert out.state is SessionState.FAILED and isinstance(out.error, E.PeerLostError), out
     assert "no answer" in str(out.error)
@@ -429,10 +431,10 @@ def test_refused_instance_is_forgotten_after_its_ttl(closing: list[Any]) -> None
     closing.append(ctx)
     agent, _, tx = make_rank("generation", "gen-x", config={"refused_peer_ttl_s": 1.0}, head_dim=64)
     closing.extend([agent, tx])
-    tx.start_receive(1, ctx.endpoint, [0])
+    tx.start_receive(1, ctx.endpoint, [0], ticket=ticket_for(1))
     out = tx.wait_all([1], 20)[1]
     assert isinstance(out.error, E.IncompatiblePeerError) and "head_dim" in str(out.error)
-    tx.start_receive(2, ctx.endpoint, [0])  # cached: fails at once
+    tx.start_receive(2, ctx.endpoint, [0], ticket=ticket_for(2))  # cached: fails at once
     assert isinstance(tx.wait_all([2], 5)[2].error, E.IncompatiblePeerError)
     _wait(lambda: tx.stats()["ctx_instances"] == 0, 10, "the refusal to expire")
 
@@ -452,11 +454,11 @@ def test_block_ids_are_checked_at_the_call(blocks: list[Any], match: str, closin
     gen = Gen()
     closing.append(gen)
     with pytest.raises(E.LayoutError, match=match):
-        gen.tx.start_receive(1, "tcp://127.0.0.1:1", blocks)
+        gen.tx.start_receive(1, "tcp://127.0.0.1:1", blocks, ticket=ticket_for(1))
     agent, _, ctx = make_rank("context", "ctx-checks")
     closing.extend([agent, ctx])
     with pytest.raises(E.LayoutError, match=match):
-        ctx.start_send(1, blocks)
+        ctx.start_send(1, blocks, ticket=ticket_for(1))
     assert gen.tx.leaks() == {} and ctx.leaks() == {}
 
 
@@ -496,8 +498,8 @@ def test_mamba_state_dtype_mismatch_is_refused_at_first_contact(declared: bool, 
     ca, ctx = _hybrid_rank("context", "float16", declared)
     ga, gen = _hybrid_rank("generation", "bfloat16", declared)
     closing.extend([ca, ctx, ga, gen])
-    ctx.start_send(1, [0, 1], state_slot=0)
-    gen.start_receive(1, ctx.info_endpoint, [2, 3], state_slot=1)
+    ctx.start_send(1, [0, 1], state_slot=0, ticket=ticket_for(1))
+    gen.start_receive(1, ctx.info_endpoint, [2, 3], state_slot=1, ticket=ticket_for(1))
     out = gen.wait_all([1], 20)[1]
     assert out.state is SessionState.FAILED and isinstance(out.error, E.IncompatiblePeerError), out
     assert "dtype" in str(out.error) and "float16" in str(out.error), out.error
@@ -511,7 +513,7 @@ def test_poll_from_two_threads_reports_each_outcome_once(closing: list[Any]) -> 
     rids = list(range(200))
     for r in rids:
         ctx.send(r, [r])
-        gen.tx.start_receive(r, ctx.endpoint, [r])
+        gen.tx.start_receive(r, ctx.endpoint, [r], ticket=ticket_for(r))
     seen: list[int] = []
     rel: list[int] = []
     lock = threading.Lock()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kv_oracle import Side, run_scenario
 
 from kvcore.builders import allocate_kv_cache, build_kv_page_table
 from kvcore.errors import IncompatiblePeerError, MappingError, PoolMismatchError, TopologyError
 from kvcore.mapping import FragmentPlan, RankLayout, align_blocks, plan_transfer, validate_compatible
 from kvcore.page import PageTable
 from kvcore.plugins import make_plugin_manager
+from kvcore.testing.oracle import Side, run_scenario
 from kvcore.topology import AttentionGeometry, Topology
 
 HM = AttentionGeometry(num_layers=4, num_kv_heads=4, head_dim=8, tokens_per_block=4, dtype="float16")
@@ -139,11 +139,12 @@ def test_role_and_mapper_mismatch_raise_naming_both_sides(core_mappers):
         validate_compatible(a, c)
 
 
-def test_missing_mapper_names_the_plugin_distribution(core_mappers):
+def test_missing_mapper_names_the_kind_and_where_to_look(core_mappers):
+    """The core names no plugin: the error names the missing kind and points at 'kvcore plugins'."""
     ctx, gen = Topology.create(1, 1, 0, 4), Topology.create(2, 1, 1, 4)
     _, a = _layout(ctx, HM)
     _, b = _layout(gen, HM)
-    with pytest.raises(MappingError, match=r"head_mismatch_head_major(.|\n)*kvcore-mixers"):
+    with pytest.raises(MappingError, match=r"head_mismatch_head_major(.|\n)*run 'kvcore plugins'"):
         plan_transfer(a, b, [0], [0], mappers=core_mappers)
 
 

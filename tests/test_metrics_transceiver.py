@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from _instances import fill_value, make_rank
+from _instances import fill_value, make_rank, ticket_for
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,7 +37,7 @@ def _context_main(conn: Any) -> None:
                     break
                 blocks = cmd["blocks"]
                 flat[blocks] = torch.from_numpy(fill_value(cmd["rid"], blocks, flat.shape[1]))
-                tx.start_send(cmd["rid"], blocks)
+                tx.start_send(cmd["rid"], blocks, ticket=ticket_for(cmd["rid"]))
             tx.poll()
     finally:
         server.shutdown()
@@ -73,7 +73,7 @@ def test_scraped_metrics_of_a_transceiver_pair_count_real_transfers() -> None:
         for i, rid in enumerate(rids):
             src, dst = [2 * i, 2 * i + 1], [20 + 2 * i, 21 + 2 * i]
             conn.send_bytes(msgspec.msgpack.encode({"op": "send", "rid": rid, "blocks": src}))
-            gen.start_receive(rid, hello["endpoint"], dst)
+            gen.start_receive(rid, hello["endpoint"], dst, ticket=ticket_for(rid))
         outcomes = gen.wait_all(rids, timeout=60)
         assert all(o.state.value == "DONE" for o in outcomes.values())
 

@@ -13,9 +13,9 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_oracle import Side, run_scenario
 
 from kvcore.plugins import make_plugin_manager
+from kvcore.testing.oracle import Side, run_scenario
 from kvcore.topology import AttentionGeometry, MambaGeometry
 
 CORE = make_plugin_manager(load_entry_points=False).layout_mappers

@@ -15,7 +15,13 @@ import pytest
 
 import kvcore.plugins
 from kvcore import hookimpl
-from kvcore.errors import DuplicateBackendError, PluginAPIVersionError, PluginLoadError, UnknownBackendError
+from kvcore.errors import (
+    DuplicateBackendError,
+    PluginAPIVersionError,
+    PluginError,
+    PluginLoadError,
+    UnknownBackendError,
+)
 from kvcore.plugins import KVCORE_PLUGIN_API, PluginManager, make_plugin_manager
 
 
@@ -157,7 +163,8 @@ def test_unknown_backend_message_shape(pm: PluginManager) -> None:
     )
 
 
-def test_unknown_backend_lists_failures_and_install_hint(pm: PluginManager) -> None:
+def test_unknown_backend_lists_failures_and_points_at_kvcore_plugins(pm: PluginManager) -> None:
+    """The core names no plugin: the hint for a name nobody registers is generic (plugins state their own hints)."""
     bad = AgentsPlugin("nixl")
     bad.KVCORE_PLUGIN_API = 7
     pm.register(bad, name="nixl", dist="kvcore-nixl", version="0.0.1")
@@ -167,7 +174,7 @@ def test_unknown_backend_lists_failures_and_install_hint(pm: PluginManager) -> N
     assert lines[0] == "transfer agent 'nixl' is not available."
     assert lines[1] == "  registered: shm"
     assert lines[2].startswith("  plugin 'nixl' (kvcore-nixl 0.0.1) api_mismatch: PluginAPIVersionError: ")
-    assert lines[3].startswith("  hint: pip install ./plugins/nixl")
+    assert lines[3] == "  hint: run 'kvcore plugins' to see installed plugins and their errors"
     assert isinstance(exc.value.__cause__, PluginAPIVersionError)  # the original error is chained
 
 
@@ -377,3 +384,124 @@ def test_external_plugin_cannot_shadow_builtin(pm: PluginManager) -> None:
         "transfer agent 'shm' is registered by both plugin 'builtin' and plugin 'shadow'; "
         "uninstall one or block it with KVCORE_DISABLE_PLUGINS=shadow"
     )
+
+
+# --- hooks are called through pluggy's own call path ----------------------------------------------
+
+
+def test_trace_records_each_registration_call(caplog: pytest.LogCaptureFixture) -> None:
+    """KVCORE_TRACE_PLUGINS=1 sees the registration hooks: they run through pluggy, not around it."""
+    with caplog.at_level(logging.DEBUG, logger="kvcore.plugins"):
+        pm = make_plugin_manager(load_entry_points=False, env={"KVCORE_TRACE_PLUGINS": "1"})
+        pm.register(AgentsPlugin("traced"), name="tracer")
+        assert "traced" in pm.transfer_agents
+    calls = [r.getMessage().strip() for r in caplog.records if r.name == "kvcore.plugins"]
+    traced = [m for m in calls if m.startswith("kvcore_register_transfer_agents [hook]")]
+    assert len(traced) == 2, calls  # pluggy's tracer saw one call per plugin: the built-ins, then 'tracer'
+
+
+def test_tryfirst_impl_runs_first_and_takes_the_name() -> None:
+    """A ``tryfirst`` impl registered last still runs first: the plain plugin that repeats its name is blamed."""
+    calls: list[str] = []
+
+    class Plain:
+        KVCORE_PLUGIN_API = KVCORE_PLUGIN_API
+
+        @hookimpl
+        def kvcore_register_transfer_agents(self, registry):  # type: ignore[no-untyped-def]
+            calls.append("plain")
+            registry.add("contested", "kvcore.builtin.shm:ShmAgent")
+
+    class Eager:
+        KVCORE_PLUGIN_API = KVCORE_PLUGIN_API
+
+        @hookimpl(tryfirst=True)
+        def kvcore_register_transfer_agents(self, registry):  # type: ignore[no-untyped-def]
+            calls.append("eager")
+            registry.add("contested", "kvcore.builtin.shm:ShmAgent")
+
+    pm = make_plugin_manager(load_entry_points=False, builtins=False, env={})
+    pm.register(Plain(), name="plain")
+    pm.register(Eager(), name="eager")
+    pm.registries  # noqa: B018 - the hooks run here
+    assert calls == ["eager", "plain"]
+    plain, eager = pm.record("plain"), pm.record("eager")
+    assert eager is not None and eager.status == "loaded" and eager.provides == {"transfer_agents": ["contested"]}
+    assert plain is not None and plain.status == "failed" and plain.phase == "register"
+    assert "KVCORE_DISABLE_PLUGINS=plain" in str(plain.error)
+
+
+def test_wrapper_impl_wraps_every_plugins_call(pm: PluginManager) -> None:
+    """A ``wrapper=True`` impl sees each plugin's registration call (pluggy ignored it when impls were called raw)."""
+    seen: list[list[str]] = []
+
+    class Wrapper:
+        KVCORE_PLUGIN_API = KVCORE_PLUGIN_API
+
+        @hookimpl(wrapper=True)
+        def kvcore_register_transfer_agents(self, registry):  # type: ignore[no-untyped-def]
+            before = set(registry.names())
+            result = yield
+            seen.append(sorted(set(registry.names()) - before))
+            return result
+
+    pm.register(AgentsPlugin("wrapped"), name="wrapped")
+    pm.register(Wrapper(), name="wrapper")
+    pm.registries  # noqa: B018 - the hooks run here
+    assert seen == [["shm"], ["wrapped"]]
+
+
+def test_plugin_status_is_an_enum_that_reads_as_its_word(pm: PluginManager) -> None:
+    from kvcore.plugins import PluginStatus
+
+    rec = pm.record("builtin")
+    assert rec is not None and rec.status is PluginStatus.LOADED
+    assert rec.status == "loaded" and rec.as_dict()["status"] == "loaded" and f"{rec.status}" == "loaded"
+
+
+def test_bench_baselines_come_from_plugins(pm: PluginManager) -> None:
+    """``kvcore bench`` learns a transport's native baselines from its plugin; the core registers none."""
+
+    class Native:
+        KVCORE_PLUGIN_API = KVCORE_PLUGIN_API
+
+        @hookimpl
+        def kvcore_register_bench_baselines(self, registry):  # type: ignore[no-untyped-def]
+            registry.add("fast_native", "kvcore_no_such_module:Fast", backend="fake", in_matrix=True)
+            registry.add("slow_native", "kvcore_no_such_module:Slow", backend="fake")
+
+    assert pm.bench_baselines.names() == []
+    pm.register(Native(), name="native")
+    reg = pm.bench_baselines
+    assert reg.for_backend("fake") == ["fast_native", "slow_native"] and reg.for_backend("shm") == []
+    assert reg.matrix_mode("fake") == "fast_native" and reg.matrix_mode("shm") is None
+    rec = pm.record("native")
+    assert rec is not None and rec.provides == {"bench_baselines": ["fast_native", "slow_native"]}
+
+
+def test_auto_selection_and_network_agents_follow_what_plugins_declare(pm: PluginManager) -> None:
+    from kvcore import AgentCapabilities
+    from kvcore.config import resolve_backend
+
+    class Declares:
+        KVCORE_PLUGIN_API = KVCORE_PLUGIN_API
+
+        @hookimpl
+        def kvcore_register_transfer_agents(self, registry):  # type: ignore[no-untyped-def]
+            from kvcore.builtin.plugin import SHM_CAPABILITIES
+
+            net = AgentCapabilities(remote=True)
+            registry.add("net_b", "kvcore_no_such_module:Agent", capabilities=net)
+            registry.add("net_a", "kvcore_no_such_module:Agent", capabilities=net, auto_priority=5)
+            registry.add("local", "kvcore.builtin.shm:ShmAgent", capabilities=SHM_CAPABILITIES, auto_priority=7)
+            registry.add("broken", "kvcore_no_such_module:Agent", capabilities=net, auto_priority=50)
+            registry.add("liar", "kvcore.builtin.shm:ShmAgent", capabilities=net)  # ShmAgent says remote=False
+
+    pm.register(Declares(), name="declares")
+    reg = pm.transfer_agents
+    assert reg.auto_candidates() == ["broken", "local", "net_a", "shm"]
+    assert reg.remote_names() == ["broken", "net_a", "liar", "net_b"]
+    assert reg.preferred_order(["shm", "net_b", "net_a", "local"]) == ["net_a", "net_b", "local", "shm"]
+    assert resolve_backend("auto", pm)[0] == "local"  # 'broken' does not import: the next one is chosen
+    with pytest.raises(PluginError, match=r"'liar' from plugin 'declares': ShmAgent.capabilities is .*remote=False"):
+        reg.get("liar")

@@ -100,19 +100,20 @@ def test_unknown_lists_registered_names_sorted() -> None:
     assert str(exc.value).splitlines()[:2] == ["layout mapper 'beta' is not available.", "  registered: alpha, zeta"]
 
 
-def test_known_install_hint() -> None:
+def test_core_knows_no_plugin_names_for_hints() -> None:
+    """A name no installed plugin registers gets the generic hint: install hints belong to the plugins."""
     with pytest.raises(UnknownBackendError) as exc:
         LayoutMapperRegistry().get("mamba_ssm")
     assert str(exc.value) == (
         "layout mapper 'mamba_ssm' is not available.\n"
         "  registered: none\n"
-        "  hint: pip install ./plugins/mixers  (distribution kvcore-mixers)"
+        "  hint: run 'kvcore plugins' to see installed plugins and their errors"
     )
 
 
 def test_registries_bundle() -> None:
     regs = Registries()
-    assert [r.kind for r in regs.all()] == ["transfer agent", "layout mapper", "page-table builder"]
+    assert [r.kind for r in regs.all()] == ["transfer agent", "layout mapper", "page-table builder", "bench baseline"]
 
 
 # --- selection ---------------------------------------------------------------------------------
@@ -121,12 +122,12 @@ def test_registries_bundle() -> None:
 class Provides:
     KVCORE_PLUGIN_API = KVCORE_PLUGIN_API
 
-    def __init__(self, name: str, target: str) -> None:
-        self.name, self.target = name, target
+    def __init__(self, name: str, target: str, auto_priority: int | None = None) -> None:
+        self.name, self.target, self.auto_priority = name, target, auto_priority
 
     @hookimpl
     def kvcore_register_transfer_agents(self, registry):  # type: ignore[no-untyped-def]
-        registry.add(self.name, self.target)
+        registry.add(self.name, self.target, auto_priority=self.auto_priority)
 
 
 @pytest.fixture
@@ -141,30 +142,41 @@ def test_resolve_by_name(pm: PluginManager) -> None:
     assert resolve_backend(TransceiverConfig(backend="shm"), pm) == ("shm", ShmAgent)
 
 
-def test_auto_prefers_nixl_when_it_loads(pm: PluginManager) -> None:
+def test_auto_prefers_the_highest_priority_that_loads(pm: PluginManager) -> None:
     from kvcore.builtin.shm import ShmAgent
 
-    pm.register(Provides("nixl", "kvcore.builtin.shm:ShmAgent"), name="nixl")
-    assert resolve_backend("auto", pm) == ("nixl", ShmAgent)
+    pm.register(Provides("fast", "kvcore.builtin.shm:ShmAgent", auto_priority=100), name="fastplug")
+    pm.register(Provides("never", "kvcore.builtin.shm:ShmAgent"), name="neverplug")  # no priority: not for auto
+    assert pm.transfer_agents.auto_candidates() == ["fast", "shm"]
+    assert resolve_backend("auto", pm) == ("fast", ShmAgent)
 
 
 def test_auto_falls_back_to_shm(pm: PluginManager, caplog: pytest.LogCaptureFixture) -> None:
-    pm.register(Provides("nixl", "kvcore_nixl_missing_native_lib:Agent"), name="nixl")
+    pm.register(Provides("fast", "kvcore_fast_missing_native_lib:Agent", auto_priority=100), name="fastplug")
     with caplog.at_level(logging.INFO, logger="kvcore.config"):
         name, _ = resolve_backend("auto", pm)
     assert name == "shm"
-    assert any("selected 'shm'" in r.getMessage() and "skipped nixl" in r.getMessage() for r in caplog.records)
+    assert any("selected 'shm'" in r.getMessage() and "skipped fast" in r.getMessage() for r in caplog.records)
 
 
 def test_auto_with_nothing_usable() -> None:
     pm = make_plugin_manager(load_entry_points=False, builtins=False, env={})
     with pytest.raises(UnknownBackendError) as exc:
         resolve_backend("auto", pm)
-    assert str(exc.value).splitlines() == [
-        "backend 'auto' found no usable transfer agent:",
-        "  nixl: transfer agent 'nixl' is not available.",
-        "  shm: transfer agent 'shm' is not available.",
-    ]
+    assert str(exc.value) == (
+        "backend 'auto' found no usable transfer agent: no installed plugin offers one for automatic selection "
+        "(registered: none); name one with backend=..."
+    )
+
+
+def test_auto_with_no_candidate_that_loads(pm: PluginManager) -> None:
+    pm = make_plugin_manager(load_entry_points=False, builtins=False, env={})
+    pm.register(Provides("fast", "kvcore_fast_missing_native_lib:Agent", auto_priority=1), name="fastplug")
+    with pytest.raises(UnknownBackendError) as exc:
+        resolve_backend("auto", pm)
+    lines = str(exc.value).splitlines()
+    assert lines[0] == "backend 'auto' found no usable transfer agent:"
+    assert lines[1].startswith("  fast: 'fast' from plugin 'fastplug' could not be imported")
 
 
 def test_resolve_refuses_non_agent(pm: PluginManager) -> None:

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from _instances import ContextProcess, fill_value, make_rank
+from _instances import ContextProcess, fill_value, make_rank, ticket_for
 
 from kvcore.transceiver import SessionState
 
@@ -70,9 +70,9 @@ def test_soak_reused_slots_hold_the_right_bytes_at_done_and_nothing_after_releas
                 owner[r] = (d, s)
                 if r % 2:
                     ctx.send(r, [s])
-                    tx.start_receive(r, ctx.endpoint, [d])
+                    tx.start_receive(r, ctx.endpoint, [d], ticket=ticket_for(r))
                 else:
-                    tx.start_receive(r, ctx.endpoint, [d])
+                    tx.start_receive(r, ctx.endpoint, [d], ticket=ticket_for(r))
                     ctx.send(r, [s])
                 if r in cancel_at:
                     tx.cancel(r)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from _instances import ContextProcess, fill_value, make_rank
+from _instances import ContextProcess, fill_value, make_rank, ticket_for
 
 from kvcore import errors as E
 from kvcore import wire
-from kvcore.transceiver import SessionState, leaks
+from kvcore.transceiver import RequestStatus, SessionState, leaks
 
 
 class Gen:
@@ -66,9 +66,9 @@ def test_concurrent_requests_bytes_and_no_leaks(ctx: ContextProcess, gen: Gen) -
         s, d = src[r * 4 : (r + 1) * 4].tolist(), dst[r * 4 : (r + 1) * 4].tolist()
         if r % 2:
             ctx.send(r, s)
-            gen.tx.start_receive(r, ctx.endpoint, d)
+            gen.tx.start_receive(r, ctx.endpoint, d, ticket=ticket_for(r))
         else:
-            gen.tx.start_receive(r, ctx.endpoint, d)
+            gen.tx.start_receive(r, ctx.endpoint, d, ticket=ticket_for(r))
             ctx.send(r, s)
     out = gen.outcomes(rids)
     assert {o.state for o in out.values()} == {SessionState.DONE}
@@ -83,7 +83,7 @@ def test_prefix_cached_suffix_only(ctx: ContextProcess, gen: Gen) -> None:
     src, dst = [10, 11, 12, 13, 14], [40, 41, 42]  # the generation side holds the first two blocks
     gen.flat[[40, 41, 42]] = 0
     ctx.send(1, src)
-    gen.tx.start_receive(1, ctx.endpoint, dst)
+    gen.tx.start_receive(1, ctx.endpoint, dst, ticket=ticket_for(1))
     assert gen.outcomes([1])[1].state is SessionState.DONE
     want = fill_value(1, src, gen.flat.shape[1])[2:]  # only the suffix moves, aligned at the end
     assert np.array_equal(gen.flat[dst].numpy(), want)
@@ -98,7 +98,7 @@ def test_incompatible_peer_refused_at_first_contact(
 ) -> None:
     g = Gen(**override)
     try:
-        g.tx.start_receive(1, ctx.endpoint, [0, 1])
+        g.tx.start_receive(1, ctx.endpoint, [0, 1], ticket=ticket_for(1))
         out = g.outcomes([1])[1]
         assert out.state is SessionState.FAILED
         assert isinstance(out.error, E.IncompatiblePeerError)
@@ -106,7 +106,7 @@ def test_incompatible_peer_refused_at_first_contact(
             assert f in str(out.error)
         assert not g.flat.any(), "an incompatible peer must not receive a single byte"
         # Cached: the next request fails at once, without a new round trip.
-        g.tx.start_receive(2, ctx.endpoint, [0])
+        g.tx.start_receive(2, ctx.endpoint, [0], ticket=ticket_for(2))
         assert isinstance(g.outcomes([2], 2.0)[2].error, E.IncompatiblePeerError)
     finally:
         g.close()
@@ -119,7 +119,7 @@ def test_malformed_frame_answered_with_typed_error_while_requests_work(ctx: Cont
     sock.connect(ctx.endpoint)
     try:
         ctx.send(5, [1, 2])
-        gen.tx.start_receive(5, ctx.endpoint, [7, 9])
+        gen.tx.start_receive(5, ctx.endpoint, [7, 9], ticket=ticket_for(5))
         for frame in (b"\x93garbage", msgspec.msgpack.encode({"t": "request_data", "v": 1, "request_id": "x"})):
             sock.send(frame)
             assert sock.poll(5000), "the context rank did not answer a malformed frame"
@@ -135,9 +135,9 @@ def test_malformed_frame_answered_with_typed_error_while_requests_work(ctx: Cont
 
 
 def test_forged_result_from_unknown_incarnation_is_ignored(ctx: ContextProcess, gen: Gen) -> None:
-    gen.tx.start_receive(3, ctx.endpoint, [0])
+    gen.tx.start_receive(3, ctx.endpoint, [0], ticket=ticket_for(3))
     deadline = time.monotonic() + 5
-    while gen.tx.status(3) is not SessionState.TRANSFERRING and time.monotonic() < deadline:
+    while gen.tx.status(3) is not RequestStatus.TRANSFERRING and time.monotonic() < deadline:
         time.sleep(0.01)
     zctx = zmq.Context.instance()
     sock = zctx.socket(zmq.DEALER)
@@ -156,7 +156,7 @@ def test_forged_result_from_unknown_incarnation_is_ignored(ctx: ContextProcess, 
 
 
 def test_cancel_before_context_sends(ctx: ContextProcess, gen: Gen) -> None:
-    gen.tx.start_receive(8, ctx.endpoint, [3])
+    gen.tx.start_receive(8, ctx.endpoint, [3], ticket=ticket_for(8))
     time.sleep(0.2)
     assert gen.tx.cancel(8)
     out = gen.outcomes([8])[8]  # released: the context rank confirmed it will not write
@@ -169,7 +169,7 @@ def test_cancel_before_context_sends(ctx: ContextProcess, gen: Gen) -> None:
 def test_context_never_sends_times_out_and_releases(ctx: ContextProcess) -> None:
     g = Gen(timeout=1.0)
     try:
-        g.tx.start_receive(4, ctx.endpoint, [2])
+        g.tx.start_receive(4, ctx.endpoint, [2], ticket=ticket_for(4))
         out = g.outcomes([4], 10.0)[4]
         assert out.state is SessionState.TIMED_OUT
         assert isinstance(out.error, E.TransferTimeoutError)
@@ -181,9 +181,9 @@ def test_context_never_sends_times_out_and_releases(ctx: ContextProcess) -> None
 def test_dead_context_gives_peer_lost_and_fenced_release(gen: Gen) -> None:
     c = ContextProcess()
     try:
-        gen.tx.start_receive(6, c.endpoint, [1])
+        gen.tx.start_receive(6, c.endpoint, [1], ticket=ticket_for(6))
         deadline = time.monotonic() + 5
-        while gen.tx.status(6) is not SessionState.TRANSFERRING and time.monotonic() < deadline:
+        while gen.tx.status(6) is not RequestStatus.TRANSFERRING and time.monotonic() < deadline:
             time.sleep(0.01)
         c.kill()
         out = gen.outcomes([6], 15.0)[6]
@@ -196,16 +196,16 @@ def test_dead_context_gives_peer_lost_and_fenced_release(gen: Gen) -> None:
 def test_request_ids_are_64_bit_and_validated(ctx: ContextProcess, gen: Gen) -> None:
     rid = 2**64 - 1
     ctx.send(rid, [9])
-    gen.tx.start_receive(rid, ctx.endpoint, [9])
+    gen.tx.start_receive(rid, ctx.endpoint, [9], ticket=ticket_for(rid))
     assert gen.outcomes([rid])[rid].state is SessionState.DONE
     with pytest.raises(E.SessionError, match="2\\*\\*64"):
-        gen.tx.start_receive(-1, ctx.endpoint, [0])
+        gen.tx.start_receive(-1, ctx.endpoint, [0], ticket=ticket_for(-1))
     with pytest.raises(E.LayoutError, match="block ids"):
-        gen.tx.start_receive(1, ctx.endpoint, [64])
+        gen.tx.start_receive(1, ctx.endpoint, [64], ticket=ticket_for(1))
     with pytest.raises(E.ProtocolError, match="tcp://host:port"):
-        gen.tx.start_receive(1, "tcp://1.2.3.4;evil:1", [0])
+        gen.tx.start_receive(1, "tcp://1.2.3.4;evil:1", [0], ticket=ticket_for(1))
     with pytest.raises(E.SessionError, match="generation transceiver"):
-        gen.tx.start_send(1, [0])
+        gen.tx.start_send(1, [0], ticket=ticket_for(1))
 
 
 def test_stopped_writer_keeps_pages_quarantined_until_it_is_dead() -> None:
@@ -216,9 +216,9 @@ def test_stopped_writer_keeps_pages_quarantined_until_it_is_dead() -> None:
     c = ContextProcess()
     g = Gen(timeout=1.0)
     try:
-        g.tx.start_receive(11, c.endpoint, [4])
+        g.tx.start_receive(11, c.endpoint, [4], ticket=ticket_for(11))
         deadline = time.monotonic() + 5
-        while g.tx.status(11) is not SessionState.TRANSFERRING and time.monotonic() < deadline:
+        while g.tx.status(11) is not RequestStatus.TRANSFERRING and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)  # the RequestData reached the context rank
         os.kill(c.pid, signal.SIGSTOP)
@@ -264,7 +264,7 @@ def test_dead_receiver_fails_the_send_and_releases() -> None:
             time.sleep(0.01)
         gp.kill()
         time.sleep(0.3)
-        tx.start_send(21, [5, 6])
+        tx.start_send(21, [5, 6], ticket=ticket_for(21))
         out = tx.wait_all([21], 15.0)[21]
         assert out.state in (SessionState.FAILED, SessionState.TIMED_OUT)
         assert isinstance(out.error, (E.PeerLostError, E.TransferError, E.TransferTimeoutError))
@@ -285,8 +285,8 @@ def test_layer_wise_sending_writes_each_slice_as_it_becomes_ready(ctx: ContextPr
         src, dst = [3, 8], [10, 20]
         cache.zero_()
         cache[src, :2] = torch.randn(2, 2, *cache.shape[2:]).to(cache.dtype)  # layers 0-1 computed
-        tx.start_send(31, src, layers_ready=2)
-        g.tx.start_receive(31, tx.info_endpoint, dst)
+        tx.start_send(31, src, layers_ready=2, ticket=ticket_for(31))
+        g.tx.start_receive(31, tx.info_endpoint, dst, ticket=ticket_for(31))
         deadline = time.monotonic() + 10
         while not torch.equal(g.cache[dst, :2], cache[src, :2]) and time.monotonic() < deadline:
             g.tx.poll()
@@ -334,11 +334,11 @@ def _soak(ctx: ContextProcess, gen: Gen) -> None:
             slots[r] = free.pop()
             src = int(rng.integers(0, 64))
             if r % 3 == 0:  # receivers first for a third of them
-                gen.tx.start_receive(r, ctx.endpoint, [slots[r]])
+                gen.tx.start_receive(r, ctx.endpoint, [slots[r]], ticket=ticket_for(r))
                 ctx.send(r, [src])
             else:
                 ctx.send(r, [src])
-                gen.tx.start_receive(r, ctx.endpoint, [slots[r]])
+                gen.tx.start_receive(r, ctx.endpoint, [slots[r]], ticket=ticket_for(r))
             if r in cancel_at:
                 gen.tx.cancel(r)
             started += 1

@@ -24,13 +24,14 @@ from kvcore.agent import TransferAgent
 from kvcore.errors import KvcoreError, MessageDecodeError, ProtocolError, RemoteAgentError
 from kvcore.messenger import Messenger
 from kvcore.msgbounds import MAX_DEPTH, check_msgpack_bounds
+from kvcore.params import BytesId
 
 V = wire.PROTOCOL_VERSION
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 enc = msgspec.msgpack.encode
 
 TAGS = ["instance_info_request", "instance_info", "register_rank_info", "register_result", "request_data"]
-TAGS += ["transfer_result", "cancel", "error", "bogus"]
+TAGS += ["transfer_result", "cancel", "error", "pull_done", "renew", "bogus"]
 
 scalars = (
     st.none()
@@ -71,6 +72,26 @@ def _valid_messages() -> list[wire.Message]:
         wire.Cancel(v=V, request_id=2**64 - 1, instance="x", rank=3, reason="r"),
         wire.ErrorReply(v=V, kind="SessionError", error="e"),
         wire.RegisterResult(v=V, ctx_rank=0, ok=False, error_kind="X", error="y"),
+        wire.RequestData(
+            v=V, request_id="cmpl-1", gen_instance="g", gen_rank=0, gen_incarnation="i", block_ids=b"", ticket=b"t" * 16
+        ),
+        wire.TransferResult(
+            v=V, request_id=BytesId(b"\0id"), ctx_rank=0, ctx_incarnation="c", status="ok", aux=b"first-token"
+        ),
+        wire.PullDone(
+            v=V,
+            request_id=9,
+            gen_instance="g",
+            gen_rank=1,
+            gen_incarnation="i",
+            ticket=b"t" * 16,
+            nonce=b"n" * 16,
+            status="ok",
+            ctx_incarnation="c",
+            blocks_digest=b"d" * 16,
+            nbytes=4096,
+        ),
+        wire.Renew(v=V, request_id="r", gen_instance="g", gen_rank=0, gen_incarnation="i", ticket=b"", nonce=b"n"),
     ]
 
 
@@ -168,6 +189,26 @@ def test_encode_decode_round_trip(rid: int, name: str, rank: int, blocks: bytes)
 def test_bounded_fields_refuse_oversized_values() -> None:
     with pytest.raises(MessageDecodeError, match="length"):
         wire.decode(enc({"t": "cancel", "v": V, "request_id": 1, "instance": "x" * 5000, "rank": 0}))
+    with pytest.raises(MessageDecodeError, match="length"):  # request ids: at most 256 characters or bytes
+        wire.decode(enc({"t": "cancel", "v": V, "request_id": "r" * 257, "instance": "x", "rank": 0}))
+    with pytest.raises(MessageDecodeError, match="length"):
+        wire.decode(enc({"t": "cancel", "v": V, "request_id": [b"r" * 257], "instance": "x", "rank": 0}))
+    with pytest.raises(MessageDecodeError, match="outside"):
+        wire.decode(enc({"t": "cancel", "v": V, "request_id": -1, "instance": "x", "rank": 0}))
+    with pytest.raises(MessageDecodeError, match="length"):  # aux: at most 1 MiB on the wire
+        wire.decode(
+            enc(
+                {
+                    "t": "transfer_result",
+                    "v": V,
+                    "request_id": 1,
+                    "ctx_rank": 0,
+                    "ctx_incarnation": "c",
+                    "status": "ok",
+                    "aux": b"a" * (wire.MAX_AUX_BYTES + 1),
+                }
+            )
+        )
 
 
 # --- agent descriptors and transport payloads ---------------------------------------------------

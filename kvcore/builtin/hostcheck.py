@@ -26,7 +26,7 @@ __all__ = ["PeerOnOtherHostError", "require_same_host", "abstract_socket_reachab
 
 
 class PeerOnOtherHostError(RemoteAgentError):
-    """A same-host transport was asked to load a peer on another host; choose a network transport (nixl, ucx)."""
+    """A same-host transport was asked to load a peer on another host; choose a network transport (``remote=True``)."""
 
 
 def abstract_socket_reachable(address: bytes, kind: int = socket.SOCK_DGRAM) -> bool:
@@ -83,5 +83,6 @@ def require_same_host(
         )
     raise PeerOnOtherHostError(
         f"{verdict}: {'; '.join(missing)}; the {backend} agent reaches peers on this host only "
-        "(same /dev/shm and network namespace); use a network transport (nixl or ucx) across hosts"
+        "(same /dev/shm and network namespace); use a network transport across hosts "
+        "(an agent with remote=True: see 'kvcore plugins')"
     )

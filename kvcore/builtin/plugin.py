@@ -12,15 +12,24 @@ from kvcore.registry import LayoutMapperRegistry, PageTableBuilderRegistry, Tran
 
 KVCORE_PLUGIN_API = 1
 
+#: What the shm agent can do: stated once here, read back by ``ShmAgent.capabilities``.
+SHM_CAPABILITIES = AgentCapabilities(
+    memory_kinds=frozenset({MemoryKind.DRAM}),
+    write=True,
+    read=True,
+    notifications=True,
+    remote=False,
+    async_submit=True,  # transfers over 256 KiB are copied by the agent's copy threads, which announce the end
+)
+
 
 @hookimpl
 def kvcore_register_transfer_agents(registry: TransferAgentRegistry) -> None:
     registry.add(
         "shm",
         "kvcore.builtin.shm:ShmAgent",
-        capabilities=AgentCapabilities(
-            memory_kinds=frozenset({MemoryKind.DRAM}), write=True, read=True, notifications=True, remote=False
-        ),
+        capabilities=SHM_CAPABILITIES,
+        auto_priority=0,  # backend="auto" falls back to it: no native dependency, one host only
         description="same-host shared memory (POSIX shm segments); no native dependency",
     )
 
@@ -49,5 +58,5 @@ def kvcore_register_page_table_builders(registry: PageTableBuilderRegistry) -> N
     registry.add(
         "mamba_state",
         "kvcore.builders:build_mamba_state",
-        description="Mamba2/GDN state per layer: conv [layers, slots, conv_dim, d_conv-1], SSM [layers, slots, heads, head_dim, d_state]",
+        description="Mamba2/GDN state per layer: conv [layers, slots, conv_dim, d_conv-1], SSM [layers, slots, heads, head_dim, d_state]; layout='vllm': one [slots, d_conv-1, conv_dim] and one SSM tensor per layer",
     )

@@ -67,7 +67,6 @@ import numpy as np
 from kvcore.agent import (
     AgentCapabilities,
     AgentDescriptor,
-    MemoryKind,
     MemoryRegion,
     Notification,
     Registration,
@@ -79,6 +78,7 @@ from kvcore.agent import (
     process_incarnation,
 )
 from kvcore.builtin.hostcheck import require_same_host
+from kvcore.builtin.plugin import SHM_CAPABILITIES
 from kvcore.errors import (
     KvcoreError,
     PeerLostError,
@@ -89,6 +89,7 @@ from kvcore.errors import (
     TransferFailedError,
     UnsupportedOperationError,
 )
+from kvcore.fragments import merge_runs
 from kvcore.hostinfo import host_identity, hostname
 from kvcore.msgbounds import check_msgpack_bounds
 
@@ -162,6 +163,7 @@ class _Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     exports: Annotated[list[_ExportInfo], msgspec.Meta(max_length=_SLOTS)]
     host: Name = ""  # kvcore.hostinfo.host_identity() of the owner: a peer on another host is refused at load
     hostname: Name = ""  # for the error message only
+    version: int = 1  # _PAYLOAD_VERSION of the owner's kvcore; checked at load
 
 
 class _FdRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -184,6 +186,7 @@ class _FdReply(msgspec.Struct, array_like=True, frozen=True):
 
 
 _payload_decoder = msgspec.msgpack.Decoder(_Payload)
+_PAYLOAD_VERSION = 1  # of _Payload; a peer with another one is refused at load
 _request_decoder = msgspec.msgpack.Decoder(_FdRequest)
 _reply_decoder = msgspec.msgpack.Decoder(_FdReply)
 _notif_decoder = msgspec.msgpack.Decoder(tuple[str, bytes])
@@ -226,13 +229,8 @@ def check_sealed_memfd(fd: int, min_size: int) -> None:
 
 def _merge_runs(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> tuple[list[int], list[int], list[int]]:
     """Merge consecutive fragments that are contiguous on both sides; returns Python lists for the copy loop."""
-    if sizes.size > 1:
-        joins = (dst[:-1] + sizes[:-1] == dst[1:]) & (src[:-1] + sizes[:-1] == src[1:])
-        if joins.any():
-            first = np.flatnonzero(np.concatenate(([True], ~joins)))
-            totals = np.add.reduceat(sizes, first)
-            return dst[first].tolist(), src[first].tolist(), totals.tolist()
-    return dst.tolist(), src.tolist(), sizes.tolist()
+    d, s, n, _ = merge_runs(dst, src, sizes)
+    return d.tolist(), s.tolist(), n.tolist()
 
 
 @dataclass(eq=False)
@@ -457,14 +455,7 @@ class ShmAgent(TransferAgent):
     """
 
     backend: ClassVar[str] = "shm"
-    capabilities: ClassVar[AgentCapabilities] = AgentCapabilities(
-        memory_kinds=frozenset({MemoryKind.DRAM}),
-        write=True,
-        read=True,
-        notifications=True,
-        remote=False,
-        async_submit=True,
-    )
+    capabilities: ClassVar[AgentCapabilities] = SHM_CAPABILITIES  # stated once, where the plugin registers it
 
     def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
         super().__init__(name, options)
@@ -677,13 +668,7 @@ class ShmAgent(TransferAgent):
     def _decode_payload(self, descriptor: AgentDescriptor) -> _Payload:
         """Decode and bound-check a peer's payload; every problem is a ``RemoteAgentError`` naming the field."""
         who = f"peer {descriptor.name!r}"
-        check_msgpack_bounds(
-            descriptor.payload, error=RemoteAgentError, what=f"{who}: malformed shm descriptor payload"
-        )
-        try:
-            payload = _payload_decoder.decode(descriptor.payload)
-        except msgspec.DecodeError as exc:
-            raise RemoteAgentError(f"{who}: malformed shm descriptor payload: {exc}") from exc
+        payload = self.decode_payload(descriptor, _payload_decoder, version=_PAYLOAD_VERSION)
         for what, sock in (("fds", payload.fds), ("notify", payload.notify)):
             if not _SOCK_RE.match(sock) or not sock.endswith(f"-{what}"):
                 raise RemoteAgentError(f"{who}: shm {what} socket name {sock!r} is not a kvcore shm name")
@@ -965,7 +950,8 @@ class ShmAgent(TransferAgent):
                 f"fragment {i}: remote range [{int(addrs[i]):#x}, +{int(sizes[i])}) is not inside one shm segment "
                 f"of peer {peer_name!r}; nothing was moved"
             )
-        return peer.seg_local[seg] + (addrs - peer.seg_base[seg])
+        out: np.ndarray = peer.seg_local[seg] + (addrs - peer.seg_base[seg])
+        return out
 
     def _send_pending(self, peer_name: str, xfer: _Xfer) -> None:
         with self._send_lock:  # a copy thread and a poll may both try: the notification goes once

@@ -193,7 +193,8 @@ class _Peer:
         self.loaded: list[str] = []  # initiators loaded with op_load
 
     def _bytes(self, key: str) -> np.ndarray:
-        return self.buffers[key].cpu().numpy().view(np.uint8).reshape(-1)
+        out: np.ndarray = self.buffers[key].cpu().numpy().view(np.uint8).reshape(-1)
+        return out
 
     def op_hello(self) -> dict[str, Any]:
         caps = self.cls.capabilities

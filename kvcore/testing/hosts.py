@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.hostinfo import process_alive, process_start_time
+from kvcore.params import derive_ticket
 from kvcore.testing.harness import PeerProcess
 
 __all__ = [
@@ -93,6 +94,9 @@ while True:
     except ChildProcessError:
         pass
 """
+
+#: The ticket secret the harness's ranks derive tickets from unless the driver passes its own (hex; test tool only).
+HARNESS_TICKET_SECRET = "6b76636f72652d74776f2d686f7374732d686172726e657373"
 
 
 _ECHO = (
@@ -471,7 +475,7 @@ def _peer_class() -> type:
     from kvcore.hostinfo import host_identity, hostname
     from kvcore.testing.harness import _Peer
 
-    class _HostPeer(_Peer):  # type: ignore[misc, valid-type]
+    class _HostPeer(_Peer):
         """Harness commands plus: where am I, load a peer, write to it (timed), write until an error."""
 
         def op_whoami(self) -> dict[str, Any]:
@@ -650,7 +654,13 @@ def _peer_class() -> type:
                         for r in me.mine(cmd["requests"]):
                             if cmd["op"] == "send":
                                 me.fill(r)
-                                tx.start_send(r, me.blocks[r], prompt_len=demo.tokens, state_slot=me.state_slot(r))
+                                tx.start_send(
+                                    r,
+                                    me.blocks[r],
+                                    prompt_len=demo.tokens,
+                                    state_slot=me.state_slot(r),
+                                    ticket=derive_ticket(cmd["secret"], r),
+                                )
                             else:
                                 tx.start_receive(
                                     r,
@@ -659,6 +669,7 @@ def _peer_class() -> type:
                                     prompt_len=demo.tokens,
                                     state_slot=me.state_slot(r),
                                     ctx_dp_rank=demo.dp_group("context", r),
+                                    ticket=derive_ticket(cmd["secret"], r),
                                 )
                     result = tx.poll()  # collective: every rank of the instance polls in step
                     for o in result.outcomes:
@@ -672,14 +683,21 @@ def _peer_class() -> type:
             except Exception as exc:
                 st["error"] = f"{type(exc).__name__}: {exc}"
 
-        def op_rank_send(self, requests: list[int]) -> dict[str, Any]:
-            """Context rank: fill this rank's part of ``requests`` with the oracle's values and send them."""
-            self.rank_state["commands"].put({"op": "send", "requests": requests})
+        def op_rank_send(self, requests: list[int], secret: str = HARNESS_TICKET_SECRET) -> dict[str, Any]:
+            """Context rank: fill this rank's part of ``requests`` with the oracle's values and send them.
+
+            Tickets are derived from ``secret`` (hex), which the driver gives both instances.
+            """
+            self.rank_state["commands"].put({"op": "send", "requests": requests, "secret": bytes.fromhex(secret)})
             return {}
 
-        def op_rank_receive(self, requests: list[int], endpoint: str) -> dict[str, Any]:
+        def op_rank_receive(
+            self, requests: list[int], endpoint: str, secret: str = HARNESS_TICKET_SECRET
+        ) -> dict[str, Any]:
             """Generation rank: fetch ``requests`` from the context instance at ``endpoint``."""
-            self.rank_state["commands"].put({"op": "receive", "requests": requests, "endpoint": endpoint})
+            self.rank_state["commands"].put(
+                {"op": "receive", "requests": requests, "endpoint": endpoint, "secret": bytes.fromhex(secret)}
+            )
             return {}
 
         def op_rank_status(self) -> dict[str, Any]:
@@ -802,7 +820,9 @@ def _bench_main(argv: list[str]) -> int:
     options = json.loads(args.options)
     with TwoHosts(mtu=args.mtu) as hosts:
         hosts.wait_link()
-        for backend in args.backend or ["nixl", "ucx"]:
+        from kvcore.plugins import get_plugin_manager
+
+        for backend in args.backend or get_plugin_manager().transfer_agents.remote_names():
             for cross in (True,) if args.cross_only else (False, True):
                 r = measure(backend, cross_host=cross, hosts=hosts, iterations=args.iterations, options=options)
                 print(json.dumps({**r, "mtu": args.mtu or 1500, "options": options}), flush=True)

@@ -1,7 +1,7 @@
 """kvcore's pytest plugin (entry point ``pytest11: kvcore``): adds ``--kvcore-backend`` and nothing else.
 
-It imports nothing heavy and runs no test unless a test module opts in with
-``from kvcore.testing.contract import *``; see that module for usage.
+It imports nothing heavy and runs no test unless a test module opts in by subclassing
+``kvcore.testing.contract.TransferAgentContract``; see that module for usage.
 """
 
 from __future__ import annotations
@@ -15,6 +15,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kvcore-backend",
         dest="kvcore_backend",
         default=None,
-        help="backend name the kvcore contract suite runs against when a test module does not set "
-        "KVCORE_CONTRACT_BACKEND",
+        help="backend name the kvcore contract suite runs against when a TransferAgentContract subclass "
+        "does not set backend",
     )

@@ -8,7 +8,7 @@ peer lifecycles in :mod:`.peers`.
 
 from __future__ import annotations
 
-from kvcore.transceiver.facade import CACHE_GAUGES, COUNTERS, Outcome, PollResult, Transceiver, leaks
+from kvcore.transceiver.facade import CACHE_GAUGES, COUNTERS, Outcome, PollResult, RequestStatus, Transceiver, leaks
 from kvcore.transceiver.peers import PeerState
 from kvcore.transceiver.sessions import SessionState, TaskState, WriterState
 
@@ -19,6 +19,7 @@ __all__ = [
     "Transceiver",
     "PollResult",
     "Outcome",
+    "RequestStatus",
     "SessionState",
     "PeerState",
     "TaskState",

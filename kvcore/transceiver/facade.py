@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import msgspec
@@ -37,14 +38,15 @@ from kvcore.collective import Collective
 from kvcore.config import TransceiverConfig
 from kvcore.mapping import RankLayout
 from kvcore.page import PageTable
+from kvcore.params import InternalId, RequestId, TransferParams, api_id, check_ticket, internal_id
 from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.transceiver.link import Link
 from kvcore.transceiver.receiver import Receiver
-from kvcore.transceiver.role import Role, check_request_id
+from kvcore.transceiver.role import Role
 from kvcore.transceiver.sender import Sender
-from kvcore.transceiver.sessions import SessionState
+from kvcore.transceiver.sessions import FINAL_TASK_STATES, RxSession, SessionState, TaskState, TxSession
 
-__all__ = ["Transceiver", "PollResult", "Outcome", "CACHE_GAUGES", "COUNTERS", "leaks"]
+__all__ = ["Transceiver", "PollResult", "Outcome", "RequestStatus", "CACHE_GAUGES", "COUNTERS", "leaks"]
 
 #: ``stats()`` keys of bounded caches (peers, loaded agents, connections, tombstones), not per-request resources.
 CACHE_GAUGES = frozenset(
@@ -69,6 +71,7 @@ COUNTERS = frozenset(
         "fenced_grace",
         "forged_messages",
         "peers_lost",
+        "tickets_refused",
     }
 )
 
@@ -82,14 +85,37 @@ _STATUS_CODE = {SessionState.DONE: 0, SessionState.CANCELLED: 1, SessionState.TI
 _CODE_STATUS = {v: k for k, v in _STATUS_CODE.items()}
 
 
+def _order(rid: Any) -> tuple[int, Any]:
+    """A total order over mixed request ids (ints, then strs, then bytes) so reports are deterministic."""
+    if isinstance(rid, int):
+        return (0, rid)
+    if isinstance(rid, str):
+        return (1, rid)
+    return (2, rid if isinstance(rid, bytes) else getattr(rid, "b", b""))
+
+
+class RequestStatus(str, Enum):
+    """Where one request stands on this rank (``Transceiver.status``)."""
+
+    CONNECTING = "CONNECTING"  # generation: first contact with the context instance is under way
+    WAITING = "WAITING"  # context: not every receiver has asked yet; generation: expected, or waiting for writers
+    READY = "READY"  # context: every receiver asked (their memory is allocated); nothing written yet
+    TRANSFERRING = "TRANSFERRING"  # bytes are moving (or a slice landed and more layers are to come)
+    DONE = "DONE"  # terminal states: until poll() reported the request released
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    TIMED_OUT = "TIMED_OUT"
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """The agreed terminal outcome of one request on this instance."""
+    """The agreed terminal outcome of one request on this instance (``aux``: the context's payload, with DONE)."""
 
-    request_id: int
+    request_id: RequestId
     state: SessionState
     error: E.KvcoreError | None = None
     nbytes: int = 0
+    aux: bytes = b""
 
 
 @dataclass
@@ -99,7 +125,7 @@ class PollResult:
     done: list[Outcome] = field(default_factory=list)
     failed: list[Outcome] = field(default_factory=list)  # FAILED and TIMED_OUT
     cancelled: list[Outcome] = field(default_factory=list)
-    released: list[int] = field(default_factory=list)
+    released: list[RequestId] = field(default_factory=list)
 
     @property
     def outcomes(self) -> list[Outcome]:
@@ -108,8 +134,8 @@ class PollResult:
 
 class _Agreement(msgspec.Struct, array_like=True):
     group: int  # ranks with equal group agree on a request (the attention-DP group; 0 without attention DP)
-    terminal: dict[int, int]
-    quiescent: list[int]
+    terminal: list[tuple[wire.RequestId, int]]
+    quiescent: list[wire.RequestId]
 
 
 class Transceiver:
@@ -225,48 +251,145 @@ class Transceiver:
 
     def start_send(
         self,
-        request_id: int,
+        request_id: RequestId,
         block_ids: Iterable[int],
         *,
         prompt_len: int = -1,
         state_slot: int = -1,
         layers_ready: int | None = None,
-    ) -> None:
-        """Context side: the request's KV lives in ``block_ids`` (in token order); send it.
+        mode: str | None = None,
+        ticket: bytes | str | None = None,
+        aux: bytes | None = None,
+        params: TransferParams | None = None,
+    ) -> TransferParams:
+        """Context side: the request's KV lives in ``block_ids`` (in token order); send it. Returns its parameters.
+
+        The returned :class:`~kvcore.params.TransferParams` are what the engine
+        forwards to the generation side (``start_receive(params=...)``); they
+        carry the request's ticket, without which no receiver is served
+        (``config.require_tickets``). Pass ``ticket`` (or ``params`` made with
+        ``TransferParams.make`` in the scheduler) to choose it beforehand.
+
+        ``mode``: "push" (this side writes into the receiver's blocks once it
+        asks) or "pull" (the receiver reads these blocks at once; they must be
+        the same on every context rank); default ``config.transfer_mode``.
+        ``aux``: opaque bytes (at most ``config.max_aux_bytes``) delivered
+        with DONE on the generation side; or call :meth:`set_aux` later.
 
         Block ids must be distinct integers inside this rank's pools (``LayoutError``
         otherwise). By default every layer is complete. For layer-wise sending while
-        prefill still runs, pass ``layers_ready=L`` (global layers below ``L`` are
-        complete) and call :meth:`layers_ready` as more layers finish; each slice is
-        written as soon as a receiver asked for the request.
+        prefill still runs (push mode), pass ``layers_ready=L`` (global layers below
+        ``L`` are complete) and call :meth:`layers_ready` as more layers finish; each
+        slice is written as soon as a receiver asked for the request.
         """
-        self._as_sender().start_send(request_id, block_ids, prompt_len, state_slot, layers_ready)
+        if params is not None:
+            if api_id(internal_id(params.request_id)) != request_id:
+                raise E.SessionError(f"start_send({request_id!r}) got parameters of request {params.request_id!r}")
+            ticket = params.ticket_bytes if ticket is None else ticket
+            mode = mode or params.mode
+        return self._as_sender().start_send(
+            internal_id(request_id), block_ids, prompt_len, state_slot, layers_ready, mode=mode, ticket=ticket, aux=aux
+        )
 
-    def layers_ready(self, request_id: int, upto: int) -> None:
-        """Context side, layer-wise: global layers below ``upto`` are complete; they are written at once."""
-        self._as_sender().layers_ready(request_id, upto)
+    def set_aux(self, request_id: RequestId, aux: bytes) -> None:
+        """Context side: the request's aux payload (first token, draft tokens...), before any receiver has its KV."""
+        self._as_sender().set_aux(internal_id(request_id), aux)
+
+    def layers_ready(self, request_id: RequestId, upto: int, event: Any = None) -> None:
+        """Context side, layer-wise: global layers below ``upto`` are complete; they are written at once.
+
+        With ``event`` (a ``torch.cuda.Event`` recorded after the layers' kernels on the
+        compute stream) the layers count as complete once the event has completed: the
+        call returns at once and the transceiver's worker polls ``event.query()``, so
+        the engine never synchronizes its stream for kvcore. Events of one transceiver
+        take effect in the order they were given.
+        """
+        self._as_sender().layers_ready(internal_id(request_id), upto, event)
 
     def start_receive(
         self,
-        request_id: int,
-        ctx_endpoint: str,
-        block_ids: Iterable[int],
+        request_id: RequestId | None = None,
+        ctx_endpoint: str | None = None,
+        block_ids: Iterable[int] = (),
         *,
+        params: TransferParams | Mapping[str, Any] | None = None,
         prompt_len: int = -1,
         state_slot: int = -1,
         ctx_dp_rank: int = 0,
+        ticket: bytes | str | None = None,
     ) -> None:
-        """Generation side: fetch request ``request_id`` from the context instance at ``ctx_endpoint``.
+        """Generation side: receive a request into ``block_ids``, usually ``start_receive(params=p, block_ids=b)``.
+
+        ``params`` are the context's :class:`~kvcore.params.TransferParams` (or
+        their ``to_dict()`` form): endpoint, request id, ticket, DP rank, mode
+        and, in pull mode, the blocks to read. Without them, name the request,
+        the context instance's endpoint and the ticket yourself (push mode).
 
         ``block_ids`` are this rank's destination blocks in token order (distinct,
         inside this rank's pools); when the generation side already holds a cached
-        prefix, pass only the suffix blocks. ``ctx_dp_rank`` names the context
-        attention-DP group that ran the prefill. When both sides pass ``prompt_len``
+        prefix, pass only the suffix blocks. When both sides pass ``prompt_len``
         they must agree (``MappingError`` naming both otherwise).
         """
-        self._as_receiver().start_receive(request_id, ctx_endpoint, block_ids, prompt_len, state_slot, ctx_dp_rank)
+        self._receive(request_id, ctx_endpoint, block_ids, params, prompt_len, state_slot, ctx_dp_rank, ticket, False)
 
-    def cancel(self, request_id: int, reason: str = "cancelled by the engine") -> bool:
+    def expect(self, params: TransferParams | Mapping[str, Any]) -> None:
+        """Generation side: a request will be received here later; keep the context's lease on it renewed.
+
+        For engines whose decode side queues a request before it can allocate its
+        blocks. ``start_receive(params=..., block_ids=...)`` then starts the
+        transfer; ``cancel`` gives it up. If the context lets go meanwhile (its
+        lease ran out), ``poll()`` reports the request failed with LeaseExpiredError.
+        """
+        self._receive(None, None, (), params, -1, -1, 0, None, True)
+
+    def _receive(
+        self,
+        request_id: RequestId | None,
+        ctx_endpoint: str | None,
+        block_ids: Iterable[int],
+        params: TransferParams | Mapping[str, Any] | None,
+        prompt_len: int,
+        state_slot: int,
+        ctx_dp_rank: int,
+        ticket: bytes | str | None,
+        expecting: bool,
+    ) -> None:
+        rx = self._as_receiver()
+        if params is not None and not isinstance(params, TransferParams):
+            params = TransferParams.from_dict(params)
+        if params is None:
+            if request_id is None or ctx_endpoint is None:
+                raise E.SessionError("start_receive needs params=, or request_id and ctx_endpoint")
+            rid = internal_id(request_id)
+            tk = b"" if ticket is None else check_ticket(ticket, f"request {request_id!r} ticket")
+            rx.start_receive(rid, ctx_endpoint, block_ids, prompt_len, state_slot, ctx_dp_rank, ticket=tk)
+            return
+        rid = internal_id(params.request_id)
+        if request_id is not None and internal_id(request_id) != rid:
+            raise E.SessionError(f"start_receive({request_id!r}) got parameters of request {params.request_id!r}")
+        if ctx_endpoint is not None and ctx_endpoint != params.endpoint:
+            raise E.SessionError(
+                f"start_receive: ctx_endpoint {ctx_endpoint!r} but the parameters name {params.endpoint!r}"
+            )
+        if params.prompt_len >= 0 and prompt_len >= 0 and params.prompt_len != prompt_len:
+            raise E.MappingError(f"request {rid!r} prompt_len: context {params.prompt_len}, generation {prompt_len}")
+        rx.start_receive(
+            rid,
+            params.endpoint,
+            block_ids,
+            prompt_len if prompt_len >= 0 else params.prompt_len,
+            state_slot,
+            params.dp_rank,
+            ticket=params.ticket_bytes,
+            mode=params.mode,
+            ctx_block_ids=params.block_ids,
+            ctx_state_slot=params.state_slot,
+            ctx_incarnation=params.incarnation,
+            expecting=expecting,
+            lease_s=params.lease_ms / 1000.0,
+        )
+
+    def cancel(self, request_id: RequestId, reason: str = "cancelled by the engine") -> bool:
         """Cancel a request (logical). Its pages are released only once no write can still land.
 
         Returns False when the request is unknown here or already terminal. On the
@@ -274,11 +397,30 @@ class Transceiver:
         ``start_send`` of it ends CANCELLED at once.
         """
         self._check_open()
-        return self._role.cancel(check_request_id(request_id), str(reason)[:500])
+        return self._role.cancel(internal_id(request_id), str(reason)[:500])
 
-    def status(self, request_id: int) -> SessionState | None:
-        """This rank's current state of a request (None when unknown or already released); cheap, not collective."""
-        return self._role.status(check_request_id(request_id))
+    def status(self, request_id: RequestId) -> RequestStatus | None:
+        """This rank's state of a request (None when unknown here or already released); cheap, not collective."""
+        rid = internal_id(request_id)
+        with self._link.lock:
+            s = self._role.sessions.get(rid)
+            if s is None:
+                return None
+            if s.terminal:
+                return RequestStatus(s.state.value)
+            if isinstance(s, TxSession):
+                states = {t.state for t in s.tasks.values()}
+                if states - {TaskState.WAITING} - FINAL_TASK_STATES or TaskState.DONE in states:
+                    return RequestStatus.TRANSFERRING
+                if s.expected_receivers is not None and len(s.tasks) >= s.expected_receivers:
+                    return RequestStatus.READY
+                return RequestStatus.WAITING
+            assert isinstance(s, RxSession)
+            if s.expecting:
+                return RequestStatus.WAITING
+            if s.instance is None:
+                return RequestStatus.CONNECTING
+            return RequestStatus.TRANSFERRING
 
     def poll(self) -> PollResult:
         """Outcomes every rank agrees on, and requests whose memory is now safe to reuse.
@@ -289,67 +431,87 @@ class Transceiver:
         with self._poll_lock:
             return self._poll()
 
-    def _poll(self) -> PollResult:
-        link = self._link
-        with link.lock:
+    def poll_local(self) -> PollResult:
+        """This rank's own outcomes and releases, with no collective (for engines that aggregate ranks themselves).
+
+        A request is reported by each rank when *that rank* is done with it, so
+        outcomes may differ between ranks (one rank DONE, another FAILED): the
+        engine combines them (worst wins), as vLLM's KVOutputAggregator does. Use
+        either ``poll`` or ``poll_local`` on a transceiver, not both.
+        """
+        with self._poll_lock:
+            terminal, quiescent = self._local_view()
+            return self._report(terminal, set(quiescent))
+
+    def _local_view(self) -> tuple[dict[InternalId, int], list[InternalId]]:
+        with self._link.lock:
             sessions = self._role.sessions
             terminal = {rid: _STATUS_CODE[s.state] for rid, s in sessions.items() if s.terminal and not s.reported}
             quiescent = [rid for rid, s in sessions.items() if s.terminal and s.quiescent and not s.released]
+        return terminal, quiescent
+
+    def _poll(self) -> PollResult:
+        terminal, quiescent = self._local_view()
         group = self.topology.dp_rank if self.topology.attention_dp else 0
-        payload = msgspec.msgpack.encode(_Agreement(group, terminal, quiescent))
+        payload = msgspec.msgpack.encode(_Agreement(group, list(terminal.items()), quiescent))
         everyone = [msgspec.msgpack.decode(b, type=_Agreement) for b in self.collective.allgather(payload)]
         # Under attention DP a request lives on one DP group only: those ranks must agree, not the whole instance.
         gathered = [g for g in everyone if g.group == group]
-        result = PollResult()
-        agreed_terminal = set(terminal)
-        for g in gathered:
-            agreed_terminal &= set(g.terminal)
+        codes = [dict(g.terminal) for g in gathered]
+        agreed = {rid: max(c[rid] for c in codes) for rid in terminal if all(rid in c for c in codes)}  # worst wins
         agreed_quiet = set(quiescent)
         for g in gathered:
             agreed_quiet &= set(g.quiescent)
+        return self._report(agreed, agreed_quiet)
+
+    def _report(self, agreed: dict[InternalId, int], agreed_quiet: set[InternalId]) -> PollResult:
+        link = self._link
+        result = PollResult()
         now = time.monotonic()
         with link.lock:
             sessions = self._role.sessions
-            for rid in sorted(agreed_terminal):
-                state = _CODE_STATUS[max(g.terminal[rid] for g in gathered)]  # worst outcome wins
+            for rid in sorted(agreed, key=_order):
+                state = _CODE_STATUS[agreed[rid]]
                 s = sessions.get(rid)
                 if s is None or s.reported:
                     continue
                 s.reported = True
                 err = s.error
                 if state is not s.state and err is None:
-                    err = E.SessionError(f"request {rid} ended {state.value} on another rank of this instance")
-                out = Outcome(rid, state, err if state is not SessionState.DONE else None, s.nbytes)
+                    err = E.SessionError(f"request {rid!r} ended {state.value} on another rank of this instance")
+                done = state is SessionState.DONE
+                aux = s.aux if done and isinstance(s, RxSession) else b""
+                out = Outcome(api_id(rid), state, None if done else err, s.nbytes, aux)
                 self.metrics.request_finished(
                     state.value, now - s.created, error=out.error, peer=self._role.peer_name(s)
                 )
-                if state is SessionState.DONE:
+                if done:
                     result.done.append(out)
                 elif state is SessionState.CANCELLED:
                     result.cancelled.append(out)
                 else:
                     result.failed.append(out)
-            for rid in sorted(agreed_quiet):
+            for rid in sorted(agreed_quiet, key=_order):
                 s = sessions.get(rid)
                 if s is None or not s.reported or s.released:
                     continue
                 s.released = True
-                result.released.append(rid)
+                result.released.append(api_id(rid))
                 self._role.release(rid)
         return result
 
-    def wait_all(self, request_ids: Iterable[int], timeout: float) -> dict[int, Outcome]:
+    def wait_all(self, request_ids: Iterable[RequestId], timeout: float) -> dict[RequestId, Outcome]:
         """Poll until every id is reported and released (single-rank helper for tests and tools)."""
         want = set(request_ids)
-        outcomes: dict[int, Outcome] = {}
-        released: set[int] = set()
+        outcomes: dict[RequestId, Outcome] = {}
+        released: set[RequestId] = set()
         deadline = time.monotonic() + timeout
         while not (want <= released and want <= set(outcomes)):
             r = self.poll()
             outcomes.update({o.request_id: o for o in r.outcomes})
             released.update(r.released)
             if time.monotonic() > deadline:
-                missing = sorted((want - released) | (want - set(outcomes)))
+                missing = sorted((want - released) | (want - set(outcomes)), key=_order)
                 raise E.TransferTimeoutError(
                     f"{len(missing)} request(s) not reported and released after {timeout}s: {missing[:8]} "
                     "(wait_all sees only outcomes reported during its own polls)"

@@ -461,6 +461,8 @@ class Link:
         x = self._by_handle.get(handle_id)
         if x is not None:
             self._advance(x)
+        else:
+            self._tick(time.monotonic())  # a transfer the role submitted itself: its timer polls it now
 
     def unload_agent(self, name: str, incarnation: str) -> None:
         """Unload a peer's agent if the one loaded under ``name`` is still that incarnation (worker thread)."""

@@ -94,6 +94,7 @@ class CtxInstance(Peer):
     ranks: list[wire.RankInfo] = field(default_factory=list)
     peers: list[int] = field(default_factory=list)  # ctx ranks this generation rank exchanges with
     agents: dict[int, str] = field(default_factory=dict)  # ctx rank -> loaded agent name
+    registered: set[int] = field(default_factory=set)  # ctx ranks that loaded our agent (we may READ from them)
     lost_at: float | None = None
 
     @property

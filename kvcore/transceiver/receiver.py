@@ -11,6 +11,7 @@ again for its final word on a timer, so a lost message cannot pin pages forever.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -20,13 +21,16 @@ import numpy as np
 
 from kvcore import bounce, wire
 from kvcore import errors as E
+from kvcore.agent import TransferOp, TransferStatus
 from kvcore.mapping import plan_transfer, validate_compatible
 from kvcore.messenger import Source
 from kvcore.metrics import FenceReason
+from kvcore.params import InternalId
 from kvcore.peer import peer_ranks
 from kvcore.transceiver.link import Handler, Link, error_from
 from kvcore.transceiver.peers import CtxInstance, PeerState, writer_fenced
-from kvcore.transceiver.role import Role, check_block_ids, check_request_id, max_slot
+from kvcore.transceiver.role import Role, check_block_ids, max_slot
+from kvcore.transceiver.sender import blocks_digest
 from kvcore.transceiver.sessions import RxSession, SessionState, WriterState
 
 __all__ = ["Receiver"]
@@ -42,21 +46,23 @@ class Receiver(Role):
 
     def __init__(self, link: Link) -> None:
         super().__init__(link)
-        self.rx: dict[int, RxSession] = {}
+        self.rx: dict[InternalId, RxSession] = {}
         self.instances: dict[str, CtxInstance] = {}  # current incarnation (or refusal) per context endpoint
         self.retired: list[CtxInstance] = []  # lost or replaced instances, unloaded once no request needs them
-        self.quarantined: set[int] = set()
-        self.reasks: dict[int, int] = {}
+        self.quarantined: set[InternalId] = set()
+        self.reasks: dict[InternalId, int] = {}
         # Requests cancelled before their instance was ready: (endpoint) -> [(request id, ctx dp rank)]; the
         # context ranks are told once the instance is ready, so they let go of the request's pages at once.
-        self.declines: dict[str, list[tuple[int, int]]] = {}
+        self.declines: dict[str, list[tuple[InternalId, int, bytes]]] = {}
         self.counters = link.counters
         self.arena: bounce.Arena | None = link.arena
         # (ctx endpoint, ctx rank) -> (fragments per block, mean fragment bytes) of its unmerged plans
         self._plan_shape: dict[tuple[str, int], tuple[float, float]] = {}
+        self.reads: dict[tuple[int, int], tuple[RxSession, int]] = {}  # pull: (id(session), ctx rank) -> in flight
+        self._renew_scan = 0.0
 
     @property
-    def sessions(self) -> dict[int, Any]:
+    def sessions(self) -> dict[InternalId, Any]:
         return self.rx
 
     def handlers(self) -> dict[type, Handler]:
@@ -70,31 +76,76 @@ class Receiver(Role):
     # --- engine API ----------------------------------------------------------------------------
 
     def start_receive(
-        self, request_id: int, ctx_endpoint: str, block_ids: Any, prompt_len: int, state_slot: int, ctx_dp_rank: int
+        self,
+        rid: Any,
+        ctx_endpoint: str,
+        block_ids: Any,
+        prompt_len: int,
+        state_slot: int,
+        ctx_dp_rank: int,
+        *,
+        ticket: bytes = b"",
+        mode: str = "push",
+        ctx_block_ids: Any = (),
+        ctx_state_slot: int = -1,
+        ctx_incarnation: str = "",
+        expecting: bool = False,
+        lease_s: float = 0.0,
     ) -> None:
-        rid = check_request_id(request_id)
         blocks = check_block_ids(block_ids, max_slot(self.link), f"request {rid} block_ids")
         self.check_state_slot(rid, state_slot)
         wire.parse_endpoint(ctx_endpoint)
-        for name, value in (("prompt_len", prompt_len), ("ctx_dp_rank", ctx_dp_rank)):
+        for name, value in (
+            ("prompt_len", prompt_len),
+            ("ctx_dp_rank", ctx_dp_rank),
+            ("ctx_state_slot", ctx_state_slot),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise E.SessionError(f"request {rid}: {name} must be an integer, got {value!r}")
+        ctx_blocks = np.asarray(list(ctx_block_ids), dtype=np.int64) if mode == "pull" else np.zeros(0, np.int64)
+        if mode == "pull" and not self.link.agent.capabilities.read:
+            raise E.UnsupportedOperationError(
+                f"request {rid}: pull mode needs an agent that can READ; {self.link.agent.backend!r} cannot"
+            )
         now = time.monotonic()
         with self.link.lock:
-            if rid in self.rx:
+            old = self.rx.get(rid)
+            if old is not None and not (old.expecting and not expecting):
                 raise E.SessionError(f"request {rid} is already being received")
-            self.admit()
-            s = RxSession(
-                request_id=rid,
-                deadline=now + self.config.request_timeout_s,
-                ctx_endpoint=ctx_endpoint,
-                block_ids=blocks,
-                state_slot=int(state_slot),
-                prompt_len=int(prompt_len),
-                ctx_dp_rank=int(ctx_dp_rank),
-            )
-            self.rx[rid] = s
-            self.link.metrics.request_started()
+            if old is not None:
+                # expect() announced it; now the blocks are allocated.
+                if old.ctx_endpoint != ctx_endpoint or old.ticket != ticket:
+                    raise E.SessionError(f"request {rid}: start_receive names other parameters than expect() did")
+                s = old
+                s.expecting = False
+                s.block_ids, s.state_slot, s.prompt_len = blocks, int(state_slot), int(prompt_len)
+                s.ctx_block_ids, s.ctx_state_slot, s.ctx_incarnation = ctx_blocks, int(ctx_state_slot), ctx_incarnation
+                if not s.terminal:
+                    s.deadline = now + self.config.request_timeout_s
+            else:
+                self.admit()
+                s = RxSession(
+                    request_id=rid,
+                    deadline=now + (self.config.max_lease_s if expecting else self.config.request_timeout_s),
+                    ctx_endpoint=ctx_endpoint,
+                    block_ids=blocks,
+                    state_slot=int(state_slot),
+                    prompt_len=int(prompt_len),
+                    ctx_dp_rank=int(ctx_dp_rank),
+                    ticket=ticket,
+                    mode=mode,
+                    expecting=expecting,
+                    ctx_block_ids=ctx_blocks,
+                    ctx_state_slot=int(ctx_state_slot),
+                    ctx_incarnation=ctx_incarnation,
+                    renew_nonce=os.urandom(16),
+                    last_renew=now,
+                    renew_every=(lease_s or self.config.lease_s) / 3.0,
+                )
+                self.rx[rid] = s
+                self.link.metrics.request_started()
+            if s.terminal:
+                return  # e.g. its lease ran out while it was expected: poll() reports that
             inst = self.instances.get(ctx_endpoint)
             if inst is None:
                 inst = CtxInstance(endpoint=ctx_endpoint)
@@ -103,25 +154,31 @@ class Receiver(Role):
                 self._fetch(inst)
             if inst.state is PeerState.REFUSED:
                 s.transition(SessionState.FAILED, inst.error)
-            elif inst.state is PeerState.READY:
+            elif inst.state is PeerState.READY and not s.expecting:
                 self._ask(s, inst)
             # CONNECTING / SUSPECT: asked once the instance is (again) ready
 
-    def cancel(self, rid: int, reason: str) -> bool:
+    def cancel(self, rid: InternalId, reason: str) -> bool:
         with self.link.lock:
             s = self.rx.get(rid)
             if s is None or s.terminal:
                 return False
             s.transition(SessionState.CANCELLED, E.RequestCancelledError(f"request {rid}: {reason}"))
             if s.instance is None:
-                pending = self.declines.setdefault(s.ctx_endpoint, [])
-                if len(pending) < self.config.max_inflight_requests:
-                    pending.append((rid, s.ctx_dp_rank))
+                inst = self.instances.get(s.ctx_endpoint)
+                if inst is not None and inst.state is PeerState.READY:
+                    self._decline(inst, [(rid, s.ctx_dp_rank, s.ticket)])  # e.g. expected, never started: say so now
+                else:
+                    pending = self.declines.setdefault(s.ctx_endpoint, [])
+                    if len(pending) < self.config.max_inflight_requests:
+                        pending.append((rid, s.ctx_dp_rank, s.ticket))
+            elif s.mode == "pull":
+                self._pull_unread(s, "cancelled", reason)
             self._query_writers(s, reason)
             self._note_quarantine(s)
         return True
 
-    def release(self, rid: int) -> None:
+    def release(self, rid: InternalId) -> None:
         s = self.rx.pop(rid, None)
         self.reasks.pop(rid, None)
         if s is None:
@@ -133,7 +190,7 @@ class Receiver(Role):
         self.quarantined.discard(rid)
 
     def busy(self) -> bool:
-        return False
+        return bool(self.reads)
 
     # --- helpers (lock held) -------------------------------------------------------------------
 
@@ -150,6 +207,8 @@ class Receiver(Role):
 
     def _ask(self, s: RxSession, inst: CtxInstance, ranks: list[int] | None = None) -> None:
         """Ask context ranks (default: every overlapping one) for ``s`` with fresh nonces."""
+        if s.expecting:
+            return  # expect(): blocks come with start_receive
         if ranks is None:
             try:
                 ranks = peer_ranks(self.link.topology, inst.ranks[0].topology, s.ctx_dp_rank)
@@ -157,6 +216,22 @@ class Receiver(Role):
                 s.transition(SessionState.FAILED, exc)
                 return
             s.instance = inst
+        if s.mode == "pull":
+            if s.ctx_incarnation != inst.incarnation:
+                s.transition(
+                    SessionState.FAILED,
+                    E.PeerLostError(
+                        f"request {s.request_id}: the context instance at {inst.endpoint} restarted since the "
+                        f"transfer parameters were made (incarnation {s.ctx_incarnation[:8]} -> {inst.incarnation[:8]})"
+                    ),
+                )
+                return
+            for r in ranks:
+                s.nonces[r] = os.urandom(16)
+            s.transition(SessionState.TRANSFERRING)
+            if set(ranks) <= inst.registered:
+                self.link.post(self._pull, s.request_id)
+            return  # read once every writer confirmed it loaded our agent (on_register_result)
         now = time.monotonic()
         for r in ranks:
             s.writers[r] = WriterState.ASKED
@@ -206,6 +281,7 @@ class Receiver(Role):
                     bounce_digest=digest,
                     ctx_incarnation=inst.ranks[r].incarnation,
                     nonce=s.nonces[r],
+                    ticket=s.ticket,
                 ),
             )
 
@@ -216,6 +292,8 @@ class Receiver(Role):
             return
         s.last_query = time.monotonic()
         for r, w in s.writers.items():
+            if w is WriterState.PULLED and r in s.pull_done:
+                self.link.send(inst.ranks[r].endpoint, s.pull_done[r])  # our report may have been lost
             if w is WriterState.ASKED:
                 self.link.send(
                     inst.ranks[r].endpoint,
@@ -338,7 +416,24 @@ class Receiver(Role):
         return ranks
 
     def on_register_result(self, source: Source, msg: wire.RegisterResult) -> None:
-        if msg.ok or source.endpoint is None:
+        if source.endpoint is None:
+            return
+        if msg.ok:
+            with self.link.lock:
+                for inst in self.instances.values():
+                    r = inst.rank_of_endpoint(source.endpoint)
+                    if r is None or r != msg.ctx_rank or inst.gone:
+                        continue
+                    inst.registered.add(r)
+                    for s in self.rx.values():
+                        if (
+                            s.mode == "pull"
+                            and s.instance is inst
+                            and not s.terminal
+                            and not s.writers
+                            and set(s.nonces) <= inst.registered
+                        ):
+                            self.link.post(self._pull, s.request_id)
             return
         err = error_from(msg.error_kind, f"context rank {msg.ctx_rank} refused this generation rank: {msg.error}")
         with self.link.lock:
@@ -352,6 +447,9 @@ class Receiver(Role):
     def on_transfer_result(self, source: Source, msg: wire.TransferResult) -> None:
         with self.link.lock:
             s = self.rx.get(msg.request_id)
+            if s is not None and msg.nonce and hmac.compare_digest(msg.nonce, s.renew_nonce):
+                self._lease_answer(s, msg)
+                return
             if s is None or s.instance is None or msg.ctx_rank not in s.writers:
                 self.counters["late_results"] += 1
                 return
@@ -361,12 +459,18 @@ class Receiver(Role):
             inst, r = s.instance, msg.ctx_rank
             if r in s.asked_at and s.writers[r] is WriterState.ASKED:
                 self.link.metrics.writer_round_trip(inst.name, time.monotonic() - s.asked_at[r])
+            if s.mode == "pull":
+                self._pull_answer(s, r, msg)
+                return
             if msg.error_kind == "NotRegisteredError":
                 self._not_taken(s, inst, r, msg)
                 return
             if s.writers[r] is not WriterState.ASKED:
                 return  # already settled
             if msg.status == "ok":
+                if not self._take_aux(s, r, msg.aux):
+                    s.settle(r, WriterState.OK)
+                    return
                 s.settle(r, WriterState.OK)
                 s.nbytes += msg.nbytes
                 if msg.bounced and r in s.unpack:
@@ -393,6 +497,98 @@ class Receiver(Role):
                 timed_out = isinstance(err, E.TransferTimeoutError)
                 s.transition(SessionState.TIMED_OUT if timed_out else SessionState.FAILED, err)
             self._note_quarantine(s)
+
+    def _take_aux(self, s: RxSession, r: int, aux: bytes) -> bool:
+        """Keep a writer's aux payload (the first one that came); False (session FAILED) when it is too large."""
+        if len(aux) > self.config.max_aux_bytes:
+            s.transition(
+                SessionState.FAILED,
+                E.PayloadTooLargeError(
+                    f"request {s.request_id}: context rank {r} sent an aux payload of {len(aux)} bytes; "
+                    f"this rank accepts max_aux_bytes={self.config.max_aux_bytes}"
+                ),
+            )
+            return False
+        if aux and not s.aux:
+            s.aux = aux
+        return True
+
+    def _lease_answer(self, s: RxSession, msg: wire.TransferResult) -> None:
+        """The context answered a lease renewal: the request is gone there (lock held)."""
+        if msg.status == "ok" or s.terminal:
+            return
+        err = error_from(msg.error_kind, f"context rank {msg.ctx_rank}: {msg.error}")
+        if msg.status == "cancelled":
+            s.transition(SessionState.CANCELLED, err)
+        else:
+            timed_out = isinstance(err, E.TransferTimeoutError)
+            s.transition(SessionState.TIMED_OUT if timed_out else SessionState.FAILED, err)
+        if s.mode == "pull" and s.instance is not None:
+            self._pull_unread(s, "cancelled", str(err))
+        self._note_quarantine(s)
+
+    def _pull_answer(self, s: RxSession, r: int, msg: wire.TransferResult) -> None:
+        """A context rank's word on our read of its blocks (lock held)."""
+        w = s.writers[r]
+        if w is not WriterState.PULLED:
+            if w is WriterState.READING and msg.status != "ok":
+                # The context gave the request up while we read (lease, cancel): the bytes we get are not its KV.
+                err = error_from(msg.error_kind, f"context rank {r}: {msg.error}")
+                s.transition(SessionState.CANCELLED if msg.status == "cancelled" else SessionState.FAILED, err)
+                self._note_quarantine(s)
+            return
+        if msg.status == "ok":
+            if not self._take_aux(s, r, msg.aux):
+                s.settle(r, WriterState.FAILED)
+                return
+            s.settle(r, WriterState.OK)
+            if s.all_ok() and not s.terminal:
+                s.transition(SessionState.DONE)
+            return
+        err = error_from(msg.error_kind, f"context rank {r} did not confirm request {msg.request_id}: {msg.error}")
+        if msg.status == "cancelled":
+            s.settle(r, WriterState.CANCELLED)
+            s.transition(SessionState.CANCELLED, err)
+        else:
+            s.settle(r, WriterState.FAILED)
+            timed_out = isinstance(err, E.TransferTimeoutError)
+            s.transition(SessionState.TIMED_OUT if timed_out else SessionState.FAILED, err)
+        self._note_quarantine(s)
+
+    def _pull_unread(self, s: RxSession, status: str, reason: str) -> None:
+        """Tell the context ranks we never read from (and never will) that they may let go (lock held)."""
+        inst = s.instance
+        if inst is None or inst.gone:
+            return
+        for r in s.nonces:
+            if r in s.writers:
+                continue  # a read was posted: its end tells the context
+            s.writers[r] = WriterState.CANCELLED
+            self._send_pull_done(s, inst, r, status, error=reason)
+
+    def _send_pull_done(
+        self, s: RxSession, inst: CtxInstance, r: int, status: str, *, kind: str = "", error: str = ""
+    ) -> None:
+        nbytes, fragments = s.read_bytes.get(r, (0, 0))
+        link = self.link
+        msg = wire.PullDone(
+            v=wire.PROTOCOL_VERSION,
+            request_id=s.request_id,
+            gen_instance=link.instance_name,
+            gen_rank=link.topology.rank,
+            gen_incarnation=link.incarnation,
+            ticket=s.ticket,
+            nonce=s.nonces[r],
+            status=status,  # type: ignore[arg-type]
+            ctx_incarnation=inst.ranks[r].incarnation,
+            blocks_digest=blocks_digest(s.ctx_block_ids, s.ctx_state_slot, s.ctx_incarnation),
+            nbytes=nbytes,
+            fragments=fragments,
+            error_kind=kind,
+            error=error[:1000],
+        )
+        s.pull_done[r] = msg
+        link.send(inst.ranks[r].endpoint, msg)
 
     def _not_taken(self, s: RxSession, inst: CtxInstance, r: int, msg: wire.TransferResult) -> None:
         """Writer ``r`` proved it never took the request: settle it; re-register and ask again if worth it."""
@@ -482,9 +678,9 @@ class Receiver(Role):
                 link.metrics.first_contact(inst.name, time.monotonic() - inst.created)
                 self._resume(inst)
 
-    def _resume(self, inst: CtxInstance) -> None:
-        """The instance is ready: ask requests that waited for it and writers that proved they never took one."""
-        for rid, dp in self.declines.pop(inst.endpoint, []):
+    def _decline(self, inst: CtxInstance, requests: list[tuple[Any, int, bytes]]) -> None:
+        """Tell the context ranks of requests we never asked for that we never will (lock held; with the ticket)."""
+        for rid, dp, ticket in requests:
             try:
                 writers = peer_ranks(self.link.topology, inst.ranks[0].topology, dp)
             except E.KvcoreError:
@@ -498,8 +694,13 @@ class Receiver(Role):
                         instance=self.link.instance_name,
                         rank=self.link.topology.rank,
                         reason="cancelled before it was asked for",
+                        ticket=ticket,
                     ),
                 )
+
+    def _resume(self, inst: CtxInstance) -> None:
+        """The instance is ready: ask requests that waited for it and writers that proved they never took one."""
+        self._decline(inst, self.declines.pop(inst.endpoint, []))
         for s in self.rx.values():
             if s.terminal or s.ctx_endpoint != inst.endpoint:
                 continue
@@ -512,7 +713,7 @@ class Receiver(Role):
                         s.unpack.pop(r, None)  # asked again without bounce
                     self._ask(s, inst, again)
 
-    def _ask_bounced(self, rid: int) -> None:
+    def _ask_bounced(self, rid: InternalId) -> None:
         """Worker: decide per writer whether its fragments go through a bounce lease, then ask."""
         link = self.link
         with link.lock:
@@ -565,7 +766,134 @@ class Receiver(Role):
             if not s.terminal:
                 self._send_requests(s, inst, writers, bounce_args)
 
-    def _unpack(self, rid: int) -> None:
+    def _pull(self, rid: Any) -> None:
+        """Worker, pull mode: read the request from every writer rank's blocks (one READ per rank)."""
+        link = self.link
+        with link.lock:
+            s = self.rx.get(rid)
+            if s is None or s.terminal or s.instance is None or s.writers:
+                return
+            inst = s.instance
+            ranks = sorted(s.nonces)
+            if not set(ranks) <= inst.registered:
+                return
+            for r in ranks:
+                s.writers[r] = WriterState.READING  # claimed (not settled: a read may be posted from now on)
+        posted: list[int] = []
+        for r in ranks:
+            try:
+                info = inst.ranks[r]
+                src_blocks = check_block_ids(
+                    s.ctx_block_ids, max_slot(info.page_table), f"request {rid} context block_ids (parameters)"
+                )
+                t0 = time.monotonic()
+                plan = plan_transfer(
+                    info.layout,
+                    link.layout,
+                    src_blocks,
+                    s.block_ids,
+                    mappers=link.mappers,
+                    src_state_slot=s.ctx_state_slot if s.ctx_state_slot >= 0 else None,
+                    dst_state_slot=s.state_slot if s.state_slot >= 0 else None,
+                    prompt_len=s.prompt_len if s.prompt_len >= 0 else None,
+                    merge=True,
+                )
+                t1 = time.monotonic()
+                handle = None
+                if plan.count:
+                    handle = link.agent.submit(TransferOp.READ, inst.agents[r], plan.dst, plan.src, plan.sizes)
+                link.metrics.transfer_posted(inst.name, plan.nbytes, plan.count, t1 - t0, time.monotonic() - t1)
+            except E.KvcoreError as exc:
+                log.warning("request %s: reading from context rank %d: %s", rid, r, exc)
+                with link.lock:
+                    s.transition(SessionState.FAILED, exc)
+                    for r2 in ranks:
+                        if r2 not in posted:
+                            s.writers[r2] = WriterState.FAILED
+                            self._send_pull_done(s, inst, r2, "failed", kind=type(exc).__name__, error=str(exc))
+                    self._note_quarantine(s)
+                break
+            with link.lock:
+                s.read_bytes[r] = (plan.nbytes, plan.count)
+                s.reads[r] = handle
+                s.asked_at[r] = time.monotonic()
+                s.writers[r] = WriterState.READING
+                self.reads[(id(s), r)] = (s, r)
+            posted.append(r)
+            self._check_read(s, r, time.monotonic())
+
+    def _check_read(self, s: RxSession, r: int, now: float) -> None:
+        """Poll our READ from context rank ``r``; when it ends, tell that rank (worker thread)."""
+        handle = s.reads.get(r)
+        status = TransferStatus.DONE if handle is None else self.link.agent.poll(handle)
+        inst = s.instance
+        assert inst is not None
+        if status is TransferStatus.PENDING:
+            if now - s.asked_at.get(r, now) > self.config.transfer_timeout_s and not s.terminal:
+                with self.link.lock:
+                    s.transition(
+                        SessionState.TIMED_OUT,
+                        E.TransferTimeoutError(
+                            f"request {s.request_id}: read from context rank {r} still pending after "
+                            f"{self.config.transfer_timeout_s}s"
+                        ),
+                    )
+                    self._note_quarantine(s)
+            return
+        err = handle.error if handle is not None else None
+        if handle is not None:
+            self.link.metrics.transfer_finished(inst.name, status is TransferStatus.DONE, now - s.asked_at.get(r, now))
+            self.link.agent.release(handle)
+        with self.link.lock:
+            self.reads.pop((id(s), r), None)
+            s.reads.pop(r, None)
+            if s.writers.get(r) is not WriterState.READING:
+                return  # fenced meanwhile
+            if status is TransferStatus.DONE and not s.terminal:
+                s.settle(r, WriterState.PULLED)
+                s.nbytes += s.read_bytes.get(r, (0, 0))[0]
+                self._send_pull_done(s, inst, r, "ok")
+            elif status is TransferStatus.DONE:
+                s.settle(r, WriterState.CANCELLED)  # ended meanwhile: we keep nothing of it
+                self._send_pull_done(s, inst, r, "cancelled", error="the receiver gave the request up")
+            else:
+                exc = err or E.TransferFailedError(f"read from context rank {r} failed")
+                s.settle(r, WriterState.FAILED)
+                self._send_pull_done(s, inst, r, "failed", kind=type(exc).__name__, error=str(exc))
+                s.transition(SessionState.FAILED, exc)
+            self._note_quarantine(s)
+
+    def _renew(self, now: float) -> None:
+        """Renew the leases of requests we still wait for (lock held): at a third of the context's lease."""
+        if now - self._renew_scan < 0.1:
+            return  # leases are seconds long: a scan every 100 ms is plenty, even when the worker ticks faster
+        self._renew_scan = now
+        for s in self.rx.values():
+            if s.terminal or not s.ticket or now - s.last_renew < s.renew_every:
+                continue
+            inst = self.instances.get(s.ctx_endpoint)
+            if inst is None or inst.state is not PeerState.READY:
+                continue
+            s.last_renew = now
+            try:
+                ranks = list(s.nonces) or peer_ranks(self.link.topology, inst.ranks[0].topology, s.ctx_dp_rank)
+            except E.KvcoreError:
+                continue
+            for r in ranks:
+                self.link.send(
+                    inst.ranks[r].endpoint,
+                    wire.Renew(
+                        v=wire.PROTOCOL_VERSION,
+                        request_id=s.request_id,
+                        gen_instance=self.link.instance_name,
+                        gen_rank=self.link.topology.rank,
+                        gen_incarnation=self.link.incarnation,
+                        ticket=s.ticket,
+                        nonce=s.renew_nonce,
+                    ),
+                )
+
+    def _unpack(self, rid: InternalId) -> None:
         """Worker: scatter every bounced writer's lease into the pools, then the request is DONE."""
         with self.link.lock:
             s = self.rx.get(rid)
@@ -589,6 +917,11 @@ class Receiver(Role):
         cfg = self.config
         unload: list[CtxInstance] = []
         with self.link.lock:
+            reads = list(self.reads.values())
+        for s, r in reads:
+            self._check_read(s, r, now)
+        with self.link.lock:
+            self._renew(now)
             for s in self.rx.values():
                 if not s.terminal and now > s.deadline:
                     asked = ", ".join(f"{r}={w.value}" for r, w in s.writers.items()) or "none contacted"
@@ -623,7 +956,7 @@ class Receiver(Role):
         if inst is None:
             return
         for r, w in list(s.writers.items()):
-            if w is not WriterState.ASKED:
+            if w not in (WriterState.ASKED, WriterState.READING):
                 continue
             fenced, how = writer_fenced(inst.ranks[r], inst.lost_at, self.config.fencing_grace_s, now)
             if fenced:
@@ -670,6 +1003,7 @@ class Receiver(Role):
                 "ctx_instances": sum(1 for i in self.instances.values() if not i.gone),
                 "retired_instances": len(self.retired),
                 "bounce_leases": self.arena.leased if self.arena else 0,
+                "pull_reads": len(self.reads),
             }
 
     def close(self) -> None:

@@ -9,20 +9,11 @@ from typing import Any
 import numpy as np
 
 from kvcore import errors as E
-from kvcore import wire
+from kvcore.params import InternalId, check_request_id
 from kvcore.transceiver.link import Handler, Link
 from kvcore.transceiver.sessions import Session, SessionState
 
 __all__ = ["Role", "check_request_id", "check_block_ids", "max_slot"]
-
-
-def check_request_id(request_id: Any) -> int:
-    """A request id as the wire carries it: an integer in 0..2**64-1 (bools and floats refused)."""
-    if isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer)):
-        raise E.SessionError(f"request_id must be an integer in 0..2**64-1, got {request_id!r}")
-    if not 0 <= int(request_id) <= wire.MAX_U64:
-        raise E.SessionError(f"request_id must be an integer in 0..2**64-1, got {request_id!r}")
-    return int(request_id)
 
 
 def check_block_ids(block_ids: Iterable[int] | np.ndarray, num_slots: int, what: str) -> np.ndarray:
@@ -65,7 +56,7 @@ class Role(ABC):
 
     @property
     @abstractmethod
-    def sessions(self) -> dict[int, Session]:
+    def sessions(self) -> dict[InternalId, Session]:
         """Live sessions by request id (read under ``link.lock``)."""
 
     @abstractmethod
@@ -79,10 +70,10 @@ class Role(ABC):
     def busy(self) -> bool: ...
 
     @abstractmethod
-    def cancel(self, rid: int, reason: str) -> bool: ...
+    def cancel(self, rid: InternalId, reason: str) -> bool: ...
 
     @abstractmethod
-    def release(self, rid: int) -> None:
+    def release(self, rid: InternalId) -> None:
         """The instance agreed ``rid`` is terminal and quiescent and reported it released (lock held)."""
 
     @abstractmethod
@@ -115,7 +106,7 @@ class Role(ABC):
                 f"{live} requests in flight reach max_inflight_requests={self.config.max_inflight_requests}"
             )
 
-    def check_state_slot(self, rid: int, state_slot: int) -> None:
+    def check_state_slot(self, rid: InternalId, state_slot: int) -> None:
         if isinstance(state_slot, bool) or not isinstance(state_slot, (int, np.integer)):
             raise E.LayoutError(f"request {rid}: state_slot must be an integer (-1: none), got {state_slot!r}")
         if state_slot >= 0 and state_slot >= max_slot(self.link, state=True):
@@ -124,7 +115,7 @@ class Role(ABC):
                 "(or this rank holds no state pools)"
             )
 
-    def status(self, rid: int) -> SessionState | None:
+    def status(self, rid: InternalId) -> SessionState | None:
         with self.link.lock:
             s = self.sessions.get(rid)
             return None if s is None else s.state

@@ -11,6 +11,8 @@ when the session is quiescent: no transfer can still read them.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import time
 from typing import Any
@@ -22,10 +24,11 @@ from kvcore import errors as E
 from kvcore.agent import TransferOp, TransferStatus
 from kvcore.mapping import plan_transfer, validate_compatible
 from kvcore.messenger import Source
+from kvcore.params import InternalId, TransferParams, api_id, check_ticket, new_ticket
 from kvcore.peer import peer_ranks
 from kvcore.transceiver.link import Handler, Link
 from kvcore.transceiver.peers import GenPeer, PeerState, writer_fenced
-from kvcore.transceiver.role import Role, check_block_ids, check_request_id, max_slot
+from kvcore.transceiver.role import Role, check_block_ids, max_slot
 from kvcore.transceiver.sessions import (
     IDLE_TASK_STATES,
     ReceiverTask,
@@ -35,11 +38,35 @@ from kvcore.transceiver.sessions import (
     TxSession,
 )
 
-__all__ = ["Sender"]
+__all__ = ["Sender", "blocks_digest"]
+
+
+def blocks_digest(block_ids: np.ndarray, state_slot: int, incarnation: str) -> bytes:
+    """What a pull receiver must have read: the context blocks, state slot and incarnation (16-byte digest)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(block_ids, dtype="<i8").tobytes())
+    h.update(int(state_slot).to_bytes(8, "little", signed=True))
+    h.update(incarnation.encode())
+    return h.digest()
+
 
 log = logging.getLogger("kvcore.transceiver")
 
 _Key = tuple[str, int]
+
+
+def _early_size(msg: wire.RequestData | wire.PullDone) -> int:
+    """Bytes an early message is charged against ``max_early_bytes`` (its block list; a PullDone a fixed 256)."""
+    return len(msg.block_ids) if isinstance(msg, wire.RequestData) else 256
+
+
+def _event_done(event: Any) -> bool:
+    """Whether a CUDA event (anything with ``query()``) completed; an event that raises counts as done (logged)."""
+    try:
+        return bool(event.query())
+    except Exception as exc:  # a broken event must not stall the request: the deadline still bounds it
+        log.warning("layers_ready event raised %s: treating it as complete", exc)
+        return True
 
 
 class Sender(Role):
@@ -48,20 +75,22 @@ class Sender(Role):
     def __init__(self, link: Link) -> None:
         super().__init__(link)
         cfg = self.config
-        self.tx: dict[int, TxSession] = {}
+        self.tx: dict[InternalId, TxSession] = {}
         self.peers: dict[_Key, GenPeer] = {}  # current incarnation (or refusal) per generation rank
         self.retired: list[GenPeer] = []  # lost peers waiting for their transfers to end before unloading
-        self.early: dict[int, list[tuple[float, wire.RequestData, Source]]] = {}  # RequestData before start_send
+        # RequestData (push) and PullDone (pull: read before start_send ran) that came before start_send
+        self.early: dict[InternalId, list[tuple[float, wire.RequestData | wire.PullDone, Source]]] = {}
         self.early_bytes = 0
         self.tombstones = Tombstones(cfg.max_tombstones, cfg.request_timeout_s)
         self.inflight: dict[int, tuple[TxSession, ReceiverTask]] = {}  # id(task) -> its submitted write
         self.orphans: list[Any] = []  # handles of abandoned transfers to dead peers, released once terminal
         self.staging: bounce.Arena | None = None
+        self.events: list[tuple[Any, int, Any]] = []  # (request, layers upto, CUDA event) from layers_ready
         self.bounce_on = link.bounce_on
         self.counters = link.counters
 
     @property
-    def sessions(self) -> dict[int, Any]:
+    def sessions(self) -> dict[InternalId, Any]:
         return self.tx
 
     def handlers(self) -> dict[type, Handler]:
@@ -70,50 +99,155 @@ class Sender(Role):
             wire.RegisterRankInfo: self.on_register,
             wire.RequestData: self.on_request_data,
             wire.Cancel: self.on_cancel,
+            wire.PullDone: self.on_pull_done,
+            wire.Renew: self.on_renew,
         }
 
     # --- engine API ----------------------------------------------------------------------------
 
     def start_send(
-        self, request_id: int, block_ids: Any, prompt_len: int, state_slot: int, layers_ready: int | None
-    ) -> None:
-        rid = check_request_id(request_id)
+        self,
+        rid: Any,
+        block_ids: Any,
+        prompt_len: int,
+        state_slot: int,
+        layers_ready: int | None,
+        *,
+        mode: str | None = None,
+        ticket: bytes | str | None = None,
+        aux: bytes | None = None,
+    ) -> TransferParams:
         blocks = check_block_ids(block_ids, max_slot(self.link), f"request {rid} block_ids")
         self.check_state_slot(rid, state_slot)
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)):
             raise E.SessionError(f"request {rid}: prompt_len must be an integer (-1: unknown), got {prompt_len!r}")
+        mode = mode or self.config.transfer_mode
+        if mode not in ("push", "pull"):
+            raise E.SessionError(f"request {rid}: mode must be 'push' or 'pull', got {mode!r}")
+        if mode == "pull":
+            if layers_ready is not None:
+                raise E.SessionError(
+                    f"request {rid}: layer-wise sending (layers_ready) needs push mode; in pull mode the generation "
+                    "side reads every layer at once, after start_send"
+                )
+            if not self.link.agent.capabilities.read:
+                raise E.UnsupportedOperationError(
+                    f"request {rid}: pull mode needs an agent that can READ; {self.link.agent.backend!r} cannot"
+                )
+        tk = new_ticket() if ticket is None else check_ticket(ticket, f"request {rid} ticket")
+        payload = self._check_aux(rid, aux)
+        info0 = self.link.instance_ranks[0]
+        now = time.monotonic()
         with self.link.lock:
             if rid in self.tx:
                 raise E.SessionError(f"request {rid} is already being sent")
             self.admit()
             s = TxSession(
                 request_id=rid,
-                deadline=time.monotonic() + self.config.request_timeout_s,
+                deadline=now + self.config.request_timeout_s,
                 block_ids=blocks,
                 state_slot=int(state_slot),
                 prompt_len=int(prompt_len),
                 layers_upto=self._layers_upto(layers_ready),
+                ticket=tk,
+                mode=mode,
+                aux=payload,
+                hold_until=now + self.config.max_lease_s,
             )
+            if mode == "pull":
+                s.blocks_digest = blocks_digest(blocks, int(state_slot), info0.incarnation)
             self.tx[rid] = s
             self.link.metrics.request_started()
             tomb = self.tombstones.pop(rid)
-            if tomb is not None and tomb.state is SessionState.CANCELLED:
+            if tomb is not None and tomb.state is SessionState.CANCELLED and self._ticket_ok(tk, tomb.ticket):
                 self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled earlier"))
             for _, req, source in self.early.pop(rid, []):
-                self.early_bytes -= len(req.block_ids)
-                self._attach(s, req, source)
+                self.early_bytes -= _early_size(req)
+                if isinstance(req, wire.PullDone):
+                    self._take_pull_done(s, req, source)
+                else:
+                    self._attach(s, req, source)
         self.link.post(self._drive, rid)
+        topo = self.link.topology
+        return TransferParams.make(
+            api_id(rid),
+            info0.endpoint,
+            ticket=tk,
+            mode=mode,  # type: ignore[arg-type]
+            dp_rank=topo.dp_rank if topo.attention_dp else 0,
+            prompt_len=int(prompt_len),
+            block_ids=blocks.tolist() if mode == "pull" else (),
+            state_slot=int(state_slot) if mode == "pull" else -1,
+            incarnation=info0.incarnation if mode == "pull" else "",
+            lease_ms=int(self.config.lease_s * 1000),
+        )
 
-    def layers_ready(self, request_id: int, upto: int) -> None:
-        rid = check_request_id(request_id)
+    def _check_aux(self, rid: Any, aux: Any) -> bytes:
+        if aux is None:
+            return b""
+        if not isinstance(aux, (bytes, bytearray, memoryview)):
+            raise E.SessionError(f"request {rid}: aux must be bytes, got {type(aux).__name__}")
+        data = bytes(aux)
+        if len(data) > self.config.max_aux_bytes:
+            raise E.PayloadTooLargeError(
+                f"request {rid}: aux payload of {len(data)} bytes exceeds max_aux_bytes={self.config.max_aux_bytes}"
+            )
+        return data
+
+    def set_aux(self, rid: Any, aux: bytes) -> None:
+        data = self._check_aux(rid, aux)
         with self.link.lock:
             s = self.tx.get(rid)
             if s is None:
                 raise E.SessionError(f"request {rid} is not being sent; call start_send first")
-            if s.layers_upto is not None:
-                new = self._layers_upto(upto)
-                s.layers_upto = None if new is None else max(s.layers_upto, new)
+            told = [t.peer for t in s.tasks.values() if t.state is TaskState.DONE]
+            if told:
+                raise E.SessionError(
+                    f"request {rid}: {told[0]} already has its KV and its final answer; set aux at start_send or "
+                    "before the last layers are ready"
+                )
+            s.aux = data
+
+    def layers_ready(self, rid: Any, upto: int, event: Any = None) -> None:
+        if event is not None and not callable(getattr(event, "query", None)):
+            raise E.SessionError(
+                f"request {rid}: event must have a query() method (a torch.cuda.Event), got {type(event).__name__}"
+            )
+        with self.link.lock:
+            s = self.tx.get(rid)
+            if s is None:
+                raise E.SessionError(f"request {rid} is not being sent; call start_send first")
+            if event is not None and not _event_done(event):
+                # The layers are complete once the GPU passed the event: the worker applies it then, no sync here.
+                if len(self.events) >= self.config.max_inflight_requests * 64:
+                    raise E.ResourceExhaustedError(f"{len(self.events)} layers_ready events wait already")
+                self.events.append((rid, int(upto), event))
+                return
+            self._raise_layers(s, upto)
         self.link.post(self._drive, rid)
+
+    def _raise_layers(self, s: TxSession, upto: int) -> None:
+        if s.layers_upto is not None:
+            new = self._layers_upto(upto)
+            s.layers_upto = None if new is None else max(s.layers_upto, new)
+
+    def _check_events(self) -> None:
+        """Worker: apply the layers_ready calls whose CUDA events completed, in the order they were made."""
+        ready: list[Any] = []
+        with self.link.lock:
+            keep: list[tuple[Any, int, Any]] = []
+            for rid, upto, event in self.events:
+                s = self.tx.get(rid)
+                if s is None or s.terminal:
+                    continue
+                if not keep and _event_done(event):  # a later event never overtakes an earlier one
+                    self._raise_layers(s, upto)
+                    ready.append(rid)
+                else:
+                    keep.append((rid, upto, event))
+            self.events = keep
+        for rid in ready:
+            self._drive(rid)
 
     def _layers_upto(self, upto: int | None) -> int | None:
         """None once every layer this rank holds is ready."""
@@ -121,14 +255,14 @@ class Sender(Role):
             return None
         return int(upto)
 
-    def cancel(self, rid: int, reason: str) -> bool:
+    def cancel(self, rid: InternalId, reason: str) -> bool:
         with self.link.lock:
             s = self.tx.get(rid)
             if s is None:
                 # Not started here (yet): a later start_send ends CANCELLED; waiting receivers are told now.
                 self.tombstones.put(rid, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid}: {reason}"))
                 for _, req, source in self.early.pop(rid, []):
-                    self.early_bytes -= len(req.block_ids)
+                    self.early_bytes -= _early_size(req)
                     self._answer_unheld(req, source, self.tombstones.get(rid))
                 return False
             if s.terminal:
@@ -137,13 +271,13 @@ class Sender(Role):
         self.link.post(self._drive, rid)
         return True
 
-    def release(self, rid: int) -> None:
+    def release(self, rid: InternalId) -> None:
         s = self.tx.pop(rid, None)
         if s is not None:
-            self.tombstones.put(rid, s.state, s.error)
+            self.tombstones.put(rid, s.state, s.error, ticket=s.ticket)
 
     def busy(self) -> bool:
-        return bool(self.inflight) or bool(self.orphans)
+        return bool(self.inflight) or bool(self.orphans) or bool(self.events)
 
     def peer_name(self, session: Any) -> str:
         return next((t.peer.name for t in session.tasks.values()), "")
@@ -152,12 +286,24 @@ class Sender(Role):
 
     def _end(self, s: TxSession, state: SessionState, error: E.KvcoreError | None = None) -> None:
         """Make ``s`` terminal and give every idle task its final answer at once (nothing of it is in flight)."""
-        s.transition(state, error)
+        moved = s.transition(state, error)
         if not s.terminal:
             return
         for t in s.tasks.values():
             if t.state in IDLE_TASK_STATES:
                 self._finish_for_session(s, t)
+        if moved and s.state is not SessionState.DONE:
+            # Receivers that renewed a lease but never asked hear now that the request is gone.
+            err = s.error or E.SessionError(f"request {s.request_id} ended {s.state.value}")
+            status = "cancelled" if s.state is SessionState.CANCELLED else "failed"
+            for key, nonce in s.renewers.items():
+                peer = self.peers.get(key)
+                if key in s.tasks or peer is None or peer.gone or peer.info is None:
+                    continue
+                self.link.send(
+                    peer.info.endpoint,
+                    self._result(s.request_id, nonce, status=status, kind=type(err).__name__, error=str(err)),
+                )
 
     def _finish_for_session(self, s: TxSession, t: ReceiverTask) -> None:
         cancelled = s.state is SessionState.CANCELLED
@@ -189,11 +335,12 @@ class Sender(Role):
             nbytes=t.total_bytes,
             fragments=t.total_fragments,
             bounced=t.bounced,
+            aux=s.aux if state is TaskState.DONE else b"",
         )
         self._send_to(t, t.final)
         self.link.metrics.writer_service(t.peer.name, time.monotonic() - t.attached_at)
 
-    def _result(self, rid: int, nonce: bytes, *, status: str, kind: str = "", error: str = "", **kw: Any) -> Any:
+    def _result(self, rid: InternalId, nonce: bytes, *, status: str, kind: str = "", error: str = "", **kw: Any) -> Any:
         return wire.TransferResult(
             v=wire.PROTOCOL_VERSION,
             request_id=rid,
@@ -211,7 +358,7 @@ class Sender(Role):
             return  # nobody left to tell
         self.link.send(t.peer.info.endpoint, msg)
 
-    def _answer_unheld(self, req: wire.RequestData, source: Source, tomb: Any) -> None:
+    def _answer_unheld(self, req: wire.RequestData | wire.PullDone, source: Source, tomb: Any) -> None:
         """Answer a receiver asking for a request this rank does not hold, from its tombstone (lock held)."""
         rid = req.request_id
         if tomb is None:
@@ -277,6 +424,8 @@ class Sender(Role):
         with link.lock:
             old = self.peers.get(key)
             if old is not None and old.incarnation == info.incarnation and not old.gone:
+                if old.state is PeerState.READY:
+                    link.post(self._confirm, old)  # it asks again: it may have missed our confirmation
                 return  # duplicate registration
             live = sum(1 for p in self.peers.values() if not p.gone)
             if live >= self.config.max_peers:
@@ -320,38 +469,50 @@ class Sender(Role):
                 return
             s = self.tx.get(msg.request_id)
             if s is None:
-                tomb = self.tombstones.get(msg.request_id)
+                tomb = self._tombstone_for(msg.request_id, msg.ticket)
                 if tomb is not None:
                     self._answer_unheld(msg, source, tomb)
                     return
-                per_peer = sum(
-                    1 for lst in self.early.values() for _, r, _ in lst if (r.gen_instance, r.gen_rank) == key
-                )
-                count = sum(len(v) for v in self.early.values())
-                cfg = self.config
-                if (
-                    count >= cfg.max_early_requests
-                    or per_peer >= cfg.max_early_per_peer
-                    or self.early_bytes + len(msg.block_ids) > cfg.max_early_bytes
-                ):
-                    link.reply(
-                        source,
-                        self._result(
-                            msg.request_id,
-                            msg.nonce,
-                            status="failed",
-                            kind="ResourceExhaustedError",
-                            error=f"{count} requests ({self.early_bytes} bytes) already wait for start_send here",
-                        ),
-                    )
-                    return
-                # Kept until the receiver's deadline (bounded by ours); then it is answered with a failure.
-                ttl = min(msg.timeout_ms / 1000.0, self.config.request_timeout_s)
-                self.early.setdefault(msg.request_id, []).append((time.monotonic() + ttl, msg, source))
-                self.early_bytes += len(msg.block_ids)
+                self._keep_early(key, msg, source, min(msg.timeout_ms / 1000.0, self.config.request_timeout_s))
                 return
             self._attach(s, msg, source)
         link.post(self._drive, msg.request_id)
+
+    def _ticket_ok(self, expected: bytes, presented: bytes | None) -> bool:
+        """Whether a peer's ticket may speak for a request (``None``: this rank's own engine, always)."""
+        return presented is None or not self.config.require_tickets or hmac.compare_digest(expected, presented)
+
+    def _tombstone_for(self, rid: Any, ticket: bytes) -> Any:
+        """The tombstone of ``rid`` if the asker's ticket may read it (lock held); None otherwise."""
+        tomb = self.tombstones.get(rid)
+        if tomb is None or tomb.ticket is None or self._ticket_ok(tomb.ticket, ticket):
+            return tomb
+        return None
+
+    def _keep_early(self, key: _Key, msg: wire.RequestData | wire.PullDone, source: Source, ttl: float) -> None:
+        """Keep a receiver's message for a request not started here yet, within the caps (lock held).
+
+        Kept until ``ttl`` (the receiver's deadline, bounded by ours); then it is answered with a failure.
+        """
+        per_peer = sum(1 for lst in self.early.values() for _, r, _ in lst if (r.gen_instance, r.gen_rank) == key)
+        count = sum(len(v) for v in self.early.values())
+        cfg = self.config
+        size = _early_size(msg)
+        if (
+            count >= cfg.max_early_requests
+            or per_peer >= cfg.max_early_per_peer
+            or self.early_bytes + size > cfg.max_early_bytes
+        ):
+            self._refuse_request(
+                source,
+                msg.request_id,
+                msg.nonce,
+                "ResourceExhaustedError",
+                f"{count} requests ({self.early_bytes} bytes) already wait for start_send here",
+            )
+            return
+        self.early.setdefault(msg.request_id, []).append((time.monotonic() + ttl, msg, source))
+        self.early_bytes += size
 
     def _decline(self, peer: GenPeer, msg: wire.Cancel, source: Source) -> None:
         """A receiver that never asked for a request says it never will (lock held).
@@ -366,14 +527,16 @@ class Sender(Role):
         err = E.RequestCancelledError(f"request {msg.request_id} declined by {peer}: {msg.reason}")
         if s is None:
             if msg.request_id not in self.tombstones:
-                self.tombstones.put(msg.request_id, SessionState.CANCELLED, err)
+                # Honoured by start_send only if the engine's ticket is this one: a peer cannot pre-cancel others'.
+                self.tombstones.put(msg.request_id, SessionState.CANCELLED, err, ticket=msg.ticket)
         elif not s.terminal:
+            if not self._ticket_ok(s.ticket, msg.ticket):
+                self.counters["tickets_refused"] += 1
+                return
             self._end(s, SessionState.CANCELLED, err)
 
     def _not_registered(self, source: Source, msg: wire.RequestData, why: str) -> None:
-        self.link.reply(
-            source, self._result(msg.request_id, msg.nonce, status="failed", kind="NotRegisteredError", error=why)
-        )
+        self._refuse_request(source, msg.request_id, msg.nonce, "NotRegisteredError", why)
 
     def _attach(self, s: TxSession, msg: wire.RequestData, source: Source) -> None:
         """A receiver asked for ``s`` (lock held): add its task, or answer at once if ``s`` is already terminal."""
@@ -387,6 +550,18 @@ class Sender(Role):
                 return
             if old.peer is peer or old.state not in IDLE_TASK_STATES | {TaskState.SUBMITTED}:
                 return  # one task per receiver incarnation; a second ask with another secret is ignored
+        if self._refused_ticket(s, msg.ticket, msg.nonce, source):
+            return
+        if s.mode == "pull":
+            self._refuse_request(
+                source,
+                s.request_id,
+                msg.nonce,
+                "SessionError",
+                f"request {s.request_id} is sent in pull mode: the receiver reads it (start_receive with "
+                "the transfer parameters)",
+            )
+            return
         t = ReceiverTask(
             peer=peer,
             block_ids=np.zeros(0, np.int64),
@@ -425,6 +600,157 @@ class Sender(Role):
             self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
             self._end(s, SessionState.FAILED, exc)
 
+    def _refuse_request(self, source: Source, rid: Any, nonce: bytes, kind: str, error: str) -> None:
+        """Answer one asker "failed" (``kind``: the kvcore error class) without touching the request (lock held)."""
+        self.link.reply(source, self._result(rid, nonce, status="failed", kind=kind, error=error))
+
+    def _refused_ticket(self, s: TxSession, ticket: bytes, nonce: bytes, source: Source) -> bool:
+        """True (and the asker told so) when tickets are required and ``ticket`` is not the request's (lock held)."""
+        if not self.config.require_tickets or hmac.compare_digest(ticket, s.ticket):
+            return False
+        self.counters["tickets_refused"] += 1
+        why = "no ticket was presented" if not ticket else "the ticket presented is not this request's"
+        log.warning("request %s: refused a receiver: %s", s.request_id, why)
+        self._refuse_request(
+            source,
+            s.request_id,
+            nonce,
+            "TicketError",
+            f"request {s.request_id}: {why} (pass the context's TransferParams to start_receive)",
+        )
+        return True
+
+    def on_pull_done(self, source: Source, msg: wire.PullDone) -> None:
+        """A receiver's read of a pull request ended: count it, answer it; the session settles when all did."""
+        key = (msg.gen_instance, msg.gen_rank)
+        rid = msg.request_id
+        with self.link.lock:
+            if self._registered(key, msg.gen_incarnation) is None:
+                why = f"generation rank {key} is not registered with this context rank"
+                self._refuse_request(source, rid, msg.nonce, "NotRegisteredError", why)
+                return
+            s = self.tx.get(rid)
+            if msg.ctx_incarnation != self.link.incarnation:
+                why = f"read from context incarnation {msg.ctx_incarnation[:8]}; this is {self.link.incarnation[:8]}"
+                self._refuse_request(source, rid, msg.nonce, "PeerLostError", why)
+                return
+            if s is None:
+                tomb = self._tombstone_for(rid, msg.ticket)
+                if tomb is None and msg.status == "ok":
+                    # Read before start_send ran here (the engine handed out the parameters first, as vLLM's
+                    # request_finished does): kept until start_send, which checks it like any other.
+                    self._keep_early(key, msg, source, self.config.request_timeout_s)
+                    return
+                if tomb is not None and tomb.state is SessionState.DONE:
+                    tomb = None  # released after every receiver reported: this one is not among them
+                kind = tomb.error_kind if tomb is not None else "SessionError"
+                why = tomb.message if tomb is not None else f"request {rid} is not held here (any more)"
+                status = "cancelled" if tomb is not None and tomb.state is SessionState.CANCELLED else "failed"
+                self.link.reply(source, self._result(rid, msg.nonce, status=status, kind=kind, error=why))
+                return
+            self._take_pull_done(s, msg, source)
+        self._settle(s)
+
+    def _registered(self, key: _Key, incarnation: str) -> GenPeer | None:
+        """The registered, not refused, generation rank ``key`` of that incarnation (lock held)."""
+        peer = self.peers.get(key)
+        if peer is None or peer.gone or peer.incarnation != incarnation or peer.state is PeerState.REFUSED:
+            return None
+        return peer
+
+    def _take_pull_done(self, s: TxSession, msg: wire.PullDone, source: Source) -> None:
+        """Count one receiver's read of ``s`` and give it its final answer (lock held)."""
+        key = (msg.gen_instance, msg.gen_rank)
+        rid = s.request_id
+        peer = self._registered(key, msg.gen_incarnation)
+        if peer is None:
+            why = f"generation rank {key} is not registered with this context rank (any more)"
+            self._refuse_request(source, rid, msg.nonce, "NotRegisteredError", why)
+            return
+        old = s.tasks.get(key)
+        if old is not None:
+            if old.peer is peer and old.nonce == msg.nonce and old.final is not None:
+                self._send_to(old, old.final)  # the answer was lost: the same answer again
+            return
+        if self._refused_ticket(s, msg.ticket, msg.nonce, source):
+            return
+        if s.mode != "pull":
+            self._refuse_request(source, rid, msg.nonce, "SessionError", f"request {rid} is sent in push mode")
+            return
+        t = ReceiverTask(
+            peer=peer,
+            block_ids=np.zeros(0, np.int64),
+            state_slot=-1,
+            prompt_len=-1,
+            nonce=msg.nonce,
+            reply_to=source,
+        )
+        t.total_bytes, t.total_fragments = max(0, msg.nbytes), max(0, msg.fragments)
+        s.tasks[key] = t
+        s.renewers.pop(key, None)
+        assert peer.info is not None
+        if s.expected_receivers is None:
+            try:
+                s.expected_receivers = len(
+                    peer_ranks(self.link.topology, peer.info.topology, peer.info.topology.dp_rank)
+                )
+            except E.KvcoreError:
+                s.expected_receivers = 1
+        if s.terminal:
+            self._finish_for_session(s, t)
+        elif msg.status == "ok" and not hmac.compare_digest(msg.blocks_digest, s.blocks_digest):
+            exc = E.MappingError(
+                f"request {rid}: {peer} read other blocks than this context rank holds the request in (pull mode "
+                "needs the same block ids on every context rank, as the transfer parameters carry one list)"
+            )
+            self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
+            self._end(s, SessionState.FAILED, exc)
+        elif msg.status == "ok":
+            if s.state in (SessionState.INIT, SessionState.READY):
+                s.transition(SessionState.TRANSFERRING)
+            self._finish(s, t, TaskState.DONE)
+        elif msg.status == "cancelled":
+            self._finish(s, t, TaskState.CANCELLED, kind="RequestCancelledError", error=msg.error)
+        else:
+            exc2 = E.TransferFailedError(f"request {rid}: {peer} could not read it: {msg.error_kind}: {msg.error}")
+            self._finish(s, t, TaskState.FAILED, kind=type(exc2).__name__, error=str(exc2))
+            self._end(s, SessionState.FAILED, exc2)
+
+    def on_renew(self, source: Source, msg: wire.Renew) -> None:
+        """A receiver keeps a request's lease alive while it waits (only with the request's ticket)."""
+        key = (msg.gen_instance, msg.gen_rank)
+        rid = msg.request_id
+        now = time.monotonic()
+        with self.link.lock:
+            peer = self.peers.get(key)
+            if peer is None or peer.gone or peer.incarnation != msg.gen_incarnation:
+                self.counters["ignored_renewals"] += 1
+                return
+            s = self.tx.get(rid)
+            if s is None:
+                tomb = self._tombstone_for(rid, msg.ticket)
+                if tomb is not None and tomb.state is not SessionState.DONE:
+                    status = "cancelled" if tomb.state is SessionState.CANCELLED else "failed"
+                    self.link.reply(
+                        source, self._result(rid, msg.nonce, status=status, kind=tomb.error_kind, error=tomb.message)
+                    )
+                return  # not started yet (the lease begins at start_send), or done: nothing to keep
+            if self.config.require_tickets and not hmac.compare_digest(msg.ticket, s.ticket):
+                self.counters["tickets_refused"] += 1
+                return  # no answer: a stranger learns nothing about the request
+            if s.terminal:
+                if s.state is not SessionState.DONE:
+                    err = s.error or E.SessionError(f"request {rid} ended {s.state.value}")
+                    status = "cancelled" if s.state is SessionState.CANCELLED else "failed"
+                    self.link.reply(
+                        source, self._result(rid, msg.nonce, status=status, kind=type(err).__name__, error=str(err))
+                    )
+                return
+            if key not in s.renewers and len(s.renewers) >= 4096:
+                return
+            s.renewers[key] = msg.nonce
+            s.deadline = min(max(s.deadline, now + self.config.lease_s), s.hold_until)
+
     def on_cancel(self, source: Source, msg: wire.Cancel) -> None:
         """A receiver cancels (or asks for the final word on) its part of a request."""
         key = (msg.instance, msg.rank)
@@ -443,14 +769,18 @@ class Sender(Role):
                 mine = [e for e in early if (e[1].gen_instance, e[1].gen_rank) == key and e[1].nonce == msg.nonce]
                 for e in mine:
                     early.remove(e)
-                    self.early_bytes -= len(e[1].block_ids)
+                    self.early_bytes -= _early_size(e[1])
                 if not early:
                     self.early.pop(msg.request_id, None)
                 tomb = self.tombstones.get(msg.request_id)
                 if s is None and tomb is None and mine:
-                    # Cancelled before start_send: remember, so the engine's later start_send ends CANCELLED.
+                    # Cancelled before start_send: remember, so the engine's later start_send ends CANCELLED
+                    # (if that start_send has the ticket the receiver asked with).
                     self.tombstones.put(
-                        msg.request_id, SessionState.CANCELLED, E.RequestCancelledError(f"cancelled by {peer}")
+                        msg.request_id,
+                        SessionState.CANCELLED,
+                        E.RequestCancelledError(f"cancelled by {peer}"),
+                        ticket=mine[0][1].ticket,
                     )
                     tomb = self.tombstones.get(msg.request_id)
                 # Nothing of this receiver's is in flight here: say so (the receiver may release its pages).
@@ -516,7 +846,7 @@ class Sender(Role):
                 self._end(s, SessionState.FAILED, error)
         for rid in list(self.early):
             lst = [e for e in self.early[rid] if (e[1].gen_instance, e[1].gen_rank) != key]
-            self.early_bytes -= sum(len(e[1].block_ids) for e in self.early[rid] if e not in lst)
+            self.early_bytes -= sum(_early_size(e[1]) for e in self.early[rid] if e not in lst)
             if lst:
                 self.early[rid] = lst
             else:
@@ -556,8 +886,18 @@ class Sender(Role):
                 peer.ready_at = time.monotonic()
                 self.link.metrics.first_contact(peer.name, peer.ready_at - peer.created)
             rids = [rid for rid, s in self.tx.items() if peer.key in s.tasks]
+        self._confirm(peer)
         for rid in rids:
             self._drive(rid)
+
+    def _confirm(self, peer: GenPeer) -> None:
+        """Tell a generation rank its agent is loaded here: from now on it may READ from this rank (pull mode)."""
+        if peer.identity is not None and not peer.gone:
+            # Over the connection it registered on: it arrives on that rank's own link to us, so it cannot be forged.
+            self.link.reply(
+                Source(identity=peer.identity),
+                wire.RegisterResult(v=wire.PROTOCOL_VERSION, ctx_rank=self.link.topology.rank, ok=True),
+            )
 
     def _drive_all(self) -> None:
         with self.link.lock:
@@ -565,7 +905,7 @@ class Sender(Role):
         for rid in rids:
             self._drive(rid)
 
-    def _drive(self, rid: int) -> None:
+    def _drive(self, rid: InternalId) -> None:
         """Submit every ready task of a send session; settle the session when all are final."""
         with self.link.lock:
             s = self.tx.get(rid)
@@ -788,6 +1128,8 @@ class Sender(Role):
     # --- timers (worker thread) ------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
+        if self.events:
+            self._check_events()
         with self.link.lock:
             inflight = list(self.inflight.values())
         for s, t in inflight:
@@ -804,18 +1146,21 @@ class Sender(Role):
         cfg = self.config
         for s in self.tx.values():
             if not s.terminal and now > s.deadline:
+                done = sum(1 for t in s.tasks.values() if t.state is TaskState.DONE)
+                want = "?" if s.expected_receivers is None else s.expected_receivers
                 self._end(
                     s,
                     SessionState.TIMED_OUT,
-                    E.TransferTimeoutError(
-                        f"request {s.request_id}: receivers did not all ask within {cfg.request_timeout_s}s"
+                    E.LeaseExpiredError(
+                        f"request {s.request_id}: its lease ran out ({done} of {want} receivers had it after "
+                        f"{now - s.created:.1f}s; request_timeout_s={cfg.request_timeout_s}, lease_s={cfg.lease_s})"
                     ),
                 )
         for rid in [r for r, lst in self.early.items() if lst and now > min(d for d, _, _ in lst)]:
             keep = []
             for expiry, req, source in self.early.pop(rid):
                 if now > expiry:
-                    self.early_bytes -= len(req.block_ids)
+                    self.early_bytes -= _early_size(req)
                     self._answer_unheld(req, source, None)
                 else:
                     keep.append((expiry, req, source))
@@ -877,6 +1222,7 @@ class Sender(Role):
                 "tx_sessions": len(self.tx),
                 "early_requests": sum(len(v) for v in self.early.values()),
                 "early_request_bytes": self.early_bytes,
+                "pending_events": len(self.events),
                 "tombstones": len(self.tombstones),
                 "gen_peers": sum(1 for p in self.peers.values() if not p.gone),
                 "retired_peers": len(self.retired),

@@ -72,7 +72,7 @@ _ALLOWED: dict[SessionState, frozenset[SessionState]] = {
 class Session:
     """Common lifecycle of a send or receive session."""
 
-    request_id: int
+    request_id: Any  # int | str | kvcore.params.BytesId
     deadline: float  # time.monotonic() bound on reaching a terminal state
     state: SessionState = SessionState.INIT
     error: KvcoreError | None = None
@@ -109,9 +109,16 @@ class Session:
 
 
 class WriterState(str, Enum):
-    """A context rank's part of a receive session, as the generation rank sees it."""
+    """A context rank's part of a receive session, as the generation rank sees it.
+
+    Push mode: ASKED, then OK | FAILED | CANCELLED | NOT_ASKED | FENCED. Pull mode: READING (our READ of its
+    blocks is in flight: bytes may still land in our pages), then PULLED (the read ended; we told the context and
+    wait for its word that the blocks were still its to lend), then OK | FAILED | CANCELLED.
+    """
 
     ASKED = "ASKED"  # RequestData sent: the writer may be writing
+    READING = "READING"  # pull: our READ from this context rank is in flight
+    PULLED = "PULLED"  # pull: our READ ended; PullDone sent, the context's answer pending
     OK = "OK"  # reported its writes landed
     FAILED = "FAILED"  # reported a failure: nothing more will be written
     CANCELLED = "CANCELLED"  # confirmed cancelled: nothing was or will be written
@@ -120,12 +127,15 @@ class WriterState(str, Enum):
 
 
 #: Writers that can no longer put a byte into the request's pages.
-WRITER_SETTLED = frozenset(set(WriterState) - {WriterState.ASKED})
+WRITER_SETTLED = frozenset(set(WriterState) - {WriterState.ASKED, WriterState.READING})
+_FINAL_WRITER = frozenset({WriterState.OK, WriterState.FAILED, WriterState.CANCELLED, WriterState.FENCED})
 
 _WRITER_ALLOWED: dict[WriterState, frozenset[WriterState]] = {
-    WriterState.ASKED: frozenset(WRITER_SETTLED),
-    WriterState.NOT_ASKED: frozenset({WriterState.ASKED}),  # re-asked after a re-registration
-    **{s: frozenset() for s in WRITER_SETTLED - {WriterState.NOT_ASKED}},
+    WriterState.ASKED: frozenset(WRITER_SETTLED - {WriterState.PULLED}),
+    WriterState.NOT_ASKED: frozenset({WriterState.ASKED, WriterState.READING}),  # re-asked after a re-registration
+    WriterState.READING: frozenset({WriterState.PULLED}) | _FINAL_WRITER,
+    WriterState.PULLED: frozenset({WriterState.OK, WriterState.FAILED, WriterState.CANCELLED}),
+    **{s: frozenset() for s in _FINAL_WRITER},
 }
 
 
@@ -146,6 +156,19 @@ class RxSession(Session):
     bounced: set[int] = field(default_factory=set)  # writers whose bytes sit packed in their lease
     last_query: float = 0.0  # when the quarantined writers were last asked for their final word
     asked_at: dict[int, float] = field(default_factory=dict)  # ctx rank -> when its RequestData was sent
+    ticket: bytes = b""  # the request's ticket (from the context's TransferParams)
+    mode: str = "push"
+    expecting: bool = False  # expect(): the request is announced; blocks come with start_receive
+    ctx_block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # pull: blocks to read
+    ctx_state_slot: int = -1  # pull
+    ctx_incarnation: str = ""  # pull: the context incarnation the parameters came from
+    reads: dict[int, Any] = field(default_factory=dict)  # pull: ctx rank -> our READ handle
+    read_bytes: dict[int, tuple[int, int]] = field(default_factory=dict)  # pull: ctx rank -> (bytes, fragments)
+    aux: bytes = b""  # the aux payload a context rank sent with its "ok"
+    pull_done: dict[int, Any] = field(default_factory=dict)  # pull: ctx rank -> the PullDone we sent (re-sent if lost)
+    renew_nonce: bytes = b""  # answers to our lease renewals echo this
+    last_renew: float = 0.0
+    renew_every: float = 0.0  # seconds between renewals (a third of the context's lease)
 
     @property
     def quiescent(self) -> bool:
@@ -242,6 +265,12 @@ class TxSession(Session):
     tasks: dict[tuple[str, int], ReceiverTask] = field(default_factory=dict)
     expected_receivers: int | None = None  # known once the first receiver asked
     layers_upto: int | None = None  # layer-wise sending: layers below this are ready; None: all are
+    ticket: bytes = b""  # receivers must present it (config.require_tickets)
+    mode: str = "push"  # "pull": receivers read our blocks and report with PullDone
+    aux: bytes = b""  # sent with every receiver's "ok"
+    blocks_digest: bytes = b""  # pull: what a receiver must have read (kvcore.transceiver.sender.blocks_digest)
+    renewers: dict[tuple[str, int], bytes] = field(default_factory=dict)  # receiver key -> its renewal nonce
+    hold_until: float = 0.0  # leases are never renewed past this (config.max_lease_s from start_send)
 
     @property
     def quiescent(self) -> bool:
@@ -264,6 +293,9 @@ class Tombstone:
     error_kind: str
     message: str
     at: float
+    #: The request's ticket when a peer's message made or may read this tombstone; None: made by this rank's
+    #: engine (its own cancel), valid for anyone.
+    ticket: bytes | None = None
 
 
 class Tombstones:
@@ -275,21 +307,21 @@ class Tombstones:
     def __init__(self, max_entries: int, ttl_s: float) -> None:
         self.max_entries = max_entries
         self.ttl_s = ttl_s
-        self._items: OrderedDict[int, Tombstone] = OrderedDict()
+        self._items: OrderedDict[Any, Tombstone] = OrderedDict()
         self.evicted = 0
 
-    def put(self, rid: int, state: SessionState, error: KvcoreError | None = None) -> None:
+    def put(self, rid: Any, state: SessionState, error: KvcoreError | None = None, ticket: bytes | None = None) -> None:
         kind = type(error).__name__ if error is not None else ""
         self._items.pop(rid, None)
-        self._items[rid] = Tombstone(state, kind, str(error or "")[:200], time.monotonic())
+        self._items[rid] = Tombstone(state, kind, str(error or "")[:200], time.monotonic(), ticket)
         while len(self._items) > self.max_entries:
             self._items.popitem(last=False)
             self.evicted += 1
 
-    def get(self, rid: int) -> Tombstone | None:
+    def get(self, rid: Any) -> Tombstone | None:
         return self._items.get(rid)
 
-    def pop(self, rid: int) -> Tombstone | None:
+    def pop(self, rid: Any) -> Tombstone | None:
         return self._items.pop(rid, None)
 
     def expire(self, now: float) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-from kv_oracle import Side, run_scenario
 from kvcore_mixers.mappers import (
     HeadMajorShardMapper,
     ReplicatedMapper,
@@ -19,6 +18,7 @@ from kvcore.mapping import RankLayout, plan_transfer, validate_compatible
 from kvcore.page import PageTable, Pool, PoolView, ViewLayout
 from kvcore.peer import shard_position
 from kvcore.plugins import make_plugin_manager
+from kvcore.testing.oracle import Side, run_scenario
 from kvcore.topology import AttentionGeometry, Topology
 
 

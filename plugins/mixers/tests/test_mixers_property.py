@@ -2,7 +2,7 @@
 
 TP 1/2/4/8 with uneven PP, attention DP on either side, GQA with fewer KV heads
 than TP, MLA, Mamba hybrid (conv + SSM), head-major and token-major, prefix
-cache and sliding window. The oracle (tests/kv_oracle.py) shards the logical
+cache and sliding window. The oracle (kvcore.testing.oracle) shards the logical
 request with plain indexing, executes every contacted pair's plan as memcpy on
 real memory and asserts each destination byte is written exactly once.
 """
@@ -13,9 +13,9 @@ import itertools
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_oracle import Side, run_scenario
 
 from kvcore.plugins import make_plugin_manager
+from kvcore.testing.oracle import Side, run_scenario
 from kvcore.topology import AttentionGeometry, MambaGeometry
 
 MAPPERS = make_plugin_manager().layout_mappers

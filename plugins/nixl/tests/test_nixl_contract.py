@@ -13,9 +13,10 @@ except PackageNotFoundError:  # only an absent plugin skips; a broken NIXL insta
 
 from kvcore_nixl.agent import load_nixl
 
-from kvcore.testing.contract import *  # noqa: F403
+from kvcore.testing.contract import TransferAgentContract
 
 load_nixl()  # a broken NIXL install fails every test here instead of skipping them
 
-KVCORE_CONTRACT_BACKEND = "nixl"
-KVCORE_CONTRACT_OPTIONS: dict[str, object] = {}
+
+class TestNixlContract(TransferAgentContract):
+    backend = "nixl"

@@ -13,9 +13,11 @@ except PackageNotFoundError:  # only an absent plugin skips; a broken NIXL insta
 
 from kvcore_nixl.agent import load_nixl
 
-from kvcore.testing.contract import *  # noqa: F403
+from kvcore.testing.contract import TransferAgentContract
 
 load_nixl()  # a broken NIXL install fails every test here instead of skipping them
 
-KVCORE_CONTRACT_BACKEND = "nixl"
-KVCORE_CONTRACT_OPTIONS: dict[str, object] = {"progress_thread": True, "progress_delay_us": 100}
+
+class TestNixlContractProgressThread(TransferAgentContract):
+    backend = "nixl"
+    agent_options = {"progress_thread": True, "progress_delay_us": 100}

@@ -13,8 +13,10 @@ except PackageNotFoundError:  # only an absent plugin skips; a broken UCX instal
 
 from kvcore_ucx import _ucp
 
-from kvcore.testing.contract import *  # noqa: F403
+from kvcore.testing.contract import TransferAgentContract
 
 _ucp.load()  # a broken UCX install fails every test here instead of skipping them
 
-KVCORE_CONTRACT_BACKEND = "ucx"
+
+class TestUcxContract(TransferAgentContract):
+    backend = "ucx"

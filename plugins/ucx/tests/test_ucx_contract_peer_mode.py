@@ -13,9 +13,11 @@ except PackageNotFoundError:  # only an absent plugin skips; a broken UCX instal
 
 from kvcore_ucx import _ucp
 
-from kvcore.testing.contract import *  # noqa: F403
+from kvcore.testing.contract import TransferAgentContract
 
 _ucp.load()  # a broken UCX install fails every test here instead of skipping them
 
-KVCORE_CONTRACT_BACKEND = "ucx"
-KVCORE_CONTRACT_OPTIONS = {"error_handling": "peer"}
+
+class TestUcxContractPeerMode(TransferAgentContract):
+    backend = "ucx"
+    agent_options = {"error_handling": "peer"}

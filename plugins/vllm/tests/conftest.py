@@ -50,6 +50,18 @@ class EngineProcess:
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         self.proc.stdin.flush()
 
+    def send_many(self, *cmds: dict[str, Any], then_freeze: float = 0.0) -> None:
+        """Several commands in one write: the engine reads them together, so they act in the same step.
+
+        ``then_freeze``: the engine stops stepping for that many seconds after that step.
+        """
+        assert self.proc.stdin is not None
+        lines = [dict(c) for c in cmds]
+        if then_freeze:
+            lines.append({"op": "freeze", "seconds": then_freeze})
+        self.proc.stdin.write(b"".join((json.dumps(c) + "\n").encode() for c in lines))
+        self.proc.stdin.flush()
+
     def _read_events(self, deadline: float) -> None:
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()

@@ -3,7 +3,9 @@
 Each process runs vLLM's real Scheduler and the worker-side connector over
 real KV views (see vllm_engine.py); the test is the router: it hands the
 prefill's ``kv_transfer_params`` to the decode request, and checks every KV
-byte the decode instance holds against the pattern computed here.
+byte the decode instance holds against the pattern computed here. Both
+transfer modes run: pull (the connector's default: the decode side reads) and
+push (``"mode": "push"``: the prefill side writes).
 """
 
 from __future__ import annotations
@@ -42,24 +44,34 @@ def prompt_of(n: int, seed: int) -> list[int]:
     return [(seed * 31 + i) % 997 + 1 for i in range(n)]
 
 
-def spec(role: str, backend: str, model_dir: str, **more: Any) -> dict[str, Any]:
+def spec(role: str, backend: str, model_dir: str, mode: str | None = None, **more: Any) -> dict[str, Any]:
+    """An engine process's spec; ``mode`` None leaves the connector's default (pull) in place."""
+    extra = dict(more.pop("extra", {}))
+    if mode is not None:
+        extra["mode"] = mode
     return {
         "role": role,
         "backend": backend,
         "model_dir": model_dir,
         "engine_id": f"{role}-engine",
-        "shm_backing": role == "decode" and backend == "shm",
+        # The shm agent exposes only memory it allocated: the decode side's for push, the prefill side's for pull.
+        "shm_backing": backend == "shm",
+        "extra": extra,
         **more,
     }
 
 
-def prefill(p: Any, rid: str, n: int, seed: int) -> dict[str, Any]:
+def prefill(p: Any, rid: str, n: int, seed: int, mode: str | None = None) -> dict[str, Any]:
     """Run request ``rid``'s prefill on ``p``; the kv_transfer_params it returns (what a router forwards)."""
     p.send(op="add", id=rid, prompt=prompt_of(n, seed), max_tokens=1, params={"do_remote_decode": True}, seed=seed)
     done = p.wait("finished", id=rid)
     assert done["tokens"] == [SAMPLED_TOKEN]
     params = done["params"]
-    assert params["do_remote_prefill"] is True and params["kvcore"]["prompt_len"] == n
+    kv = params["kvcore"]  # kvcore.TransferParams.to_dict(), forwarded as it is
+    assert params["do_remote_prefill"] is True and kv["prompt_len"] == n and kv["request_id"] == rid
+    assert kv.get("mode", "push") == (mode or "pull") and len(bytes.fromhex(kv["ticket"])) == 16
+    if kv.get("mode") == "pull":
+        assert len(kv["block_ids"]) == -(-n // BLOCK_SIZE) and kv["incarnation"]
     return params
 
 
@@ -76,17 +88,26 @@ def assert_idle(e: Any, free_blocks: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "layout"),
-    [("shm", "LBHNC"), ("shm", "LBNHC"), ("nixl", "LBHNC")],
+    ("backend", "layout", "mode"),
+    [
+        ("shm", "LBHNC", None),  # the default: pull
+        ("shm", "LBHNC", "push"),
+        ("shm", "LBNHC", "pull"),
+        ("shm", "LBNHC", "push"),
+        ("nixl", "LBHNC", "pull"),
+        ("nixl", "LBHNC", "push"),
+    ],
 )
-def test_prefill_to_decode_every_byte(engines: Any, model_dir: str, backend: str, layout: str) -> None:
-    p = engines(**spec("prefill", backend, model_dir, layout=layout))
-    d = engines(**spec("decode", backend, model_dir, layout=layout))
+def test_prefill_to_decode_every_byte(
+    engines: Any, model_dir: str, backend: str, layout: str, mode: str | None
+) -> None:
+    p = engines(**spec("prefill", backend, model_dir, mode, layout=layout))
+    d = engines(**spec("decode", backend, model_dir, mode, layout=layout))
     base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
     # Lengths: inside one block, exactly two blocks, a partial last block.
     for i, n in enumerate((5, 2 * BLOCK_SIZE, 3 * BLOCK_SIZE + 7)):
         rid, seed = f"req-{i}", 100 + i
-        params = prefill(p, rid, n, seed)
+        params = prefill(p, rid, n, seed, mode)
         d.send(op="add", id=rid, prompt=prompt_of(n, seed), max_tokens=2, params=params, seed=seed)
         assert_kv(d.wait("loaded", id=rid)["kv"], seed, n)
         done = d.wait("finished", id=rid)
@@ -104,13 +125,13 @@ def test_prefill_to_decode_every_byte(engines: Any, model_dir: str, backend: str
     assert d.state()["connector_stats"]["bytes_moved"] == moved
 
 
-@pytest.mark.parametrize("backend", ["shm", "nixl"])
-def test_context_dies_load_error_and_blocks_freed(engines: Any, model_dir: str, backend: str) -> None:
+@pytest.mark.parametrize(("backend", "mode"), [("shm", "pull"), ("shm", "push"), ("nixl", "pull"), ("nixl", "push")])
+def test_context_dies_load_error_and_blocks_freed(engines: Any, model_dir: str, backend: str, mode: str) -> None:
     extra = {"first_contact_timeout_s": 3.0, "request_timeout_s": 10.0}
-    p = engines(**spec("prefill", backend, model_dir, extra=extra))
-    d = engines(**spec("decode", backend, model_dir, extra=extra))
+    p = engines(**spec("prefill", backend, model_dir, mode, extra=extra))
+    d = engines(**spec("decode", backend, model_dir, mode, extra=extra))
     base_d = d.ready["free_blocks"]
-    params = prefill(p, "doomed", 40, 7)
+    params = prefill(p, "doomed", 40, 7, mode)
     p.signal(signal.SIGKILL)
     p.proc.wait(timeout=10)
     d.send(op="add", id="doomed", prompt=prompt_of(40, 7), max_tokens=2, params=params, seed=7)
@@ -123,17 +144,18 @@ def test_context_dies_load_error_and_blocks_freed(engines: Any, model_dir: str, 
 
 @pytest.mark.parametrize("backend", ["shm", "nixl"])
 def test_decode_abort_holds_blocks_until_the_writer_is_done(engines: Any, model_dir: str, backend: str) -> None:
-    p = engines(**spec("prefill", backend, model_dir))
-    d = engines(**spec("decode", backend, model_dir))
+    # Push: the prefill writes into the decode's blocks, so an aborted receive must keep them until it is settled.
+    p = engines(**spec("prefill", backend, model_dir, "push"))
+    d = engines(**spec("decode", backend, model_dir, "push"))
     base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
     # First contact happens on a normal request, so the stopped prefill below is a known, live peer.
-    params = prefill(p, "warm", 20, 1)
+    params = prefill(p, "warm", 20, 1, "push")
     d.send(op="add", id="warm", prompt=prompt_of(20, 1), max_tokens=2, params=params, seed=1)
     assert_kv(d.wait("loaded", id="warm")["kv"], 1, 20)
     d.wait("freed", id="warm")
     p.wait("freed", id="warm")
 
-    params = prefill(p, "aborted", 40, 2)
+    params = prefill(p, "aborted", 40, 2, "push")
     p.signal(signal.SIGSTOP)  # the writer exists but cannot answer
     d.send(op="add", id="aborted", prompt=prompt_of(40, 2), max_tokens=2, params=params, seed=2)
     time.sleep(1.0)
@@ -149,15 +171,16 @@ def test_decode_abort_holds_blocks_until_the_writer_is_done(engines: Any, model_
     assert_idle(d, base_d)
 
 
-def test_decode_prefix_cache_hit_moves_only_the_suffix(engines: Any, model_dir: str) -> None:
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_decode_prefix_cache_hit_moves_only_the_suffix(engines: Any, model_dir: str, mode: str) -> None:
     # The prefill recomputes every token (no prefix cache) with a new pattern for the second request; the decode
     # instance caches the first request's blocks. If kvcore moved more than the uncached suffix, the decode side
     # would hold the second pattern in its cached prefix.
-    p = engines(**spec("prefill", "shm", model_dir, prefix_caching=False))
-    d = engines(**spec("decode", "shm", model_dir))
+    p = engines(**spec("prefill", "shm", model_dir, mode, prefix_caching=False))
+    d = engines(**spec("decode", "shm", model_dir, mode))
     n, cached = 3 * BLOCK_SIZE, 2 * BLOCK_SIZE  # vLLM caps a local hit below the last token: 2 full blocks
     prompt = prompt_of(n, 1)
-    params = prefill(p, "first", n, 11)
+    params = prefill(p, "first", n, 11, mode)
     d.send(op="add", id="first", prompt=prompt, max_tokens=2, params=params, seed=11)
     assert_kv(d.wait("loaded", id="first")["kv"], 11, n)
     d.wait("freed", id="first")
@@ -176,15 +199,19 @@ def test_decode_prefix_cache_hit_moves_only_the_suffix(engines: Any, model_dir: 
     p.wait("freed", id="second")
 
 
-def test_prefill_frees_blocks_when_no_decode_ever_asks(engines: Any, model_dir: str) -> None:
-    # The router lost the parameters: kvcore's request_timeout_s bounds how long the prefill holds the blocks.
-    p = engines(**spec("prefill", "shm", model_dir, extra={"request_timeout_s": 3.0}))
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_prefill_frees_blocks_when_no_decode_ever_asks(engines: Any, model_dir: str, mode: str) -> None:
+    # The router lost the parameters: the request's lease (request_timeout_s, never renewed) bounds how long the
+    # prefill holds the blocks; kvcore reports it failed (LeaseExpiredError) and the connector frees them.
+    p = engines(**spec("prefill", "shm", model_dir, mode, extra={"request_timeout_s": 3.0, "lease_s": 3.0}))
     base = p.ready["free_blocks"]
-    prefill(p, "orphan", 40, 3)
+    prefill(p, "orphan", 40, 3, mode)
     held = p.state()
     assert held["requests"] == 1 and held["free_blocks"] < base
     p.wait("freed", id="orphan", timeout=60)
     assert_idle(p, base)
+    stats = p.state()["connector_stats"]
+    assert stats.get("transfers_failed") == 1 and not stats.get("transfers_done"), stats
 
 
 def _free_port() -> int:
@@ -201,16 +228,21 @@ def _group_state(ranks: list[Any]) -> list[dict[str, Any]]:
     return [r.wait("state") for r in ranks]
 
 
-@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
-def test_prefill_tp1_to_decode_tp2(engines: Any, model_dir: str, layout: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "layout", "mode"),
+    [("shm", "LBHNC", "pull"), ("shm", "LBNHC", "push"), ("nixl", "LBHNC", "pull"), ("nixl", "LBNHC", "push")],
+)
+def test_prefill_tp1_to_decode_tp2(engines: Any, model_dir: str, backend: str, layout: str, mode: str) -> None:
     # Heterogeneous TP: the prefill holds both KV heads, each decode rank one (kvcore-mixers re-shards).
     # The decode instance is two processes (TP ranks over gloo, vLLM's distributed state initialized as on a
-    # CPU worker), each with a scheduler replica; kvcore's collective poll keeps their outcomes in step.
-    p = engines(**spec("prefill", "shm", model_dir, layout=layout))
+    # CPU worker), each with a scheduler replica; each worker polls kvcore on its own and vLLM's
+    # KVOutputAggregator combines their outputs every step (see vllm_engine.Engine.aggregate).
+    p = engines(**spec("prefill", backend, model_dir, mode, layout=layout))
     port = _free_port()
     ranks = [
         engines(
-            wait_ready=False, **spec("decode", "shm", model_dir, layout=layout, tp_size=2, tp_rank=r, dist_port=port)
+            wait_ready=False,
+            **spec("decode", backend, model_dir, mode, layout=layout, tp_size=2, tp_rank=r, dist_port=port),
         )
         for r in range(2)
     ]
@@ -220,7 +252,7 @@ def test_prefill_tp1_to_decode_tp2(engines: Any, model_dir: str, layout: str) ->
     per_rank = TOKEN_NBYTES // 2
     for i, n in enumerate((5, 2 * BLOCK_SIZE + 3)):
         rid, seed = f"tp-{i}", 300 + i
-        params = prefill(p, rid, n, seed)
+        params = prefill(p, rid, n, seed, mode)
         for r in ranks:
             r.send(op="add", id=rid, prompt=prompt_of(n, seed), max_tokens=2, params=params, seed=seed)
         for tp_rank, r in enumerate(ranks):
@@ -241,16 +273,19 @@ def test_prefill_tp1_to_decode_tp2(engines: Any, model_dir: str, layout: str) ->
         assert s["requests"] == 0 and s["free_blocks"] == base_d and s["pending"] == 0, s
 
 
-def test_decode_abort_before_scheduling_releases_the_prefill(engines: Any, model_dir: str) -> None:
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_decode_abort_before_scheduling_releases_the_prefill(engines: Any, model_dir: str, mode: str) -> None:
     # The decode request is aborted in the same step it arrives, before vLLM ever allocates for it. The prefill
     # must not hold its blocks until its (here very long) request_timeout_s: the decode side tells it to release.
     extra = {"request_timeout_s": 600.0}
-    p = engines(**spec("prefill", "shm", model_dir, extra=extra))
-    d = engines(**spec("decode", "shm", model_dir, extra=extra))
+    p = engines(**spec("prefill", "shm", model_dir, mode, extra=extra))
+    d = engines(**spec("decode", "shm", model_dir, mode, extra=extra))
     base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
-    params = prefill(p, "never", 40, 5)
-    d.send(op="add", id="never", prompt=prompt_of(40, 5), max_tokens=2, params=params, seed=5)
-    d.send(op="abort", id="never")  # read together with "add": both act before the first schedule
+    params = prefill(p, "never", 40, 5, mode)
+    d.send_many(  # read together: both act before the first schedule
+        {"op": "add", "id": "never", "prompt": prompt_of(40, 5), "max_tokens": 2, "params": params, "seed": 5},
+        {"op": "abort", "id": "never"},
+    )
     d.wait("freed", id="never")
     p.wait("freed", id="never", timeout=120)
     assert not [e for e in d.events if e.get("event") == "loaded"]
@@ -258,14 +293,22 @@ def test_decode_abort_before_scheduling_releases_the_prefill(engines: Any, model
     assert_idle(d, base_d)
 
 
-@pytest.mark.parametrize(("policy", "reason"), [("fail", "error"), ("recompute", "length")])
-def test_decode_too_late_for_the_prefill_timeout(engines: Any, model_dir: str, policy: str, reason: str) -> None:
-    # No lease renewal yet: a decode instance that asks after the prefill's request_timeout_s finds the send gone.
-    # The load fails cleanly; vLLM then fails the request or recomputes it locally (kv_load_failure_policy).
-    p = engines(**spec("prefill", "shm", model_dir, extra={"request_timeout_s": 2.0}))
-    d = engines(**spec("decode", "shm", model_dir, extra={"request_timeout_s": 4.0}, kv_load_failure_policy=policy))
+@pytest.mark.parametrize(
+    ("policy", "reason", "mode"),
+    [("fail", "error", "pull"), ("recompute", "length", "pull"), ("fail", "error", "push")],
+)
+def test_decode_too_late_for_the_prefill_lease(
+    engines: Any, model_dir: str, policy: str, reason: str, mode: str
+) -> None:
+    # A decode instance that comes after the prefill's lease ran out (nobody renewed it) finds the send gone. The
+    # load fails cleanly (get_block_ids_with_load_errors); vLLM then fails the request or recomputes it locally
+    # (kv_load_failure_policy).
+    p = engines(**spec("prefill", "shm", model_dir, mode, extra={"request_timeout_s": 2.0, "lease_s": 2.0}))
+    d = engines(
+        **spec("decode", "shm", model_dir, mode, extra={"request_timeout_s": 4.0}, kv_load_failure_policy=policy)
+    )
     base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
-    params = prefill(p, "late", 40, 9)
+    params = prefill(p, "late", 40, 9, mode)
     p.wait("freed", id="late", timeout=60)  # the prefill gave up on it
     d.send(op="add", id="late", prompt=prompt_of(40, 9), max_tokens=2, params=params, seed=9)
     done = d.wait("finished", id="late", timeout=60)
@@ -273,3 +316,88 @@ def test_decode_too_late_for_the_prefill_timeout(engines: Any, model_dir: str, p
     d.wait("freed", id="late")
     assert_idle(p, base_p)
     assert_idle(d, base_d)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_decode_without_the_ticket_gets_nothing(engines: Any, model_dir: str, mode: str) -> None:
+    # The context serves a request only to a receiver presenting its ticket (from the parameters). A decode request
+    # with forged parameters (another ticket) fails its load; the prefill keeps the request for its rightful
+    # receiver, which then loads every byte.
+    p = engines(**spec("prefill", "shm", model_dir, mode, extra={"request_timeout_s": 60.0}))
+    d = engines(**spec("decode", "shm", model_dir, mode, extra={"request_timeout_s": 6.0}))
+    base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
+    params = prefill(p, "secret", 40, 4, mode)
+    forged = {**params, "kvcore": {**params["kvcore"], "ticket": "ab" * 16}}
+    d.send(op="add", id="secret", prompt=prompt_of(40, 4), max_tokens=2, params=forged, seed=4)
+    done = d.wait("finished", id="secret", timeout=60)
+    assert "error" in done["reason"].lower(), done  # kv_load_failure_policy="fail"
+    assert not [e for e in d.events if e.get("event") == "loaded"]
+    d.wait("freed", id="secret")
+    held = p.state()
+    assert held["requests"] == 1 and held["free_blocks"] < base_p, f"the prefill let a stranger end it: {held}"
+    assert held["kvcore"]["tickets_refused"] >= 1, held["kvcore"]
+    d.send(op="add", id="secret", prompt=prompt_of(40, 4), max_tokens=2, params=params, seed=4)
+    assert_kv(d.wait("loaded", id="secret")["kv"], 4, 40)
+    d.wait("freed", id="secret")
+    p.wait("freed", id="secret")
+    assert_idle(p, base_p)
+    assert_idle(d, base_d)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_expected_requests_keep_the_prefill_lease_while_decode_waits_for_blocks(
+    engines: Any, model_dir: str, mode: str
+) -> None:
+    # The decode instance is full: remote requests wait for blocks (vLLM keeps them WAITING, and looks only at the
+    # head of its queue) while the engine makes no progress for several prefill leases. The connector announced
+    # each on arrival (Transceiver.expect), so kvcore renews the prefill's leases; once blocks free up, every byte
+    # arrives. One of them is aborted while expected: the prefill frees it at once, not at max_lease_s.
+    lease = {"request_timeout_s": 2.0, "lease_s": 2.0, "max_lease_s": 300.0}
+    p = engines(**spec("prefill", "shm", model_dir, mode, extra=lease))
+    # kvcore renews every lease_s / 3 of the *receiver's* configuration: both sides must agree on lease_s.
+    d = engines(**spec("decode", "shm", model_dir, mode, num_blocks=16, extra={"lease_s": 2.0, "max_lease_s": 300.0}))
+    base_p, base_d = p.ready["free_blocks"], d.ready["free_blocks"]
+    # First contact on a normal request, so the renewals below start at once.
+    params = prefill(p, "warm", 20, 1, mode)
+    d.send(op="add", id="warm", prompt=prompt_of(20, 1), max_tokens=2, params=params, seed=1)
+    assert_kv(d.wait("loaded", id="warm")["kv"], 1, 20)
+    d.wait("freed", id="warm")
+    p.wait("freed", id="warm")
+    remote = {rid: prefill(p, rid, 40, seed, mode) for rid, seed in (("patient", 6), ("queued", 7), ("quitter", 8))}
+    # In one step: a local request takes all but 2 of the decode's blocks; each remote one needs 3, so they wait.
+    hog_len = (base_d - 2) * BLOCK_SIZE - 4
+    d.send_many(
+        {"op": "add", "id": "hog", "prompt": prompt_of(hog_len, 9), "max_tokens": 3, "params": None, "seed": 9},
+        *(
+            {
+                "op": "add",
+                "id": rid,
+                "prompt": prompt_of(40, seed),
+                "max_tokens": 2,
+                "params": remote[rid],
+                "seed": seed,
+            }
+            for rid, seed in (("patient", 6), ("queued", 7), ("quitter", 8))
+        ),
+        then_freeze=7.0,  # then the engine stalls for 3.5 prefill leases
+    )
+    frozen = d.wait("frozen", timeout=60)
+    for rid in ("patient", "queued", "quitter"):
+        state = frozen["requests"][rid]
+        assert "WAITING" in state and "REMOTE" not in state, frozen  # not allocated: only expected
+    assert frozen["free_blocks"] < 3, frozen
+    d.send(op="abort", id="quitter")  # read at the thaw, before the next step
+    d.wait("thawed", timeout=60)
+    p.state()  # reads every event the prefill emitted so far
+    freed = [e["id"] for e in p.events if e.get("event") == "freed"]
+    assert not freed, f"the prefill freed expected requests {freed}: their leases were not renewed"
+    p.wait("freed", id="quitter", timeout=60)  # told at once; its lease alone would hold it for 300 s
+    for rid, seed in (("patient", 6), ("queued", 7)):
+        assert_kv(d.wait("loaded", id=rid, timeout=60)["kv"], seed, 40)
+        d.wait("freed", id=rid)
+        p.wait("freed", id=rid)
+    d.wait("freed", id="hog", timeout=60)
+    assert_idle(p, base_p)
+    assert_idle(d, base_d)
+    stats = p.state()["connector_stats"]
+    assert stats.get("transfers_done") == 4 and not stats.get("transfers_failed"), stats

@@ -1,55 +1,71 @@
-"""Transfer parameters, request keys, options, and the scheduler side on vLLM's real Scheduler (one process)."""
+"""Transfer parameters in kv_transfer_params, options, and the scheduler side on vLLM's real Scheduler (one process)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
-from kvcore_vllm.engine_api import PARAMS_KEY, InvalidTransferParamsError, TransferParams, request_key
-from kvcore_vllm.options import transceiver_config, transceiver_role
+from kvcore_vllm.engine_api import PARAMS_KEY, InvalidTransferParamsError, parse_params
+from kvcore_vllm.options import DEFAULT_MODE, transceiver_config, transceiver_role
 
 from kvcore.errors import ConfigError, KvcoreError
+from kvcore.params import TransferParams
 
-GOOD = {"v": 1, "ctx_endpoint": "tcp://127.0.0.1:5555", "request_id": 2**64 - 1, "prompt_len": 40, "ctx_dp_rank": 0}
+PULL = TransferParams.make(
+    "r", "tcp://127.0.0.1:5555", mode="pull", prompt_len=40, block_ids=[4, 5, 6], incarnation="abc"
+).to_dict()
+PUSH = TransferParams.make("r", "tcp://127.0.0.1:5555", prompt_len=40).to_dict()
 
 
-def test_params_round_trip_through_json() -> None:
-    import json
-
-    p = TransferParams.from_dict(json.loads(json.dumps(GOOD)))
-    assert p.to_dict() == GOOD
+@pytest.mark.parametrize("good", [PULL, PUSH])
+def test_kvcore_params_round_trip_through_json(good: dict[str, Any]) -> None:
+    p = parse_params(json.loads(json.dumps({"do_remote_prefill": True, PARAMS_KEY: good})), "r")
+    assert p.to_dict() == good and p.request_id == "r" and p.prompt_len == 40
     assert issubclass(InvalidTransferParamsError, KvcoreError)
 
 
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"v": 2}, ".v"),
-        ({"request_id": -1}, "request_id"),
-        ({"request_id": 2**64}, "request_id"),
+        ({"version": 2}, "version"),
+        ({"request_id": "other"}, "request_id: expected 'r'"),
+        ({"request_id": ""}, "request_id"),
         ({"prompt_len": 0}, "prompt_len"),
-        ({"ctx_endpoint": "http://x"}, "ctx_endpoint"),
-        ({"ctx_endpoint": "tcp://" + "a" * 300 + ":1"}, "ctx_endpoint"),
-        ({"ctx_dp_rank": -1}, "ctx_dp_rank"),
         ({"prompt_len": "40"}, "prompt_len"),
-        ({"extra": 1}, "extra"),
+        ({"ticket": "zz"}, "ticket"),
+        ({"ticket": "ab"}, "ticket"),
+        ({"mode": "teleport"}, "mode"),
+        ({"dp_rank": -1}, "dp_rank"),
+        ({"mode": "pull", "incarnation": ""}, "incarnation"),
+        ({"endpoint": 5}, "endpoint"),
     ],
 )
 def test_bad_params_name_the_field(change: dict[str, Any], field: str) -> None:
     with pytest.raises(InvalidTransferParamsError, match=field):
-        TransferParams.from_dict({**GOOD, **change})
+        parse_params({PARAMS_KEY: {**PUSH, **change}}, "r")
 
 
 def test_params_must_be_a_mapping() -> None:
     with pytest.raises(InvalidTransferParamsError, match="expected a mapping"):
-        TransferParams.from_dict(["tcp://127.0.0.1:1"])
+        parse_params({PARAMS_KEY: ["tcp://127.0.0.1:1"]}, "r")
+    with pytest.raises(InvalidTransferParamsError, match="expected a mapping"):
+        parse_params({}, "r")
 
 
-def test_request_key_is_stable_64_bit_and_engine_scoped() -> None:
-    k = request_key("engine-a", "cmpl-1")
-    assert k == request_key("engine-a", "cmpl-1") and 0 <= k < 2**64
-    assert k != request_key("engine-b", "cmpl-1")
-    assert k != request_key("engine-a", "cmpl-2")
+def test_mode_option_defaults_to_pull(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.delenv("KVCORE_TRANSFER_MODE", raising=False)
+    monkeypatch.delenv("KVCORE_CONFIG", raising=False)
+    assert DEFAULT_MODE == "pull" and transceiver_config({}).transfer_mode == "pull"
+    assert transceiver_config({"mode": "push"}).transfer_mode == "push"
+    assert transceiver_config({"transfer_mode": "push"}).transfer_mode == "push"
+    f = tmp_path / "kvcore.toml"
+    f.write_text('transfer_mode = "push"\n')
+    assert transceiver_config({"config_file": str(f)}).transfer_mode == "push"
+    with pytest.raises(ConfigError, match="mode: expected 'pull' or 'push', got 'teleport'"):
+        transceiver_config({"mode": "teleport"})
+    monkeypatch.setenv("KVCORE_TRANSFER_MODE", "push")
+    assert transceiver_config({}).transfer_mode == "push"
 
 
 def test_options_are_transceiver_config_fields(tmp_path: Any) -> None:
@@ -102,18 +118,36 @@ def test_decode_scheduler_waits_for_remote_kv_with_good_params(model_dir: str) -
     from vllm.v1.request import RequestStatus
 
     s = _scheduler(model_dir, "kv_consumer")
-    s.add_request(_request("r", 40, {"do_remote_prefill": True, PARAMS_KEY: GOOD}))
+    s.add_request(_request("r", 40, {"do_remote_prefill": True, PARAMS_KEY: PULL}))
     so = s.schedule()
     assert so.total_num_scheduled_tokens == 0
     assert s.requests["r"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     meta = so.kv_connector_metadata
     (recv,) = meta.recvs.values()
     assert len(recv.block_ids) == 3  # ceil(40 / 16) blocks for the remote tokens
+    assert recv.params == PULL  # kvcore's parameters, as the router forwarded them
+    assert not meta.expects  # allocated in the same step: nothing to announce
+
+
+def test_decode_scheduler_expects_a_request_that_waits_for_blocks(model_dir: str) -> None:
+    from vllm.v1.request import RequestStatus
+
+    s = _scheduler(model_dir, "kv_consumer")
+    big = TransferParams.make("big", "tcp://127.0.0.1:5555", prompt_len=400).to_dict()
+    s.add_request(_request("big", 400, {"do_remote_prefill": True, PARAMS_KEY: big}))  # 25 of 31 blocks
+    s.add_request(_request("r", 200, {"do_remote_prefill": True, PARAMS_KEY: {**PUSH, "prompt_len": 200}}))
+    meta = s.schedule().kv_connector_metadata
+    assert set(meta.recvs) == {"big"} and set(meta.expects) == {"r"}, (meta.recvs, meta.expects)
+    assert s.requests["r"].status == RequestStatus.WAITING
+    assert not s.schedule().kv_connector_metadata.expects  # announced once
+    s.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    meta = s.schedule().kv_connector_metadata
+    assert set(meta.drops) == {"r"}  # the worker turns the expectation into a release of the prefill
 
 
 def test_decode_scheduler_computes_locally_with_bad_params(model_dir: str) -> None:
     s = _scheduler(model_dir, "kv_consumer")
-    s.add_request(_request("r", 40, {"do_remote_prefill": True, PARAMS_KEY: {**GOOD, "v": 99}}))
+    s.add_request(_request("r", 40, {"do_remote_prefill": True, PARAMS_KEY: {**PUSH, "ticket": "00"}}))
     so = s.schedule()
     assert so.num_scheduled_tokens == {"r": 40}  # a full local prefill, no load
-    assert not so.kv_connector_metadata.recvs
+    assert not so.kv_connector_metadata.recvs and not so.kv_connector_metadata.expects

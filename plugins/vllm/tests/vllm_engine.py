@@ -86,8 +86,10 @@ class Engine:
 
     With ``tp_size > 1`` the process is one TP rank: vLLM's distributed state is initialized over gloo (as a
     CPU worker does) and the rank runs its own replica of the scheduler. Every rank gets the same commands,
-    so the replicas decide identically; kvcore's collective poll keeps the ranks' outcomes in step, which is
-    what vLLM's KVOutputAggregator would otherwise combine.
+    so the replicas decide identically. Each worker reports its own transfers (kvcore's per-rank
+    ``poll_local``); every step the ranks exchange their ``KVConnectorOutput`` over the TP group and feed all
+    of them to vLLM's real ``KVOutputAggregator``, as vLLM's executor does for its one scheduler, so every
+    replica sees the same combined output.
     """
 
     def __init__(self, spec: EngineSpec) -> None:
@@ -177,6 +179,15 @@ class Engine:
         self.token_nbytes = self.heads * 2 * HEAD_SIZE * 4
         self.outputs: dict[str, Any] = {}  # request id -> its final EngineCoreOutput
         self.seeds: dict[str, int] = {}
+        self.aggregator: Any = None
+        if spec.tp_size > 1:
+            from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+            from vllm.distributed.parallel_state import get_tp_group
+
+            from kvcore.collective import TorchCollective
+
+            self.aggregator = KVOutputAggregator.from_connector(self.worker, spec.tp_size)
+            self.tp_collective = TorchCollective(get_tp_group().cpu_group)
 
     def _allocate_kv(self) -> dict[str, Any]:
         import torch
@@ -247,6 +258,8 @@ class Engine:
                 sampled_token_ids=[sampled[r] for r in ids],
                 kv_connector_output=kv_out,
             )
+        if self.aggregator is not None:
+            mro = self.aggregate(mro)
         for eco in self.scheduler.update_from_output(so, mro).values():
             stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
             for key, value in (stats or {}).items():
@@ -254,6 +267,35 @@ class Engine:
             for out in eco.outputs:
                 if out.finished:
                     self.outputs[out.request_id] = out
+
+    def aggregate(self, mro: Any) -> Any:
+        """Every TP rank's KVConnectorOutput of this step through vLLM's KVOutputAggregator (JSON between ranks)."""
+        import copy
+
+        from vllm.v1.outputs import KVConnectorOutput
+
+        kv = mro.kv_connector_output or KVConnectorOutput()
+        mine = {
+            "sending": sorted(kv.finished_sending or ()),
+            "recving": sorted(kv.finished_recving or ()),
+            "failed": sorted(kv.failed_recving or ()),
+            "invalid": sorted(kv.invalid_block_ids or ()),
+            "stats": dict(kv.kv_connector_stats.data) if kv.kv_connector_stats else None,
+        }
+        outputs = []
+        for raw in self.tp_collective.allgather(json.dumps(mine).encode()):
+            d = json.loads(raw)
+            o = copy.copy(mro)
+            stats = self.worker.build_kv_connector_stats(d["stats"]) if d["stats"] else None
+            o.kv_connector_output = KVConnectorOutput(
+                finished_sending=set(d["sending"]) or None,
+                finished_recving=set(d["recving"]) or None,
+                failed_recving=set(d["failed"]),
+                invalid_block_ids=set(d["invalid"]),
+                kv_connector_stats=stats,
+            )
+            outputs.append(o)
+        return self.aggregator.aggregate(outputs, output_rank=self.spec.tp_rank)
 
     def forward(self, so: Any) -> dict[str, list[int]]:
         """Write the prompt tokens' KV (prefill) and sample one token for requests whose prompt is done."""
@@ -318,6 +360,7 @@ def serve(spec: EngineSpec, out: Any) -> None:
         free_blocks=engine.free_blocks(),
     )
     watched: dict[str, dict[str, Any]] = {}  # request id -> what to report about it
+    freeze = 0.0  # seconds to stop stepping after the next step (kvcore's own threads keep running)
     fd, buf, running = sys.stdin.fileno(), b"", True
     while running:
         busy = engine.scheduler.has_requests()
@@ -334,7 +377,13 @@ def serve(spec: EngineSpec, out: Any) -> None:
             op = cmd["op"]
             if op == "add":
                 engine.add_request(cmd["id"], cmd["prompt"], cmd["max_tokens"], cmd.get("params"), cmd["seed"])
-                watched[cmd["id"]] = {"loaded": False, "finished": False, "prompt_len": len(cmd["prompt"])}
+                watched[cmd["id"]] = {
+                    "loaded": not cmd.get("params"),  # a local request loads nothing
+                    "finished": False,
+                    "prompt_len": len(cmd["prompt"]),
+                }
+            elif op == "freeze":
+                freeze = float(cmd["seconds"])
             elif op == "abort":
                 engine.abort(cmd["id"])
                 watched[cmd["id"]]["aborted"] = True
@@ -357,6 +406,13 @@ def serve(spec: EngineSpec, out: Any) -> None:
         if not busy:
             continue
         engine.step()
+        if freeze:
+            # An engine busy elsewhere (or stalled) for a while: the scheduler and workers make no calls.
+            req_states = {rid: str(r.status) for rid, r in engine.scheduler.requests.items()}
+            emit(event="frozen", seconds=freeze, requests=req_states, free_blocks=engine.free_blocks())
+            time.sleep(freeze)
+            freeze = 0.0
+            emit(event="thawed")
         for rid, w in watched.items():
             req = engine.scheduler.requests.get(rid)
             if spec.role == "decode" and not w["loaded"] and req is not None:

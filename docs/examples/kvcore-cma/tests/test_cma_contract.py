@@ -9,6 +9,8 @@ try:
 except PackageNotFoundError:  # only an absent example skips; a broken install fails
     pytest.skip("install the example first: pip install ./docs/examples/kvcore-cma", allow_module_level=True)
 
-from kvcore.testing.contract import *  # noqa: F403
+from kvcore.testing.contract import TransferAgentContract
 
-KVCORE_CONTRACT_BACKEND = "cma"
+
+class TestCmaContract(TransferAgentContract):
+    backend = "cma"

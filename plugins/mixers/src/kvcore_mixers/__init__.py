@@ -2,4 +2,9 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from importlib import metadata as _metadata
+
+try:  # the installed distribution's version: stated once, in pyproject.toml
+    __version__ = _metadata.version("kvcore-mixers")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"

@@ -64,7 +64,6 @@ import numpy as np
 from kvcore.agent import (
     AgentCapabilities,
     AgentDescriptor,
-    MemoryKind,
     MemoryRegion,
     Notification,
     Registration,
@@ -85,8 +84,9 @@ from kvcore.errors import (
     UnknownBackendError,
     UnsupportedOperationError,
 )
+from kvcore.fragments import merge_runs
 from kvcore.hostinfo import host_identity
-from kvcore.msgbounds import check_msgpack_bounds
+from kvcore_nixl.plugin import CAPABILITIES, INSTALL_HINT
 
 __all__ = [
     "NixlAgent",
@@ -122,9 +122,6 @@ CROSS_HOST = "cross_host"
 _SCOPES = (SAME_HOST, CROSS_HOST)
 _PEERS_OPTION = {"any": _SCOPES, SAME_HOST: (SAME_HOST,), CROSS_HOST: (CROSS_HOST,)}
 
-_INSTALL_HINT = (
-    "pip install 'kvcore-nixl[cu12]' (or 'kvcore-nixl[cu13]'), i.e. the nixl-cu12 / nixl-cu13 wheel for your CUDA"
-)
 
 _PAYLOAD_VERSION = 2
 _NAME_SEP = "#"  # NIXL agent name = <kvcore name>#<incarnation>.<n>; notifications map back by the prefix
@@ -175,7 +172,7 @@ def load_nixl() -> ModuleType:
     raise UnknownBackendError(
         "transfer agent 'nixl' needs NIXL's Python API, which could not be imported:\n  "
         + "\n  ".join(failures)
-        + f"\n  hint: {_INSTALL_HINT}"
+        + f"\n  hint: {INSTALL_HINT}"
     ) from last
 
 
@@ -231,17 +228,7 @@ _payload_encoder = msgspec.msgpack.Encoder()
 def decode_payload(descriptor: bytes) -> NixlPayload:
     """The NIXL part of a ``nixl`` agent's kvcore descriptor (validated); ``RemoteAgentError`` if malformed."""
     desc = TransferAgent.decode_descriptor(descriptor)
-    return _decode_nixl_payload(desc.name, desc.payload)
-
-
-def _decode_nixl_payload(peer: str, payload: bytes) -> NixlPayload:
-    check_msgpack_bounds(
-        payload, error=RemoteAgentError, what=f"nixl payload of peer {peer!r} is malformed"
-    )  # no RecursionError from nested junk
-    try:
-        return _payload_decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise RemoteAgentError(f"nixl payload of peer {peer!r} is malformed: {exc}") from exc
+    return TransferAgent.decode_payload(desc, _payload_decoder, version=_PAYLOAD_VERSION)
 
 
 class _Dlist:
@@ -349,14 +336,7 @@ class NixlAgent(TransferAgent):
     """
 
     backend: ClassVar[str] = "nixl"
-    capabilities: ClassVar[AgentCapabilities] = AgentCapabilities(
-        memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
-        write=True,
-        read=True,
-        notifications=True,
-        remote=True,
-        can_abort=False,
-    )
+    capabilities: ClassVar[AgentCapabilities] = CAPABILITIES  # stated once, where the plugin registers it
 
     def __init__(self, name: str, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(name, options)
@@ -586,11 +566,7 @@ class NixlAgent(TransferAgent):
         return scope, mine, theirs
 
     def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> Any:
-        payload = _decode_nixl_payload(descriptor.name, descriptor.payload)
-        if payload.version != _PAYLOAD_VERSION:
-            raise RemoteAgentError(
-                f"nixl payload version of peer {descriptor.name!r}: expected {_PAYLOAD_VERSION}, got {payload.version}"
-            )
+        payload = self.decode_payload(descriptor, _payload_decoder, version=_PAYLOAD_VERSION)
         if payload.nixl_backend != self._nixl_backend:
             raise RemoteAgentError(
                 f"peer {descriptor.name!r} uses NIXL backend {payload.nixl_backend!r}; "
@@ -880,20 +856,8 @@ def _merge_runs(
     lside: _Side, rside: _Side, local: np.ndarray, rem: np.ndarray, sizes: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Merge neighbours contiguous on both sides and inside the same registrations: (local, remote, sizes, lreg, rreg)."""
-    lreg, rreg = lside.locate(local), rside.locate(rem)
-    if sizes.size < 2:
-        return local, rem, sizes, lreg, rreg
-    brk = np.ones(sizes.size, dtype=bool)
-    brk[1:] = (
-        (local[:-1] + sizes[:-1] != local[1:])
-        | (rem[:-1] + sizes[:-1] != rem[1:])
-        | (lreg[:-1] != lreg[1:])
-        | (rreg[:-1] != rreg[1:])
-    )
-    starts = np.flatnonzero(brk)
-    if starts.size == sizes.size:
-        return local, rem, sizes, lreg, rreg
-    return local[starts], rem[starts], np.add.reduceat(sizes, starts), lreg[starts], rreg[starts]
+    local, rem, sizes, (lreg, rreg) = merge_runs(local, rem, sizes, lside.locate(local), rside.locate(rem))
+    return local, rem, sizes, lreg, rreg
 
 
 def _side_regions(side: _Side) -> list[tuple[int, int, str, int]]:

@@ -6,6 +6,11 @@ first use of ``UcxAgent``.
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
+
 __all__ = ["__version__"]
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version: stated once, in pyproject.toml
+    __version__ = _metadata.version("kvcore-ucx")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"

@@ -58,7 +58,6 @@ import msgspec
 import numpy as np
 
 from kvcore.agent import (
-    AgentCapabilities,
     AgentDescriptor,
     MemoryKind,
     MemoryRegion,
@@ -80,23 +79,16 @@ from kvcore.errors import (
     TransferTimeoutError,
     UnsupportedOperationError,
 )
+from kvcore.fragments import merge_runs
 from kvcore.hostinfo import host_identity
-from kvcore.msgbounds import check_msgpack_bounds
 from kvcore_ucx import _ucp
 from kvcore_ucx._ucp import ptr_status
+from kvcore_ucx.plugin import CAPABILITIES
 
 __all__ = ["UcxAgent", "CAPABILITIES", "merge_runs"]
 
 log = logging.getLogger("kvcore_ucx")
 
-CAPABILITIES = AgentCapabilities(
-    memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
-    write=True,
-    read=True,
-    notifications=True,
-    remote=True,
-    can_abort=False,
-)
 
 #: Active-message id of kvcore notifications on a UCX worker.
 _AM_NOTIFY_ID = 0x6B76
@@ -124,24 +116,6 @@ class _Payload(msgspec.Struct, array_like=True, frozen=True):
 
 _payload_decoder = msgspec.msgpack.Decoder(_Payload)
 _payload_encoder = msgspec.msgpack.Encoder()
-
-
-def merge_runs(
-    local: np.ndarray, remote: np.ndarray, sizes: np.ndarray, *keys: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
-    """Merge neighbours that are contiguous on both sides (and share every ``keys`` value) into one fragment."""
-    n = sizes.size
-    if n <= 1:
-        return local, remote, sizes, list(keys)
-    ends_l = local[:-1] + sizes[:-1]
-    ends_r = remote[:-1] + sizes[:-1]
-    cont = (local[1:] == ends_l) & (remote[1:] == ends_r)
-    for k in keys:
-        cont &= k[1:] == k[:-1]
-    if not cont.any():
-        return local, remote, sizes, list(keys)
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    return local[starts], remote[starts], np.add.reduceat(sizes, starts), [k[starts] for k in keys]
 
 
 def _resolve_mode(policy: str, same_host: bool) -> str:
@@ -475,17 +449,7 @@ class UcxAgent(TransferAgent):
         return _payload_encoder.encode(payload)
 
     def _decode_payload(self, desc: AgentDescriptor) -> _Payload:
-        check_msgpack_bounds(
-            desc.payload, error=RemoteAgentError, what=f"peer {desc.name!r}: malformed ucx descriptor payload"
-        )  # no RecursionError from nested junk
-        try:
-            payload = _payload_decoder.decode(desc.payload)
-        except msgspec.DecodeError as exc:
-            raise RemoteAgentError(f"peer {desc.name!r}: malformed ucx descriptor payload: {exc}") from exc
-        if payload.version != _PAYLOAD_VERSION:
-            raise RemoteAgentError(
-                f"peer {desc.name!r}: ucx payload version: expected {_PAYLOAD_VERSION}, got {payload.version}"
-            )
+        payload = self.decode_payload(desc, _payload_decoder, version=_PAYLOAD_VERSION)
         same_host = bool(self._host_identity) and payload.host_identity == self._host_identity
         mine = _resolve_mode(self._err_mode_name, same_host)
         theirs = _resolve_mode(payload.error_handling, same_host)

@@ -8,6 +8,19 @@ from kvcore.registry import TransferAgentRegistry
 
 KVCORE_PLUGIN_API = 1
 
+#: How to get the UCX plugin and its native library: the one wording of the hint.
+INSTALL_HINT = "pip install ./plugins/ucx  (distribution kvcore-ucx; depends on libucx-cu12 and cffi)"
+
+#: What ``UcxAgent`` can do: stated once here, read back by ``UcxAgent.capabilities``.
+CAPABILITIES = AgentCapabilities(
+    memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
+    write=True,
+    read=True,
+    notifications=True,
+    remote=True,
+    can_abort=False,
+)
+
 
 @hookimpl
 def kvcore_register_transfer_agents(registry: TransferAgentRegistry) -> None:
@@ -15,14 +28,7 @@ def kvcore_register_transfer_agents(registry: TransferAgentRegistry) -> None:
     registry.add(
         "ucx",
         "kvcore_ucx.agent:UcxAgent",
-        capabilities=AgentCapabilities(
-            memory_kinds=frozenset({MemoryKind.DRAM, MemoryKind.VRAM}),
-            write=True,
-            read=True,
-            notifications=True,
-            remote=True,
-            can_abort=False,
-        ),
+        capabilities=CAPABILITIES,
         description="UCX RMA (ucp_put_nbx/ucp_get_nbx, rkeys in the descriptor); CMA/shm on one host, TCP/IB across",
-        install_hint="pip install ./plugins/ucx  (distribution kvcore-ucx; depends on libucx-cu12 and cffi)",
+        install_hint=INSTALL_HINT,
     )

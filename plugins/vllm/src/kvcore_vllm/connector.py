@@ -4,25 +4,32 @@ Load it with ``--kv-transfer-config '{"kv_connector": "KvcoreConnector",
 "kv_connector_module_path": "kvcore_vllm.connector", "kv_role": "kv_producer"
 | "kv_consumer", "kv_connector_extra_config": {"backend": "nixl", ...}}'``.
 
-How a request flows (push: the prefill instance writes into the decode
-instance's blocks once the decode side asked):
+How a request flows (pull, the default: the decode instance reads the prefill
+instance's blocks as soon as it allocated its own; ``"mode": "push"`` in
+``kv_connector_extra_config`` makes the prefill write them instead):
 
 * prefill scheduler, ``request_finished``: keeps the blocks (returns True) and
-  returns ``kv_transfer_params`` carrying kvcore's transfer parameters; the
-  next step's metadata tells the worker to ``start_send``.
+  returns ``kv_transfer_params`` carrying kvcore's :class:`kvcore.TransferParams`
+  (made here with a fresh ticket; in pull mode with the prefill's block ids and
+  incarnation); the next step's metadata tells the worker to ``start_send``
+  with those parameters.
 * decode scheduler: ``get_num_new_matched_tokens`` reports the prompt tokens
-  from the parameters as an asynchronous load; ``update_state_after_alloc``
-  records the blocks allocated for them; the metadata carries them to the
-  worker, whose ``start_load_kv`` calls ``start_receive``.
-* both workers: ``get_transfer_results`` polls kvcore and reports a request
-  only once kvcore released it: finished sending (the prefill frees its
-  blocks), finished receiving (the decode schedules it), with failed receives
-  also in ``failed_recving`` and their blocks in
+  from the parameters as an asynchronous load; a request that then waits for
+  blocks is *expected* (its worker calls ``Transceiver.expect``, which renews
+  the prefill's lease on it); ``update_state_after_alloc`` records the blocks
+  allocated, and the worker's ``start_load_kv`` calls
+  ``start_receive(params=..., block_ids=...)``.
+* both workers: ``get_transfer_results`` polls this rank's transceiver
+  (``poll_local``; vLLM's KVOutputAggregator combines the workers) and reports
+  a request only once kvcore released it: finished sending (the prefill frees
+  its blocks), finished receiving (the decode schedules it), with failed
+  receives also in ``failed_recving`` and their blocks in
   ``get_block_ids_with_load_errors``.
 
-Only the worker side talks to kvcore (through :mod:`kvcore_vllm.engine_api`);
-the scheduler side learns the prefill instance's endpoint from the workers'
-handshake metadata, as vLLM's NIXL connector does.
+vLLM's request id is kvcore's request id. Only the worker side talks to kvcore
+(through :mod:`kvcore_vllm.engine_api`); the scheduler side learns the prefill
+instance's endpoint and incarnation from the workers' handshake metadata, as
+vLLM's NIXL connector does.
 """
 
 from __future__ import annotations
@@ -43,14 +50,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvcore.config import create_agent
 from kvcore.errors import ConfigError, KvcoreError
+from kvcore.params import TransferParams
 from kvcore.topology import Topology
 from kvcore_vllm.engine_api import (
     COUNTERS,
     PARAMS_KEY,
     InvalidTransferParamsError,
     KvcoreEngine,
-    TransferParams,
-    request_key,
+    parse_params,
 )
 from kvcore_vllm.layout import KvDescription, describe_kv_caches
 from kvcore_vllm.options import transceiver_config, transceiver_role
@@ -81,16 +88,16 @@ log = logging.getLogger("kvcore_vllm.connector")
 
 @dataclass
 class SendSpec:
-    """Prefill side: send request ``key``'s KV from ``block_ids`` (token order)."""
+    """Prefill side: send the request's KV from ``block_ids`` (token order) to holders of ``params``' ticket."""
 
-    key: int
+    params: dict[str, Any]  # kvcore.TransferParams.to_dict(), as returned to the router
     block_ids: list[int]
     prompt_len: int
 
 
 @dataclass
 class RecvSpec:
-    """Decode side: receive the request described by ``params`` into ``block_ids``."""
+    """Decode side: receive the request described by ``params`` (TransferParams.to_dict()) into ``block_ids``."""
 
     params: dict[str, Any]
     block_ids: list[int]
@@ -98,11 +105,15 @@ class RecvSpec:
 
 @dataclass
 class KvcoreConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once per step: the sends and receives to start."""
+    """Scheduler -> worker, once per step: the sends, expectations, receives and drops to start.
+
+    Every ``params`` value is kvcore's ``TransferParams.to_dict()`` (checked by the scheduler side).
+    """
 
     sends: dict[str, SendSpec] = field(default_factory=dict)
+    expects: dict[str, dict[str, Any]] = field(default_factory=dict)  # decode requests waiting for blocks
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
-    releases: dict[str, dict[str, Any]] = field(default_factory=dict)  # decode requests that will never load
+    drops: dict[str, dict[str, Any]] = field(default_factory=dict)  # decode requests that will never load
 
 
 @dataclass
@@ -112,6 +123,7 @@ class KvcoreHandshakeMetadata(KVConnectorHandshakeMetadata):
     info_endpoint: str  # the instance's rank 0 (the one a decode instance contacts first)
     endpoint: str  # this rank's own control endpoint
     instance_name: str
+    incarnation: str  # this rank's process incarnation (rank 0's goes into pull-mode parameters)
 
 
 @dataclass
@@ -148,13 +160,17 @@ class KvcoreConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         self._kvcore_role = transceiver_role(ktc.kv_role)
         self._config = transceiver_config(ktc.kv_connector_extra_config)
+        self._mode = self._config.transfer_mode
         self._engine_id: str = ktc.engine_id or ""
         self._block_size: int = vllm_config.cache_config.block_size
         # Scheduler side.
         self._info_endpoint: str | None = None
+        self._incarnation: str = ""
         self._sends: dict[str, SendSpec] = {}
         self._recvs: dict[str, RecvSpec] = {}
-        self._releases: dict[str, dict[str, Any]] = {}
+        self._drops: dict[str, dict[str, Any]] = {}
+        self._waiting: dict[str, dict[str, Any]] = {}  # decode: matched this step, maybe not allocated
+        self._expected: set[str] = set()  # decode: expect() sent to the workers, receive not yet started
         # Worker side.
         self._agent: TransferAgent | None = None
         self._engine: KvcoreEngine | None = None
@@ -239,8 +255,8 @@ class KvcoreConnector(KVConnectorBase_V1):
         )
         collective: Any = LocalCollective()
         if pc.tensor_parallel_size > 1:
-            # kvcore's poll is collective over the instance's ranks; vLLM calls get_transfer_results once per step
-            # on every worker, so the TP group's CPU (gloo) group keeps them in step.
+            # The ranks exchange their RankInfo once at start-up over the TP group's CPU (gloo) group; per step
+            # each rank polls on its own (poll_local) and vLLM's KVOutputAggregator combines the workers.
             from vllm.distributed.parallel_state import get_tp_group
 
             collective = TorchCollective(get_tp_group().cpu_group)
@@ -284,28 +300,26 @@ class KvcoreConnector(KVConnectorBase_V1):
             return None
         tx = self._engine.transceiver
         return KvcoreHandshakeMetadata(
-            info_endpoint=tx.info_endpoint, endpoint=tx.endpoint, instance_name=tx.instance_name
+            info_endpoint=tx.info_endpoint,
+            endpoint=tx.endpoint,
+            instance_name=tx.instance_name,
+            incarnation=tx.incarnation,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Start this step's sends (prefill) and receives (decode); both run asynchronously."""
+        """Start this step's sends (prefill), expectations, receives and drops (decode); all asynchronous."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcoreConnectorMetadata)
         engine = self._require_engine()
         for name, send in meta.sends.items():
-            engine.send(name, send.key, send.block_ids, send.prompt_len)
+            engine.send(name, send.block_ids, send.prompt_len, TransferParams.from_dict(send.params))
+        # The scheduler side parsed every decode parameter already (parse_params): these cannot fail.
+        for name, raw in meta.expects.items():
+            engine.expect(name, TransferParams.from_dict(raw))
         for name, recv in meta.recvs.items():
-            try:
-                params = TransferParams.from_dict(recv.params.get(PARAMS_KEY))
-            except InvalidTransferParamsError as exc:  # the scheduler side checked them already
-                log.error("request %r: %s", name, exc)
-                continue
-            engine.receive(name, params, recv.block_ids)
-        for name, raw in meta.releases.items():
-            try:
-                engine.release_remote(name, TransferParams.from_dict(raw.get(PARAMS_KEY)))
-            except InvalidTransferParamsError as exc:
-                log.error("request %r: %s", name, exc)
+            engine.receive(name, TransferParams.from_dict(recv.params), recv.block_ids)
+        for name, raw in meta.drops.items():
+            engine.drop(name, TransferParams.from_dict(raw) if raw else None, "the decode instance dropped it")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-request and asynchronous: nothing to wait for per layer."""
@@ -322,8 +336,11 @@ class KvcoreConnector(KVConnectorBase_V1):
         """Poll kvcore; report requests it released. Cancels the receives of requests vLLM finished (aborts)."""
         engine = self._require_engine()
         if engine.role == "generation":
-            for name in finished_req_ids:
-                if engine.is_pending(name):
+            meta = self._connector_metadata
+            # An id in finished_req_ids that this step's metadata starts is a reused id: the finished one is gone.
+            started = set(meta.recvs) | set(meta.expects) if isinstance(meta, KvcoreConnectorMetadata) else set()
+            for name in finished_req_ids - started:
+                if engine.is_waited_for(name):
                     engine.cancel(name, "request finished (aborted) on the decode instance")
         r = engine.poll()
         for name, error in r.failed_recving.items():
@@ -382,37 +399,65 @@ class KvcoreConnector(KVConnectorBase_V1):
         if not isinstance(md, KvcoreHandshakeMetadata):
             raise ConfigError(f"handshake metadata: expected KvcoreHandshakeMetadata, got {type(md).__name__}")
         self._info_endpoint = md.info_endpoint
+        self._incarnation = md.incarnation
+
+    def _remote_params(self, request: Request) -> TransferParams | None:
+        """Decode side: the request's kvcore parameters if it is to load its prompt's KV remotely, else None."""
+        params = request.kv_transfer_params
+        if self._kvcore_role != "generation" or not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            return parse_params(params, request.request_id)
+        except InvalidTransferParamsError as exc:
+            log.warning("request %r: %s; computing its prefill locally", request.request_id, exc)
+            params["do_remote_prefill"] = False
+            return None
+
+    def on_new_request(self, request: Request) -> None:
+        """Decode side: a remote request arrived; expect it (renew the prefill's lease) unless allocated this step.
+
+        vLLM considers only the head of its waiting queue while blocks are short, so a request queued behind it
+        would not reach ``get_num_new_matched_tokens`` for a while: it is announced here, on arrival.
+        """
+        tp = self._remote_params(request)
+        if tp is not None and request.request_id not in self._expected:
+            self._waiting[request.request_id] = tp.to_dict()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode side: the prompt tokens the prefill instance holds beyond the local prefix, loaded asynchronously."""
-        params = request.kv_transfer_params
-        if self._kvcore_role != "generation" or not params or not params.get("do_remote_prefill"):
-            return 0, False
-        try:
-            tp = TransferParams.from_dict(params.get(PARAMS_KEY))
-        except InvalidTransferParamsError as exc:
-            log.warning("request %r: %s; computing its prefill locally", request.request_id, exc)
+        tp = self._remote_params(request)
+        if tp is None:
             return 0, False
         count = min(tp.prompt_len, len(request.prompt_token_ids or ())) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        if request.request_id not in self._expected:
+            # Expected unless allocated in this same step (update_state_after_alloc takes it back out).
+            self._waiting[request.request_id] = tp.to_dict()
+        return count, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Decode side: remember the blocks allocated for the remote tokens; the worker starts the receive."""
         params = request.kv_transfer_params
-        if self._kvcore_role != "generation" or not params or not params.get("do_remote_prefill"):
+        tp = self._remote_params(request)
+        if tp is None or params is None:
             return
+        rid = request.request_id
+        self._waiting.pop(rid, None)
+        self._expected.discard(rid)
         # One transfer per request, even if vLLM calls this again (after the load, or on preemption).
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
             # Nothing to load (the local prefix cache covers the prompt): let the prefill free its blocks now.
-            if isinstance(params.get(PARAMS_KEY), dict):
-                self._releases[request.request_id] = dict(params)
+            self._drops[rid] = tp.to_dict()
             return
-        self._recvs[request.request_id] = RecvSpec(params=dict(params), block_ids=blocks.get_unhashed_block_ids())
+        self._recvs[rid] = RecvSpec(params=tp.to_dict(), block_ids=blocks.get_unhashed_block_ids())
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcoreConnectorMetadata:
-        meta = KvcoreConnectorMetadata(sends=self._sends, recvs=self._recvs, releases=self._releases)
-        self._sends, self._recvs, self._releases = {}, {}, {}
+        expects, self._waiting = self._waiting, {}
+        self._expected.update(expects)
+        meta = KvcoreConnectorMetadata(sends=self._sends, expects=expects, recvs=self._recvs, drops=self._drops)
+        self._sends, self._recvs, self._drops = {}, {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -420,11 +465,19 @@ class KvcoreConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
-        if self._kvcore_role == "generation" and params and params.get("do_remote_prefill"):
-            # Finished (aborted) before it was ever scheduled: it will not load, tell the prefill to free.
-            params["do_remote_prefill"] = False
-            if isinstance(params.get(PARAMS_KEY), dict):
-                self._releases[request.request_id] = dict(params)
+        rid = request.request_id
+        if self._kvcore_role == "generation":
+            self._waiting.pop(rid, None)
+            expected = rid in self._expected
+            self._expected.discard(rid)
+            if params and params.get("do_remote_prefill"):
+                # Finished (aborted) before it was allocated: it will not load, tell the prefill to free.
+                params["do_remote_prefill"] = False
+                try:
+                    self._drops[rid] = parse_params(params, rid).to_dict()
+                except InvalidTransferParamsError:
+                    if expected:
+                        self._drops[rid] = {}  # just give the expectation up
             return False, None
         if self._kvcore_role != "context" or not params or not params.get("do_remote_decode"):
             return False, None
@@ -433,18 +486,24 @@ class KvcoreConnector(KVConnectorBase_V1):
         if not block_ids:
             return False, None
         if self._info_endpoint is None:
-            log.error(
-                "request %r: no kvcore endpoint known (handshake metadata not set); not sending", request.request_id
-            )
+            log.error("request %r: no kvcore endpoint known (handshake metadata not set); not sending", rid)
             return False, None
-        key = request_key(self._engine_id, request.request_id)
         prompt_len = request.num_computed_tokens
-        self._sends[request.request_id] = SendSpec(key=key, block_ids=list(block_ids), prompt_len=prompt_len)
-        kvcore_params = TransferParams(ctx_endpoint=self._info_endpoint, request_id=key, prompt_len=prompt_len)
+        pull = self._mode == "pull"
+        tp = TransferParams.make(
+            rid,
+            self._info_endpoint,
+            mode="pull" if pull else "push",
+            prompt_len=prompt_len,
+            block_ids=block_ids if pull else (),
+            incarnation=self._incarnation if pull else "",
+            lease_ms=int(self._config.lease_s * 1000),  # the decode side renews at a third of this
+        )
+        self._sends[rid] = SendSpec(params=tp.to_dict(), block_ids=list(block_ids), prompt_len=prompt_len)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self._engine_id,
-            "remote_request_id": request.request_id,
-            PARAMS_KEY: kvcore_params.to_dict(),
+            "remote_request_id": rid,
+            PARAMS_KEY: tp.to_dict(),
         }

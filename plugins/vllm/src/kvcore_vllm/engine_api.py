@@ -1,125 +1,80 @@
-"""The kvcore calls the connector makes, in one module: what issue 14's engine API will replace.
+"""The kvcore calls the connector's worker side makes, in one module, on kvcore's engine API.
 
-Everything the connector needs from kvcore's per-request API goes through
-here, so that switching to the engine API (a transfer-parameters value
-returned by ``start_send``, str request ids, a per-rank poll, pull mode) is a
-change to this file only:
-
-* :class:`TransferParams`: what the prefill instance hands the router in
-  ``kv_transfer_params`` (today a small dict built here; later kvcore's own
-  value, forwarded as is).
-* :func:`request_key`: vLLM's str request id -> kvcore's 64-bit id (a stable
-  hash; later kvcore takes the str).
-* :class:`KvcoreEngine`: start a send or a receive, cancel, and turn
-  ``Transceiver.poll()`` outcomes into vLLM's finished/failed sets, reporting a
-  request only once kvcore *released* it (no write into its blocks can still
-  land), which is the moment vLLM may free or reuse the blocks.
+* Parameters: :class:`kvcore.TransferParams`, made by the prefill scheduler
+  (``TransferParams.make``, a fresh ticket) and forwarded in vLLM's
+  ``kv_transfer_params`` under :data:`PARAMS_KEY` as ``to_dict()``; the decode
+  side parses them with :func:`parse_params`.
+* Request ids: vLLM's str request id *is* kvcore's request id, on both instances.
+* :class:`KvcoreEngine`: start a send, announce (``expect``), start or give up
+  a receive, and turn this rank's ``Transceiver.poll_local()`` into vLLM's
+  per-worker finished/failed sets (vLLM's KVOutputAggregator combines the
+  workers). A request is reported exactly once, when kvcore *released* it on
+  this rank (no write into its blocks can still land, no read of them is still
+  under way): the moment vLLM may free or reuse the blocks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-import msgspec
-
 from kvcore import errors as E
-from kvcore import wire
+from kvcore.params import TransferParams
 from kvcore.transceiver import Transceiver
 
 __all__ = [
+    "COUNTERS",
     "PARAMS_KEY",
-    "PARAMS_VERSION",
     "InvalidTransferParamsError",
     "KvcoreEngine",
-    "TransferParams",
     "TransferResults",
-    "request_key",
+    "parse_params",
 ]
 
 log = logging.getLogger("kvcore_vllm.engine_api")
 
-#: The key of kvcore's parameters inside vLLM's ``kv_transfer_params`` dict.
+#: The key of kvcore's parameters (``TransferParams.to_dict()``) inside vLLM's ``kv_transfer_params`` dict.
 PARAMS_KEY = "kvcore"
-PARAMS_VERSION = 1
-_MAX_ENDPOINT_CHARS = 256
 
 
 class InvalidTransferParamsError(E.KvcoreError, ValueError):
-    """``kv_transfer_params`` from the router are missing, malformed or of another version."""
+    """``kv_transfer_params`` from the router are missing, malformed, of another request or of another version."""
 
 
-class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What a decode instance needs to fetch one request's KV from the prefill instance that computed it.
+def parse_params(kv_transfer_params: Mapping[str, Any] | None, request_id: str) -> TransferParams:
+    """kvcore's parameters inside vLLM's ``kv_transfer_params`` for request ``request_id``, checked.
 
-    JSON-safe; travels through the router inside ``kv_transfer_params[PARAMS_KEY]``.
+    Anything wrong raises :class:`InvalidTransferParamsError` naming the field:
+    the parameters came through a router, so nothing in them is trusted.
     """
-
-    v: int = PARAMS_VERSION
-    ctx_endpoint: str  # the prefill instance's info endpoint (its rank 0), ``tcp://host:port``
-    request_id: int  # kvcore's 64-bit id of the request, the same on both instances
-    prompt_len: int  # tokens whose KV the prefill instance holds
-    ctx_dp_rank: int = 0  # kvcore attention-DP group on the prefill instance (vLLM DP engines are separate instances)
-
-    def to_dict(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
-
-    @classmethod
-    def from_dict(cls, data: object) -> TransferParams:
-        """Validate a dict from the router; anything wrong raises :class:`InvalidTransferParamsError`."""
-        if not isinstance(data, dict):
-            raise InvalidTransferParamsError(
-                f"kv_transfer_params[{PARAMS_KEY!r}]: expected a mapping, got {type(data).__name__}"
-            )
-        version = data.get("v")
-        if version != PARAMS_VERSION:
-            raise InvalidTransferParamsError(
-                f"kv_transfer_params[{PARAMS_KEY!r}].v: expected {PARAMS_VERSION}, got {version!r}"
-            )
-        try:
-            params = msgspec.convert(data, cls)
-        except msgspec.ValidationError as exc:
-            raise InvalidTransferParamsError(f"kv_transfer_params[{PARAMS_KEY!r}]: {exc}") from None
-        if not 0 <= params.request_id <= wire.MAX_U64:
-            raise InvalidTransferParamsError(
-                f"kv_transfer_params[{PARAMS_KEY!r}].request_id: expected 0..2**64-1, got {params.request_id}"
-            )
-        if params.prompt_len < 1:
-            raise InvalidTransferParamsError(
-                f"kv_transfer_params[{PARAMS_KEY!r}].prompt_len: expected >= 1, got {params.prompt_len}"
-            )
-        if params.ctx_dp_rank < 0:
-            raise InvalidTransferParamsError(
-                f"kv_transfer_params[{PARAMS_KEY!r}].ctx_dp_rank: expected >= 0, got {params.ctx_dp_rank}"
-            )
-        if len(params.ctx_endpoint) > _MAX_ENDPOINT_CHARS:
-            raise InvalidTransferParamsError(
-                f"kv_transfer_params[{PARAMS_KEY!r}].ctx_endpoint: expected at most {_MAX_ENDPOINT_CHARS} "
-                f"characters, got {len(params.ctx_endpoint)}"
-            )
-        try:
-            wire.parse_endpoint(params.ctx_endpoint)
-        except E.KvcoreError as exc:
-            raise InvalidTransferParamsError(f"kv_transfer_params[{PARAMS_KEY!r}].ctx_endpoint: {exc}") from None
-        return params
-
-
-def request_key(engine_id: str, request_id: str) -> int:
-    """kvcore's 64-bit id for vLLM request ``request_id`` of prefill engine ``engine_id`` (stable across processes).
-
-    The engine id is part of the key so that two prefill instances reusing a
-    request id cannot collide on a decode instance that fetches from both.
-    """
-    digest = hashlib.blake2b(f"{engine_id}\x00{request_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+    raw = (kv_transfer_params or {}).get(PARAMS_KEY)
+    if not isinstance(raw, Mapping):
+        raise InvalidTransferParamsError(
+            f"kv_transfer_params[{PARAMS_KEY!r}]: expected a mapping (TransferParams.to_dict()), "
+            f"got {type(raw).__name__}"
+        )
+    try:
+        params = TransferParams.from_dict(raw)
+    except E.KvcoreError as exc:
+        raise InvalidTransferParamsError(f"kv_transfer_params[{PARAMS_KEY!r}]: {exc}") from None
+    if params.request_id != request_id:
+        raise InvalidTransferParamsError(
+            f"kv_transfer_params[{PARAMS_KEY!r}].request_id: expected {request_id!r} (the request they came with), "
+            f"got {params.request_id!r}"
+        )
+    if params.prompt_len < 1:
+        raise InvalidTransferParamsError(
+            f"kv_transfer_params[{PARAMS_KEY!r}].prompt_len: expected >= 1, got {params.prompt_len}"
+        )
+    return params
 
 
 @dataclass
 class TransferResults:
-    """One poll's worth of vLLM-visible results (ids are vLLM's str request ids)."""
+    """One poll's worth of vLLM-visible results on this worker (ids are vLLM's request ids)."""
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)  # failed receives included, as vLLM requires
@@ -131,33 +86,42 @@ class TransferResults:
 COUNTERS = ("transfers_done", "transfers_failed", "transfers_cancelled", "bytes_moved")
 
 
+class Phase(str, Enum):
+    """Where one request of this worker stands, as the connector sees it."""
+
+    SENDING = "SENDING"  # prefill: start_send called; vLLM waits for finished_sending
+    EXPECTED = "EXPECTED"  # decode: expect() called; vLLM has not allocated its blocks yet
+    RECEIVING = "RECEIVING"  # decode: start_receive called; vLLM waits for finished_recving
+    DROPPED = "DROPPED"  # decode: vLLM forgot the request (aborted, or nothing to load); kvcore still winds it down
+
+
 @dataclass
-class _Pending:
-    name: str
-    block_ids: list[int]
-    report: bool = True  # False: vLLM forgot the request already (a release without transfer)
+class _Entry:
+    phase: Phase
+    block_ids: list[int] = field(default_factory=list)
     delivered: bool | None = None  # None until kvcore reported an outcome
     error: E.KvcoreError | None = None
+    released: bool = False
 
 
 class KvcoreEngine:
-    """Drives one rank's :class:`Transceiver` on behalf of the connector's worker side.
+    """Drives one rank's :class:`Transceiver` on behalf of the connector's worker side (per-rank poll).
 
-    Every request started here is reported exactly once by :meth:`poll`, when
-    kvcore released it: on the prefill side as finished sending (whatever the
-    outcome: the blocks may be freed), on the decode side as finished receiving,
-    plus failed receiving and its block ids when the KV did not arrive.
+    Every send and every receive vLLM waits for is reported exactly once by
+    :meth:`poll`, when kvcore released it on this rank: on the prefill side as
+    finished sending (whatever the outcome: the blocks may be freed), on the
+    decode side as finished receiving, plus failed receiving and its block ids
+    when the KV did not arrive whole.
     """
 
     def __init__(self, transceiver: Transceiver) -> None:
         self.transceiver = transceiver
-        self._pending: dict[int, _Pending] = {}
-        self._keys: dict[str, int] = {}  # vLLM request id -> kvcore id, for cancel
-        self._failed_at_start: list[_Pending] = []
+        self._entries: dict[str, _Entry] = {}
+        self._ready: list[tuple[str, _Entry]] = []  # released before vLLM waited for them, or refused at start
         self._counters = dict.fromkeys(COUNTERS, 0)
 
     def take_counters(self) -> dict[str, int]:
-        """Outcomes and bytes since the last call (this rank; the engine sums over ranks)."""
+        """Outcomes and bytes since the last call (this rank; vLLM sums over ranks)."""
         out, self._counters = self._counters, dict.fromkeys(COUNTERS, 0)
         return out
 
@@ -169,114 +133,164 @@ class KvcoreEngine:
     def info_endpoint(self) -> str:
         return self.transceiver.info_endpoint
 
-    def send(self, name: str, key: int, block_ids: Sequence[int], prompt_len: int) -> None:
-        """Prefill side: the KV of request ``name`` (kvcore id ``key``) is complete in ``block_ids``."""
-        self._start(
-            name, key, list(block_ids), lambda: self.transceiver.start_send(key, block_ids, prompt_len=prompt_len)
-        )
+    @property
+    def incarnation(self) -> str:
+        return self.transceiver.incarnation
 
-    def receive(self, name: str, params: TransferParams, block_ids: Sequence[int]) -> None:
-        """Decode side: fetch request ``name``'s KV into ``block_ids`` (the suffix not cached locally)."""
-        self._start(
-            name,
-            params.request_id,
-            list(block_ids),
-            lambda: self.transceiver.start_receive(
-                params.request_id,
-                params.ctx_endpoint,
-                block_ids,
-                prompt_len=params.prompt_len,
-                ctx_dp_rank=params.ctx_dp_rank,
-            ),
-        )
+    # --- prefill side ------------------------------------------------------------------------------
 
-    def release_remote(self, name: str, params: TransferParams) -> None:
-        """Decode side: request ``name`` will not load (aborted before it was scheduled); let the prefill free now.
-
-        A receive into no blocks: nothing is written here, and the prefill instance's send completes at once
-        instead of holding its blocks until ``request_timeout_s``. Not reported to vLLM.
-        """
-        self._start(
-            name,
-            params.request_id,
-            [],
-            lambda: self.transceiver.start_receive(
-                params.request_id, params.ctx_endpoint, [], prompt_len=params.prompt_len, ctx_dp_rank=params.ctx_dp_rank
-            ),
-            report=False,
-        )
-
-    def _start(self, name: str, key: int, block_ids: list[int], start: Any, report: bool = True) -> None:
-        entry = _Pending(name, block_ids, report)
-        if key in self._pending:
-            # A 64-bit hash collision or a router replaying parameters: refuse this one, keep the live one intact.
-            entry.delivered = False
-            entry.error = E.SessionError(f"request {name!r}: kvcore id {key} is already in flight here")
-            self._failed_at_start.append(entry)
+    def send(self, name: str, block_ids: Sequence[int], prompt_len: int, params: TransferParams) -> None:
+        """The KV of request ``name`` is complete in ``block_ids``; serve it to whoever presents ``params``' ticket."""
+        entry = _Entry(Phase.SENDING, list(block_ids))
+        if name in self._entries:
+            self._refuse(name, entry, E.SessionError(f"request {name!r} is already being sent from this worker"))
             return
         try:
-            start()
+            self.transceiver.start_send(name, block_ids, prompt_len=prompt_len, params=params)
         except E.KvcoreError as exc:
-            # Nothing was started: the blocks are safe to hand back at once, as a failure.
-            log.warning("request %r: kvcore refused to start: %s", name, exc)
-            entry.delivered = False
-            entry.error = exc
-            self._failed_at_start.append(entry)
+            self._refuse(name, entry, exc)
             return
-        self._pending[key] = entry
-        self._keys[name] = key
+        self._entries[name] = entry
 
-    def is_pending(self, name: str) -> bool:
-        """True while a send or receive vLLM waits for is in flight (releases are not: vLLM forgot them)."""
-        key = self._keys.get(name)
-        return key is not None and self._pending[key].report
+    # --- decode side -------------------------------------------------------------------------------
+
+    def expect(self, name: str, params: TransferParams) -> None:
+        """Request ``name`` will be received here once vLLM allocated its blocks: keep the prefill's lease renewed."""
+        if name in self._entries:
+            return
+        try:
+            self.transceiver.expect(params)
+        except E.KvcoreError as exc:
+            # Nothing started: receive() will try again and report what it finds.
+            log.warning("request %r: kvcore refused to expect it: %s", name, exc)
+            return
+        self._entries[name] = _Entry(Phase.EXPECTED)
+
+    def receive(self, name: str, params: TransferParams, block_ids: Sequence[int]) -> None:
+        """Fetch request ``name``'s KV into ``block_ids`` (the suffix not cached locally); reported once released."""
+        blocks = list(block_ids)
+        entry = self._entries.get(name)
+        if entry is not None and entry.phase is not Phase.EXPECTED:
+            self._refuse(name, _Entry(Phase.RECEIVING, blocks), E.SessionError(f"request {name!r} is in flight here"))
+            return
+        if entry is not None and entry.released:
+            # Its expectation ended (lease expired, context lost) and kvcore let go of it: nothing will arrive.
+            del self._entries[name]
+            entry.phase, entry.block_ids = Phase.RECEIVING, blocks
+            self._ready.append((name, entry))
+            return
+        try:
+            self.transceiver.start_receive(params=params, block_ids=blocks)
+        except E.KvcoreError as exc:
+            if entry is not None:
+                # Expected but refused now: give the expectation up; report once kvcore released it.
+                entry.phase, entry.block_ids = Phase.RECEIVING, blocks
+                entry.delivered, entry.error = False, exc
+                self.transceiver.cancel(name, f"start_receive refused: {exc}")
+                return
+            self._refuse(name, _Entry(Phase.RECEIVING, blocks), exc)
+            return
+        if entry is None:
+            self._entries[name] = _Entry(Phase.RECEIVING, blocks)
+        else:
+            entry.phase, entry.block_ids = Phase.RECEIVING, blocks
+
+    def drop(self, name: str, params: TransferParams | None, reason: str) -> None:
+        """vLLM forgot request ``name`` (aborted before it loaded, or nothing to load): let the prefill free now.
+
+        Nothing is reported to vLLM for a dropped request that it was not waiting for.
+        A receive into no blocks tells the context this receiver is done with it
+        (an expectation is turned into one), so the prefill frees its blocks at once
+        instead of at the end of its lease.
+        """
+        entry = self._entries.get(name)
+        if entry is not None and entry.phase is Phase.RECEIVING:
+            self.cancel(name, reason)
+            return
+        if entry is not None and entry.released:
+            del self._entries[name]
+            return
+        if params is None:
+            if entry is not None:
+                entry.phase = Phase.DROPPED
+                self.transceiver.cancel(name, reason)
+            return
+        try:
+            self.transceiver.start_receive(params=params, block_ids=[])
+        except E.KvcoreError as exc:
+            log.info("request %r: could not tell the prefill to free it (%s); its lease frees it", name, exc)
+            if entry is not None:
+                self.transceiver.cancel(name, reason)
+        if entry is None:
+            self._entries[name] = _Entry(Phase.DROPPED)
+        else:
+            entry.phase = Phase.DROPPED
+
+    # --- both sides ----------------------------------------------------------------------------------
+
+    def is_waited_for(self, name: str) -> bool:
+        """True while a send or receive vLLM waits for is in flight on this worker."""
+        entry = self._entries.get(name)
+        return entry is not None and entry.phase in (Phase.SENDING, Phase.RECEIVING)
 
     def cancel(self, name: str, reason: str) -> bool:
-        """Cancel request ``name`` if vLLM waits for it; it is still reported by :meth:`poll` once released."""
-        if not self.is_pending(name):
+        """Cancel request ``name``; it is still reported by :meth:`poll` once kvcore released it."""
+        if name not in self._entries:
             return False
-        return self.transceiver.cancel(self._keys[name], reason)
+        return self.transceiver.cancel(name, reason)
+
+    def _refuse(self, name: str, entry: _Entry, exc: E.KvcoreError) -> None:
+        """Nothing was started: vLLM gets the request back at once, as a failure."""
+        log.warning("request %r: kvcore refused to start: %s", name, exc)
+        entry.delivered, entry.error, entry.released = False, exc, True
+        self._ready.append((name, entry))
 
     def poll(self) -> TransferResults:
-        """Poll kvcore once (collective across the instance's ranks) and report what it released."""
+        """Poll this rank's transceiver (``poll_local``: no collective) and report what it released."""
         out = TransferResults()
-        result = self.transceiver.poll()
+        result = self.transceiver.poll_local()
         c = self._counters
         c["transfers_done"] += len(result.done)
         c["transfers_failed"] += len(result.failed)
         c["transfers_cancelled"] += len(result.cancelled)
         c["bytes_moved"] += sum(o.nbytes for o in result.done)
-        for o in result.done:
-            if (entry := self._pending.get(o.request_id)) is not None:
-                entry.delivered = True
-        for o in [*result.failed, *result.cancelled]:
-            if (entry := self._pending.get(o.request_id)) is not None:
-                entry.delivered, entry.error = False, o.error
-        released = [self._pending.pop(rid) for rid in result.released if rid in self._pending]
-        released.extend(self._failed_at_start)
-        self._failed_at_start = []
-        for entry in released:
-            self._keys.pop(entry.name, None)
-            if not entry.report:
-                log.debug("request %r: prefill told to release (%s)", entry.name, entry.error or "done")
+        done = {o.request_id for o in result.done}
+        for o in result.outcomes:
+            entry = self._entries.get(str(o.request_id))
+            if entry is not None and entry.delivered is None:
+                entry.delivered, entry.error = o.request_id in done, o.error
+        ready, self._ready = self._ready, []
+        for rid in result.released:
+            name = str(rid)
+            entry = self._entries.get(name)
+            if entry is None:
                 continue
+            entry.released = True
+            if entry.phase is Phase.EXPECTED:
+                continue  # vLLM does not wait for it yet: reported when it allocates (receive) or forgets it (drop)
+            del self._entries[name]
+            ready.append((name, entry))
+        for name, entry in ready:
             ok = entry.delivered is True
-            if self.role == "context":
+            if entry.phase is Phase.DROPPED:
+                log.debug("request %r: the prefill was told to free it (%s)", name, entry.error or "done")
+            elif entry.phase is Phase.SENDING:
                 if not ok:
-                    log.info("request %r: KV not delivered: %s", entry.name, entry.error)
-                out.finished_sending.add(entry.name)
-                continue
-            out.finished_recving.add(entry.name)
-            if not ok:
-                out.failed_recving[entry.name] = entry.error or E.SessionError(
-                    f"request {entry.name!r}: released without an outcome"
-                )
-                out.failed_block_ids.update(entry.block_ids)
+                    log.info("request %r: KV not delivered: %s", name, entry.error)
+                out.finished_sending.add(name)
+            else:
+                out.finished_recving.add(name)
+                if not ok:
+                    out.failed_recving[name] = entry.error or E.SessionError(
+                        f"request {name!r}: released without an outcome"
+                    )
+                    out.failed_block_ids.update(entry.block_ids)
         return out
 
     @property
     def num_pending(self) -> int:
-        return len(self._pending) + len(self._failed_at_start)
+        """Requests this worker still tracks (in flight, expected, or winding down)."""
+        return len(self._entries) + len(self._ready)
 
     def close(self) -> None:
         self.transceiver.close()

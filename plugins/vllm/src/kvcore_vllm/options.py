@@ -1,10 +1,18 @@
 """kvcore settings from vLLM's ``kv_connector_extra_config``.
 
 Every key is a :class:`kvcore.TransceiverConfig` field (``backend``,
-``agent_options``, ``host``, ``port``, ``request_timeout_s``, ...), except
-``config_file``: a kvcore TOML/YAML file read first. ``KVCORE_*`` environment
-variables apply between the file and the keys given here, as everywhere in
-kvcore. An unknown key raises ``ConfigError`` naming it and the known ones.
+``agent_options``, ``host``, ``port``, ``request_timeout_s``, ``lease_s``,
+...), except two:
+
+* ``config_file``: a kvcore TOML/YAML file read first. ``KVCORE_*``
+  environment variables apply between the file and the keys given here, as
+  everywhere in kvcore.
+* ``mode``: ``"pull"`` (the default here: the decode instance reads the
+  prefill's blocks as soon as it allocated its own, vLLM's usual flow) or
+  ``"push"`` (the prefill writes into the decode's blocks once asked); the
+  same as kvcore's ``transfer_mode``, which it overrides.
+
+An unknown key raises ``ConfigError`` naming it and the known ones.
 """
 
 from __future__ import annotations
@@ -15,7 +23,10 @@ from typing import Any
 from kvcore.config import TransceiverConfig
 from kvcore.errors import ConfigError
 
-__all__ = ["ROLES", "transceiver_config", "transceiver_role"]
+__all__ = ["DEFAULT_MODE", "ROLES", "transceiver_config", "transceiver_role"]
+
+#: The transfer mode when ``kv_connector_extra_config`` names none (neither ``mode`` nor ``transfer_mode``).
+DEFAULT_MODE = "pull"
 
 #: vLLM ``kv_role`` -> kvcore transceiver role.
 ROLES = {"kv_producer": "context", "kv_consumer": "generation"}
@@ -27,7 +38,27 @@ def transceiver_config(extra_config: Mapping[str, Any] | None) -> TransceiverCon
     file = values.pop("config_file", None)
     if file is not None and not isinstance(file, str):
         raise ConfigError(f"kv_connector_extra_config.config_file: expected a path string, got {file!r}")
-    return TransceiverConfig.load(file, **values)
+    if "mode" in values:
+        mode = values.pop("mode")
+        if mode not in ("pull", "push"):
+            raise ConfigError(f"kv_connector_extra_config.mode: expected 'pull' or 'push', got {mode!r}")
+        values["transfer_mode"] = mode
+    config = TransceiverConfig.load(file, **values)
+    if "transfer_mode" not in values and not _mode_set_outside(file):
+        config.transfer_mode = DEFAULT_MODE
+    return config
+
+
+def _mode_set_outside(file: str | None) -> bool:
+    """True when a config file or ``KVCORE_TRANSFER_MODE`` chose the transfer mode (they win over our default)."""
+    import os
+    from pathlib import Path
+
+    if "KVCORE_TRANSFER_MODE" in os.environ:
+        return True
+    file = file or os.environ.get("KVCORE_CONFIG") or None
+    # kvcore has no public "which fields were given" query; its own file reader tells (read-only use).
+    return file is not None and "transfer_mode" in TransceiverConfig._read_file(Path(file))
 
 
 def transceiver_role(kv_role: str | None) -> str:

@@ -23,7 +23,6 @@ import numpy as np
 
 from kvcore import (
     AgentCapabilities,
-    MemoryKind,
     MemoryRegion,
     Notification,
     PeerLostError,
@@ -36,6 +35,8 @@ from kvcore import (
     TransferStatus,
 )
 from kvcore.agent import AgentDescriptor, RemoteAgent
+from kvcore.fragments import merge_runs
+from kvcore_cma.plugin import CAPABILITIES
 
 IOV_MAX = 1024  # the kernel refuses more iovecs per call
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -53,7 +54,7 @@ class CmaPayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     socket: str  # abstract-namespace UNIX datagram socket for notifications
 
 
-_decode_payload = msgspec.msgpack.Decoder(CmaPayload).decode
+_payload_decoder = msgspec.msgpack.Decoder(CmaPayload)
 _decode_notification = msgspec.msgpack.Decoder(tuple[str, bytes]).decode
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -94,9 +95,7 @@ class CmaAgent(TransferAgent):
     """One-sided WRITE/READ of many fragments into a same-host peer's registered memory, with notifications."""
 
     backend: ClassVar[str] = "cma"
-    capabilities: ClassVar[AgentCapabilities] = AgentCapabilities(
-        memory_kinds=frozenset({MemoryKind.DRAM}), write=True, read=True, notifications=True, remote=False
-    )
+    capabilities: ClassVar[AgentCapabilities] = CAPABILITIES  # stated once, in the hook module
 
     def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
         super().__init__(name, options)
@@ -125,10 +124,7 @@ class CmaAgent(TransferAgent):
         return _encode(CmaPayload(os.getpid(), self._start_time or 0, self._socket_name))
 
     def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> CmaPeer:
-        try:
-            payload = _decode_payload(descriptor.payload)
-        except msgspec.DecodeError as exc:
-            raise RemoteAgentError(f"peer {descriptor.name!r}: malformed cma payload: {exc}") from exc
+        payload = self.decode_payload(descriptor, _payload_decoder)  # bounds, decoding, typed errors: the core's
         if payload.pid <= 0 or not payload.socket.startswith("kvcore-cma-"):
             raise RemoteAgentError(f"peer {descriptor.name!r}: invalid cma payload {payload!r}")
         peer = CmaPeer(payload.pid, payload.start_time, b"\0" + payload.socket.encode())
@@ -154,7 +150,7 @@ class CmaAgent(TransferAgent):
     ) -> CmaTransfer:
         peer: CmaPeer = remote.native
         self._check_alive(remote.name, peer)
-        local, remote_addrs, sizes = merge_contiguous(local, remote_addrs, sizes)
+        local, remote_addrs, sizes, _ = merge_runs(local, remote_addrs, sizes)  # fewer iovecs, same bytes
         # struct iovec { void *base; size_t len; } is two 64-bit words: build all of them at once.
         local_iov = np.ascontiguousarray(np.stack([local, sizes], axis=1), dtype=np.uint64)
         remote_iov = np.ascontiguousarray(np.stack([remote_addrs, sizes], axis=1), dtype=np.uint64)
@@ -224,12 +220,3 @@ class CmaAgent(TransferAgent):
 
     def _native_resources(self) -> dict[str, int]:
         return {"sockets": int(self._inbox.fileno() >= 0) + int(self._outbox.fileno() >= 0)}
-
-
-def merge_contiguous(a: np.ndarray, b: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge neighbouring fragments that continue each other on both sides: fewer iovecs, same bytes."""
-    if sizes.size < 2:
-        return a, b, sizes
-    continues = (a[:-1] + sizes[:-1] == a[1:]) & (b[:-1] + sizes[:-1] == b[1:])
-    first = np.flatnonzero(np.concatenate(([True], ~continues)))
-    return a[first], b[first], np.add.reduceat(sizes, first)

@@ -1,49 +1,145 @@
-"""Test oracle: logical KV/state of one request, sharded with plain indexing, in real CPU tensors.
+"""The one independent KV oracle: what each rank holds, the logical values of a request, and a plan checker.
 
-Independent of kvcore's mappers: it never uses shard offsets or mapper
-formulas. Each rank's tensors are filled from the logical tensors by plain
-indexing (which heads/channels a TP rank holds is written out from the model
-definition), plans are executed as memcpy on the tensors' real memory, and
-every destination byte is checked and write-counted.
+Written from the model definition, never from kvcore's own arithmetic (no shard
+offsets, no mapper formulas): which KV heads, layers, conv channels and SSM
+heads a rank holds (:func:`heads_of_rank`, :func:`layers_of_rank`,
+:func:`conv_channels_of_rank`, :func:`ssm_heads_of_rank`), the logical values
+of a request (:func:`expected_values`, :func:`expected_conv`,
+:func:`expected_ssm`), and :func:`run_scenario`, which fills every rank's real
+CPU tensors from a random logical request by plain indexing, executes kvcore's
+plans as memcpy on their memory, and checks and write-counts every destination
+byte. Used by ``kvcore demo``, the core's tests and the plugins' tests (the
+mixers' property tests), so all of them agree on, say, MLA: one latent buffer
+(``num_kv_heads`` is 1), replicated on every TP rank.
+
+Importing it does not import torch (``kvcore demo --help`` stays fast); the functions that need torch do.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from kvcore.builders import allocate_kv_cache, allocate_mamba_state, build_kv_page_table, build_mamba_state
 from kvcore.mapping import FragmentPlan, RankLayout, plan_transfer
 from kvcore.page import PageTable
 from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
 
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "SENTINEL",
+    "heads_of_rank",
+    "layers_of_rank",
+    "conv_channels_of_rank",
+    "ssm_heads_of_rank",
+    "expected_values",
+    "expected_conv",
+    "expected_ssm",
+    "Memory",
+    "Side",
+    "Outcome",
+    "run_scenario",
+]
+
+# --- who holds what: written from the model definition ------------------------------------------
+
+
+def _tp_pp_rank(rank: int, tp_size: int) -> tuple[int, int]:
+    """``(tp_rank, pp_rank)`` of an instance-global rank (TP-minor: ``rank = pp*tp_size + tp``)."""
+    return rank % tp_size, rank // tp_size
+
+
+def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int, attention_dp: bool, mla: bool = False) -> list[int]:
+    """Global KV-head ids a rank holds (independent of kvcore's own arithmetic).
+
+    Attention DP or TP1: all heads. MLA: the latent buffer (``total_heads`` is 1) on every rank.
+    Heads >= TP: a contiguous share. Fewer heads than ranks: each head is
+    replicated on ``tp_size // total_heads`` consecutive ranks.
+    """
+    if mla or attention_dp or tp_size == 1:
+        return list(range(total_heads))
+    if total_heads >= tp_size:
+        per = total_heads // tp_size
+        return list(range(tp_rank * per, (tp_rank + 1) * per))
+    return [tp_rank * total_heads // tp_size]
+
+
+def layers_of_rank(num_layers: int, pp_size: int, pp_rank: int, layers_per_pp: list[int] | None = None) -> list[int]:
+    """Global layers of a PP stage: ``layers_per_pp`` when given, else an even split (earlier stages get the remainder)."""
+    if layers_per_pp is None:
+        per, extra = divmod(num_layers, pp_size)
+        layers_per_pp = [per + (1 if p < extra else 0) for p in range(pp_size)]
+    start = sum(layers_per_pp[:pp_rank])
+    return list(range(start, start + layers_per_pp[pp_rank]))
+
+
+def conv_channels_of_rank(sections: tuple[int, ...], tp_size: int, tp_rank: int, attention_dp: bool) -> list[int]:
+    """Global conv channels a rank holds: its contiguous share of every section, sections concatenated."""
+    n = 1 if attention_dp else tp_size
+    i = 0 if attention_dp else tp_rank
+    out: list[int] = []
+    start = 0
+    for size in sections:
+        per = size // n
+        out.extend(range(start + i * per, start + (i + 1) * per))
+        start += size
+    return out
+
+
+def ssm_heads_of_rank(nheads: int, tp_size: int, tp_rank: int, attention_dp: bool) -> list[int]:
+    """Global SSM heads a rank holds: all under attention DP, else a contiguous share."""
+    if attention_dp:
+        return list(range(nheads))
+    per = nheads // tp_size
+    return list(range(tp_rank * per, (tp_rank + 1) * per))
+
+
+def _index(values: list[int] | range, dims: int, axis: int) -> Any:
+    import torch
+
+    shape = [1] * dims
+    shape[axis] = -1
+    return torch.tensor(list(values), dtype=torch.int64).view(shape)
+
+
+def expected_values(
+    request: int, layers: list[int], kv: int, heads: list[int], tokens: range, dim: int, dtype: Any
+) -> Any:
+    """The logical KV ``[layers, kv, heads, tokens, dim]`` of a request: small integers, exact in bf16/fp16."""
+    lt, kt, ht = _index(layers, 5, 0), _index(range(kv), 5, 1), _index(heads, 5, 2)
+    tt, dt = _index(tokens, 5, 3), _index(range(dim), 5, 4)
+    v = (request * 7919 + lt * 131 + kt * 31 + ht * 17 + tt * 3 + dt) % 251 - 125
+    return v.to(dtype)
+
+
+def expected_conv(request: int, layers: list[int], channels: list[int], taps: int, dtype: Any) -> Any:
+    """The logical Mamba conv state ``[layers, channels, taps]`` of a request."""
+    lt, ct, tt = _index(layers, 3, 0), _index(channels, 3, 1), _index(range(taps), 3, 2)
+    v = (request * 6007 + lt * 101 + ct * 13 + tt * 7 + 3) % 241 - 120
+    return v.to(dtype)
+
+
+def expected_ssm(request: int, layers: list[int], heads: list[int], head_dim: int, d_state: int, dtype: Any) -> Any:
+    """The logical Mamba SSM state ``[layers, heads, head_dim, d_state]`` of a request."""
+    lt, ht = _index(layers, 4, 0), _index(heads, 4, 1)
+    it, st = _index(range(head_dim), 4, 2), _index(range(d_state), 4, 3)
+    v = (request * 4999 + lt * 89 + ht * 37 + it * 5 + st * 11 + 1) % 239 - 119
+    return v.to(dtype)
+
+
+# --- the scenario checker: kvcore's plans executed as memcpy on real tensors ------------------------
+
 SENTINEL = 0x5A
 
 
-def rank_heads(topo: Topology, total_heads: int, mla: bool = False) -> list[int]:
-    """Global KV heads a rank holds: all under attention DP or MLA, else a contiguous share; fewer heads than TP -> duplicated."""
-    tp = topo.tp_size
-    if topo.attention_dp or mla:
-        return list(range(total_heads))
-    if total_heads >= tp:
-        per = total_heads // tp
-        return list(range(topo.tp_rank * per, (topo.tp_rank + 1) * per))
-    return [topo.tp_rank // (tp // total_heads)]
-
-
-def rank_channels(topo: Topology, total: int) -> list[int]:
-    """Channels (of one Mamba section, or SSM heads) a rank holds."""
-    if topo.attention_dp:
-        return list(range(total))
-    per = total // topo.tp_size
-    return list(range(topo.tp_rank * per, (topo.tp_rank + 1) * per))
-
-
 def _bytes(t: torch.Tensor) -> np.ndarray:
+    import torch
+
     return t.view(torch.uint8).numpy().reshape(-1) if t.numel() else np.zeros(0, np.uint8)
 
 
@@ -99,15 +195,15 @@ def fill_kv(
 ) -> None:
     """Write the request's logical KV for blocks ``first_block..`` into ``block_ids`` of a rank's tensors."""
     tpb, eb = geom.tokens_per_block, geom.element_bytes
-    heads = rank_heads(topo, geom.num_kv_heads, geom.is_mla)
-    start, stop = topo.layer_range
+    heads = heads_of_rank(geom.num_kv_heads, topo.tp_size, topo.tp_rank, topo.attention_dp, geom.is_mla)
+    own = layers_of_rank(geom.num_layers, topo.pp_size, topo.pp_rank, list(topo.layers_per_pp))
     for j, blk in enumerate(block_ids.tolist()):
         toks = slice((first_block + j) * tpb, (first_block + j + 1) * tpb)
-        for li, layer in enumerate(range(start, stop)):
+        for li, layer in enumerate(own):
             for k in range(geom.kv_factor):
                 part = logical[layer, k][heads][:, toks]  # [h, tpb, D*eb]
                 if layout == "head_major_pool":
-                    dst = _bytes(rank_tensors[blk, li, k])  # type: ignore[index]
+                    dst = _bytes(rank_tensors[blk, li, k])  # type: ignore[call-overload]
                     dst[:] = part.reshape(-1)
                 elif layout == "token_major_layers":
                     _bytes(rank_tensors[li][blk, k])[:] = part.transpose(1, 0, 2).reshape(-1)
@@ -146,6 +242,8 @@ def make_kv_ranks(
 
 def make_logical_mamba(mg: MambaGeometry, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Logical state of one request: conv ``[layers, conv_dim, (d_conv-1)*eb]`` and SSM ``[layers, heads, hd*ds*eb]``."""
+    import torch
+
     rng = np.random.default_rng(seed)
     ceb = torch.tensor([], dtype=getattr(torch, mg.conv_dtype)).element_size()
     seb = torch.tensor([], dtype=getattr(torch, mg.ssm_dtype)).element_size()
@@ -155,27 +253,17 @@ def make_logical_mamba(mg: MambaGeometry, seed: int) -> tuple[np.ndarray, np.nda
     return conv, ssm
 
 
-def rank_conv_channels(topo: Topology, mg: MambaGeometry) -> list[int]:
-    """Global conv channels a rank holds: its share of every section, sections concatenated."""
-    out: list[int] = []
-    start = 0
-    for size in mg.conv_sections:
-        out.extend(start + c for c in rank_channels(topo, size))
-        start += size
-    return out
-
-
-def make_mamba_state(topo: Topology, mg: MambaGeometry, num_slots: int):
+def make_mamba_state(topo: Topology, mg: MambaGeometry, num_slots: int) -> tuple[Any, Any, Any]:
     conv, ssm = allocate_mamba_state(topo, mg, num_slots)
     _bytes(conv)[:] = SENTINEL
     _bytes(ssm)[:] = SENTINEL
     return conv, ssm, build_mamba_state(conv, ssm, topology=topo, geometry=mg)
 
 
-def fill_mamba(conv, ssm, topo: Topology, mg: MambaGeometry, logical, slot: int) -> None:
+def fill_mamba(conv: Any, ssm: Any, topo: Topology, mg: MambaGeometry, logical: Any, slot: int) -> None:
     lconv, lssm = logical
-    chans = rank_conv_channels(topo, mg)
-    heads = rank_channels(topo, mg.nheads)
+    chans = conv_channels_of_rank(tuple(mg.conv_sections), topo.tp_size, topo.tp_rank, topo.attention_dp)
+    heads = ssm_heads_of_rank(mg.nheads, topo.tp_size, topo.tp_rank, topo.attention_dp)
     for li, layer in enumerate(mg.local_layers(topo)):
         gi = mg.layers.index(layer)
         _bytes(conv[li, slot])[:] = lconv[gi][chans].reshape(-1)
@@ -229,6 +317,8 @@ def run_scenario(
     (sentinel where nothing may be written), every destination byte is written
     exactly once, peer relations are symmetric, writer counts match.
     """
+    import torch
+
     from kvcore.peer import expected_receivers, expected_writers, peer_ranks
 
     tpb = geom.tokens_per_block
@@ -309,8 +399,8 @@ def run_scenario(
             mem.execute(plan)
 
     # the contact relation is symmetric: every context rank expecting a receiver is contacted by it
-    for c in ctx_ranks:
-        ct = c["topo"]
+    for crank in ctx_ranks:
+        ct = crank["topo"]
         if ct.dp_rank != ctx_dp_rank:
             continue
         for gr in peer_ranks(ct, gen_any, gen_dp_rank):
@@ -341,6 +431,7 @@ def run_scenario(
             for t in (conv_e, ssm_e):
                 _bytes(t)[:] = SENTINEL
             if receiving:
+                assert lmamba is not None
                 fill_mamba(conv_e, ssm_e, gt, mamba, lmamba, gen_slot)
                 mones = tuple(np.ones_like(a) for a in lmamba)
                 fill_mamba(conv_m, ssm_m, gt, mamba, mones, gen_slot)

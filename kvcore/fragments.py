@@ -1,0 +1,36 @@
+"""Arithmetic on fragment lists (parallel numpy arrays of source address, destination address, size).
+
+One place for what every planner and transport needs: merging neighbours that
+continue each other on both sides, so fewer, larger fragments reach the
+transport. Used by ``kvcore.mapping`` (plans), the built-in shm agent and the
+transport plugins; it imports nothing from kvcore.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["merge_runs"]
+
+
+def merge_runs(
+    a: np.ndarray, b: np.ndarray, sizes: np.ndarray, *keys: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Merge neighbouring fragments contiguous on both sides (and equal in every ``keys`` array); order kept.
+
+    Fragment ``i`` joins fragment ``i-1`` when ``a[i] == a[i-1] + sizes[i-1]``, the same holds for ``b``, and
+    every ``keys[k][i] == keys[k][i-1]`` (a registration index, say: a run must not cross two registrations).
+    Returns ``(a, b, sizes, keys)`` of the merged runs, each key array taken at the first fragment of its run.
+    When nothing merges, the inputs come back as they are (the same array objects), so a caller can test
+    ``merged_sizes is sizes`` to skip work. The bytes described are unchanged: same pairs of ranges.
+    """
+    n = sizes.size
+    if n < 2:
+        return a, b, sizes, list(keys)
+    joins = (a[1:] == a[:-1] + sizes[:-1]) & (b[1:] == b[:-1] + sizes[:-1])
+    for k in keys:
+        joins &= k[1:] == k[:-1]
+    if not joins.any():
+        return a, b, sizes, list(keys)
+    first = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return a[first], b[first], np.add.reduceat(sizes, first), [k[first] for k in keys]

@@ -1,0 +1,134 @@
+"""The package's shape: no import circle, every module importable alone, the core names no plugin.
+
+The import graph is read from the source (AST), counting what runs when a module is imported: module-level
+imports, including those under ``if TYPE_CHECKING:`` (a type-only circle is still a circle a reader has to
+untangle); imports inside functions are deferred on purpose and are not edges.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvcore"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """kvcore modules ``path`` imports at import time (``from kvcore import x`` counts as ``kvcore.x`` when x is a
+    module, else as the package ``kvcore``)."""
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & MODULES.keys()
+                found.update(subs)
+                if len(subs) < len(node.names):
+                    found.add(node.module)
+            elif isinstance(node, ast.ClassDef):
+                visit(node.body)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                for block in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, block, []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text()).body)
+    return {m for m in found if m in MODULES} - {_module_name(path)}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return out
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    """The check below is not vacuous: a two-module and a three-module circle are both found."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
+    assert sorted(_cycles(graph)) == [["a", "b"], ["c", "d", "e"]]
+
+
+def test_no_import_circle_in_kvcore() -> None:
+    graph = {name: _module_level_imports(path) for name, path in MODULES.items()}
+    assert graph["kvcore.plugins"] >= {"kvcore.hookspecs", "kvcore.registry"}  # the graph is really read
+    assert _cycles(graph) == []
+
+
+def test_extension_layer_imports_only_downwards() -> None:
+    """hookspecs -> registry -> errors, and the loader on top: none of them imports the loader back."""
+    assert "kvcore.plugins" not in _module_level_imports(MODULES["kvcore.registry"])
+    assert "kvcore.plugins" not in _module_level_imports(MODULES["kvcore.hookspecs"])
+    assert "kvcore.hookspecs" not in _module_level_imports(MODULES["kvcore.registry"])
+
+
+@pytest.mark.parametrize("module", sorted(set(MODULES) - {"kvcore.__main__"}))  # __main__ runs the CLI
+def test_module_imports_alone(module: str) -> None:
+    """Each module imports in a fresh interpreter with nothing imported before it."""
+    out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+PLUGIN_BACKENDS = {"nixl", "ucx"}  # the names the core once hard-coded; a plugin states its own
+
+
+def test_core_names_no_plugin() -> None:
+    """Library code imports no plugin and names none of their backends: plugins contribute, the core lists."""
+    offences = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                offences += [f"{name}: imports {m}" for m in mods if m.startswith("kvcore_")]
+            elif isinstance(node, ast.Name) and any(b in node.id.lower() for b in PLUGIN_BACKENDS):
+                offences.append(f"{name}: name {node.id}")
+            elif isinstance(node, ast.Attribute) and any(b in node.attr.lower() for b in PLUGIN_BACKENDS):
+                offences.append(f"{name}: attribute {node.attr}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node.value in PLUGIN_BACKENDS or node.value.startswith(("nixl_", "ucx_")):
+                    offences.append(f"{name}: string {node.value!r}")
+    assert offences == []
