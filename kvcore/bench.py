@@ -802,13 +802,17 @@ class _Rank:
 
         big = self._blocks("big", 0)
         t_big = time.perf_counter()
-        self.tx.start_receive(big_rid, endpoint, big, prompt_len=len(big) * tpb)
+        self.tx.start_receive(
+            big_rid, endpoint, big, prompt_len=len(big) * tpb, ticket=derive_ticket(self.secret, big_rid)
+        )
         latency: list[float] = []
         during: list[bool] = []
         for i in range(n):
             blocks = self._blocks("small", i)
             t0 = time.perf_counter()
-            self.tx.start_receive(rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb)
+            self.tx.start_receive(
+                rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb, ticket=derive_ticket(self.secret, rid0 + i)
+            )
             until(rid0 + i)
             latency.append(done[rid0 + i] - t0)
             during.append(big_rid not in done)
