@@ -22,11 +22,12 @@ Example (two processes, the receiver exported its descriptor ``d``)::
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -65,6 +66,7 @@ __all__ = [
     "process_incarnation",
 ]
 
+log = logging.getLogger("kvcore.agent")
 P = TypeVar("P")
 
 #: Version of the agent-descriptor envelope; bumped on an incompatible change.
@@ -114,6 +116,9 @@ class AgentCapabilities:
     notifications: bool = True
     remote: bool = False  # False: peers must be on the same host
     can_abort: bool = False  # True: an in-flight transfer can be stopped with a guarantee no more bytes land
+    # True: ``submit`` returns before the bytes move (they move on the transport's own threads) and the agent
+    # announces each transfer's end to its completion listener. False: ``submit`` may move every byte itself.
+    async_submit: bool = False
 
     def describe(self) -> str:
         """A short human-readable summary, e.g. ``DRAM+VRAM WRITE/READ notif remote``."""
@@ -301,6 +306,7 @@ class TransferAgent(ABC):
         self._local_starts = np.zeros(0, dtype=np.uint64)
         self._local_ends = np.zeros(0, dtype=np.uint64)
         self._closed = False
+        self._completion_listener: Callable[[int], None] | None = None
 
     # --- memory ---------------------------------------------------------------------------
 
@@ -599,6 +605,25 @@ class TransferAgent(ABC):
         """Notifications received since the last call, each delivered exactly once."""
         self._check_open()
         return self._get_notifications()
+
+    def set_completion_listener(self, listener: Callable[[int], None] | None) -> None:
+        """Be told, from any thread, the id of a transfer that may have ended; ``poll`` it to learn how.
+
+        Only transports with ``capabilities.async_submit`` announce (from their copy or progress threads);
+        with any other transport, keep polling. The listener must return quickly and must not call into the
+        agent (it may run on a transport thread while another thread drives the agent). ``None`` removes it.
+        """
+        self._completion_listener = listener
+
+    def _announce(self, handle_id: int) -> None:
+        """Tell the completion listener that transfer ``handle_id`` may have ended (for transports)."""
+        listener = self._completion_listener
+        if listener is None:
+            return
+        try:
+            listener(handle_id)
+        except Exception:  # a listener's bug must not stop a transport thread
+            log.exception("completion listener of agent %r failed", self.name)
 
     def progress(self) -> None:
         """Drive the transport once (transports with their own progress threads do nothing)."""

@@ -53,6 +53,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -140,6 +141,7 @@ class BenchSpec:
     iterations: int = 5
     small_requests: int = 1000  # one-block requests in flight together
     latency_requests: int = 200  # one-block requests sent one at a time
+    hol_requests: int = 20  # the hol case: one-block requests per round (at least 8), alone and beside the big one
     poll_interval_s: float = 0.0001  # the generation rank's engine loop: poll(), then sleep this long
     timeout_s: float = 120.0  # bound on every command a rank runs
     agent_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # backend -> agent options
@@ -172,6 +174,7 @@ class BenchSpec:
             "iterations",
             "small_requests",
             "latency_requests",
+            "hol_requests",
             "requests",
             "inflight",
             "matrix_layers",
@@ -579,11 +582,20 @@ class _Rank:
         from kvcore.agent import TransferOp, TransferStatus
 
         ag, plan = st["agent"], st["plan"]
+        # An agent that copies on its own threads announces the end: wait for that instead of spinning on
+        # poll, which would take a core from its copy threads (this bare agent is the bench's own).
+        ended = threading.Event()
+        announced = ag.capabilities.async_submit
+        if announced:
+            ag.set_completion_listener(lambda _hid: ended.set())
         t0 = time.perf_counter()
         h = ag.submit(TransferOp.WRITE, st["peer"], plan.src, plan.dst, plan.sizes)
         t1 = time.perf_counter()
         deadline = t0 + self.spec.timeout_s
         while ag.poll(h) is TransferStatus.PENDING:  # no back-off: the transport's own speed
+            if announced:
+                ended.wait(0.05)
+                ended.clear()
             if time.perf_counter() > deadline:
                 raise BenchTimeoutError(f"{self.backend} agent transfer still pending after {self.spec.timeout_s}s")
         t2 = time.perf_counter()
@@ -761,6 +773,52 @@ class _Rank:
             elapsed = time.perf_counter() - t_all
         return {"latency_s": latency, "elapsed_s": elapsed, "not_done": not_done}
 
+    def op_hol(self, endpoint: str, big_rid: int, rid0: int, n: int) -> dict[str, Any]:
+        """Start the whole ``big`` request, then ``n`` one-block requests one at a time while it may still run.
+
+        Returns each one-block request's latency, whether the big request was still unreported when it
+        ended (``during``), and the big request's own time.
+        """
+        assert self.shape is not None
+        tpb = self.shape.tokens_per_block
+        deadline = time.monotonic() + self.spec.timeout_s
+        self.written.update(("big", "small"))
+        done: dict[int, float] = {}
+        released: set[int] = set()
+        not_done: list[str] = []
+
+        def until(rid: int) -> None:
+            while rid not in done or rid not in released:
+                r = self.tx.poll()
+                now = time.perf_counter()
+                for o in r.outcomes:
+                    done[o.request_id] = now
+                    if o.state.value != "DONE" and len(not_done) < 5:
+                        not_done.append(f"request {o.request_id}: {o.state.value} {o.error}")
+                released.update(r.released)
+                if time.monotonic() > deadline:
+                    raise BenchTimeoutError(f"generation rank: request {rid} not released (hol case)")
+                time.sleep(self.spec.poll_interval_s)
+
+        big = self._blocks("big", 0)
+        t_big = time.perf_counter()
+        self.tx.start_receive(
+            big_rid, endpoint, big, prompt_len=len(big) * tpb, ticket=derive_ticket(self.secret, big_rid)
+        )
+        latency: list[float] = []
+        during: list[bool] = []
+        for i in range(n):
+            blocks = self._blocks("small", i)
+            t0 = time.perf_counter()
+            self.tx.start_receive(
+                rid0 + i, endpoint, blocks, prompt_len=len(blocks) * tpb, ticket=derive_ticket(self.secret, rid0 + i)
+            )
+            until(rid0 + i)
+            latency.append(done[rid0 + i] - t0)
+            during.append(big_rid not in done)
+        until(big_rid)
+        return {"latency_s": latency, "during": during, "big_s": done[big_rid] - t_big, "not_done": not_done}
+
     # --- both roles: the soak --------------------------------------------------------------------
 
     def op_soak(
@@ -899,6 +957,17 @@ class _Rank:
             a, b = _region_span(self.shape, "big")
             self.pool[a:b].zero_()  # slots hold other blocks' bytes: make the end-of-case pool check meaningful
             self.written.discard("big")
+        return out
+
+    def op_steps(self) -> dict[str, Any]:
+        """This Transceiver's step histograms so far, as ``name -> [sum seconds, count]`` (for the breakdown)."""
+        t = self.tx.metrics.snapshot().total
+        out = {
+            name: [getattr(t, f"{name}_seconds").sum, getattr(t, f"{name}_seconds").count]
+            for name in ("plan", "post", "transfer", "queue", "round_trip", "service")
+        }
+        done = t.request_seconds.get("DONE")
+        out["request"] = [done.sum, done.count] if done is not None else [0.0, 0]
         return out
 
     def op_stats(self) -> dict[str, Any]:
@@ -1334,9 +1403,11 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         run.say(f"{run.backend} small: {spec.latency_requests} requests one at a time")
         rid = run.rids(spec.latency_requests)
         run.ctx.call("send", rid0=rid, n=spec.latency_requests, region="small")
+        steps0 = {"context": run.ctx.call("steps"), "generation": run.gen.call("steps")}
         r = run.gen.call(
             "receive", endpoint=run.endpoint, rid0=rid, n=spec.latency_requests, region="small", pipelined=False
         )
+        steps1 = {"context": run.ctx.call("steps"), "generation": run.gen.call("steps")}
         lat_ms = [x * 1e3 for x in r["latency_s"]]
         not_done = list(r["not_done"])
         # the transport alone on the same one-block plan
@@ -1369,6 +1440,13 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         "overhead_ms_p50": _pct(lat_ms, 50) - _pct(agent_ms, 50),
         "requests_per_s_one_at_a_time": len(lat_ms) / r["elapsed_s"],
     }
+    # Mean ms per request of each step the transceivers time, over the one-at-a-time requests only.
+    out["steps_ms_mean"] = {
+        f"{side}.{name}": (v[0] - steps0[side][name][0]) / (v[1] - steps0[side][name][1]) * 1e3
+        for side, names in steps1.items()
+        for name, v in names.items()
+        if name not in ("kind",) and v[1] > steps0[side][name][1]
+    }
     out["throughput"] = {
         "requests": spec.small_requests,
         "seconds": t["elapsed_s"],
@@ -1384,6 +1462,68 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         and out["first_contact_verified"]
         and not shape_checks["context_errors"]
         and out["curve_ranks"] == (2 if auth else 0)  # CURVE on both ranks exactly when asked for
+    )
+    return out
+
+
+@register_case("hol", units=lambda spec: spec.iterations + 1)
+def case_hol(run: BackendRun) -> dict[str, Any]:
+    """Head of line: one-block requests alone, and while the whole ``llama8b`` request moves on the same rank.
+
+    Each round sends ``--hol-requests`` one-block requests one at a time with nothing else in flight, then
+    starts the big request and sends as many one-block requests one at a time beside it; only those that
+    ended before the big one are counted as ``during``. The first round is the warm-up.
+    """
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    shape = replace(spec.llama_shape(), name="hol")
+    n = max(spec.hol_requests, SMALL_SLOTS)  # every small slot is written, so the end-of-case check holds
+    out: dict[str, Any] = {"shape": asdict(shape), "bytes": shape.nbytes, "block_bytes": shape.block_bytes}
+    out.update(run.open(shape))
+    alone: list[float] = []
+    during: list[float] = []
+    big_ms: list[float] = []
+    not_done: list[str] = []
+    try:
+        for it in range(spec.iterations + 1):
+            run.say(f"{run.backend} hol: round {it}/{spec.iterations}")
+            if it:
+                run.tick()
+            rid = run.rids(n)
+            run.ctx.call("send", rid0=rid, n=n, region="small")
+            a = run.gen.call("receive", endpoint=run.endpoint, rid0=rid, n=n, region="small", pipelined=False)
+            big, rid = run.rids(1), run.rids(n)
+            run.ctx.call("send", rid0=big, n=1, region="big")
+            run.ctx.call("send", rid0=rid, n=n, region="small")
+            h = run.gen.call("hol", endpoint=run.endpoint, big_rid=big, rid0=rid, n=n)
+            not_done += a["not_done"] + h["not_done"]
+            if it:
+                alone += [x * 1e3 for x in a["latency_s"]]
+                during += [x * 1e3 for x, d in zip(h["latency_s"], h["during"], strict=True) if d]
+                big_ms.append(h["big_s"] * 1e3)
+        ok = run.gen.call("verify", region="small")["ok"] and run.gen.call("verify", region="big")["ok"]
+    finally:
+        shape_checks = run.close_shape()
+    run.tick()
+    out["one_block"] = {
+        "requests_alone": len(alone),
+        "requests_during": len(during),
+        "alone_ms_p50": _pct(alone, 50),
+        "alone_ms_p99": _pct(alone, 99),
+        "during_ms_p50": _pct(during, 50) if during else None,
+        "during_ms_p99": _pct(during, 99) if during else None,
+        "during_vs_alone_p50": _pct(during, 50) / _pct(alone, 50) if during else None,
+    }
+    out["big_ms_median"] = statistics.median(big_ms)
+    out["big_gbps_median"] = shape.nbytes / (statistics.median(big_ms) / 1e3) / _GB
+    out["not_done"] = not_done
+    out.update(shape_checks)
+    out["verified"] = (
+        ok
+        and not not_done
+        and shape_checks["pool_verified"]
+        and out["first_contact_verified"]
+        and not shape_checks["context_errors"]
     )
     return out
 
@@ -1730,6 +1870,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--small-requests", type=int, default=d.small_requests, help="one-block requests in flight at once")
     p.add_argument("--latency-requests", type=int, default=d.latency_requests, help="one-block requests one at a time")
     p.add_argument(
+        "--hol-requests",
+        type=int,
+        default=d.hol_requests,
+        help="hol case: one-block requests per round, alone and beside the big request",
+    )
+    p.add_argument(
         "--poll-interval-us",
         type=float,
         default=d.poll_interval_s * 1e6,
@@ -1799,6 +1945,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             iterations=args.iterations,
             small_requests=args.small_requests,
             latency_requests=args.latency_requests,
+            hol_requests=args.hol_requests,
             timeout_s=args.timeout,
             poll_interval_s=args.poll_interval_us / 1e6,
             agent_options=json.loads(args.agent_options),
@@ -1942,9 +2089,36 @@ def print_result(result: dict[str, Any]) -> None:
         con.print(t)
     if s.row_count:
         con.print(s)
+    _print_hol(con, result)
     _print_soak(con, result)
     _print_matrix(con, result)
     con.print("[green]OK: every transfer verified, nothing leaked[/]" if result["ok"] else "[red]FAILED[/]")
+
+
+def _print_hol(con: Any, result: dict[str, Any]) -> None:
+    """The hol case: one-block latency alone and beside the big request, per backend."""
+    from rich.table import Table
+
+    t = Table(title="head of line: one-block requests alone and while the big request moves (same rank)")
+    for col in ("backend", "block", "alone p50 ms", "during p50 ms", "during/alone", "during n", "big ms", "verified"):
+        t.add_column(col, justify="left" if col == "backend" else "right")
+    for backend, entry in result["backends"].items():
+        c = entry.get("cases", {}).get("hol")
+        if not c or "one_block" not in c:
+            continue
+        o = c["one_block"]
+        t.add_row(
+            backend,
+            f"{c['block_bytes'] / 1024:g} KiB",
+            f"{o['alone_ms_p50']:.3f}",
+            "-" if o["during_ms_p50"] is None else f"{o['during_ms_p50']:.3f}",
+            "-" if o["during_vs_alone_p50"] is None else f"{o['during_vs_alone_p50']:.2f}",
+            str(o["requests_during"]),
+            f"{c['big_ms_median']:.1f}",
+            "[green]yes[/]" if c["verified"] else "[red]NO[/]",
+        )
+    if t.row_count:
+        con.print(t)
 
 
 def _print_soak(con: Any, result: dict[str, Any]) -> None:

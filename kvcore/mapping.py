@@ -21,6 +21,7 @@ mapper runs, so mappers only compute *where* bytes go, never *whether*.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -406,6 +407,167 @@ def _group_ids(ids: BlockIds | None, table: PageTable, what: str) -> dict[str, n
     return {groups[0] if groups else DEFAULT_GROUP: arr}
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _Entries:
+    """One side's matched buffers of a view pair: where entry ``e`` starts in slot 0 and the slot stride."""
+
+    view: int
+    entries: np.ndarray
+    start: np.ndarray  # uint64: pool base + buffer offset, per entry
+    stride: np.ndarray  # uint64: the slot stride of each entry's pool
+    slots: int  # the fewest slots among the pools used: ids below it are valid in all of them
+
+    @classmethod
+    def build(cls, table: PageTable, view: int, entries: np.ndarray) -> _Entries:
+        v = table.views[view]
+        pool_idx = np.asarray(v.pools, dtype=np.int64)[entries]
+        base = np.fromiter((p.base for p in table.pools), dtype=np.uint64, count=len(table.pools))
+        stride = np.fromiter((p.slot_stride for p in table.pools), dtype=np.uint64, count=len(table.pools))
+        slots = min(table.pools[p].num_slots for p in np.unique(pool_idx).tolist()) if entries.size else 0
+        start = base[pool_idx] + np.asarray(v.offsets, dtype=np.uint64)[entries]
+        return cls(view, entries, start, stride[pool_idx], slots)
+
+    def addresses(self, table: PageTable, ids: np.ndarray) -> np.ndarray:
+        """``table.entry_addresses(view, entries, ids)``, without recomputing what does not depend on ``ids``."""
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.slots):
+            return table.entry_addresses(self.view, self.entries, ids)  # raises, naming the bad ids
+        out: np.ndarray = self.start[:, None] + ids.astype(np.uint64)[None, :] * self.stride[:, None]
+        return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _PairPlan:
+    """What a plan for one matched view pair needs that does not depend on the request (cached per peer pair)."""
+
+    sv: PoolView
+    dv: PoolView
+    kind: str  # the mapper kind, looked up per request (as before caching: only for pairs with blocks)
+    src: _Entries
+    dst: _Entries
+    group: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    """A layout error met while building: raised per request at its place, after the per-request checks before it."""
+
+    cls: type[Exception]
+    message: str
+
+
+_PLAN_CACHE_ENTRIES = 256
+_plan_cache: dict[tuple[int, ...], tuple[tuple[object, ...], tuple[_PairPlan | _Deferred, ...]]] = {}
+_plan_cache_lock = threading.Lock()
+
+
+def _pair_plans(
+    src: RankLayout, dst: RankLayout, mappers: MapperLookup, layer_range: tuple[int, int] | None
+) -> tuple[_PairPlan | _Deferred, ...]:
+    """The request-independent part of :func:`plan_transfer`, cached per (source, destination, mappers, layers).
+
+    Keyed by the identity of the layouts' parts (a peer's ``RankInfo`` keeps them for its lifetime); the cache
+    holds them, so an id is never reused while its entry lives. At most 256 entries, least recently used out.
+    Topology errors are raised, never cached; layout errors are kept as ``_Deferred`` steps, so every call
+    raises the error the uncached planner raised, in the same order as the per-request checks.
+    """
+    parts: tuple[object, ...] = (
+        src.topology,
+        src.page_table,
+        src.mamba,
+        dst.topology,
+        dst.page_table,
+        dst.mamba,
+        mappers,
+    )
+    key = (*map(id, parts), *(layer_range or (-1, -1)))
+    with _plan_cache_lock:
+        hit = _plan_cache.pop(key, None)
+        if hit is not None and all(a is b for a, b in zip(hit[0], parts, strict=True)):
+            _plan_cache[key] = hit  # most recently used last
+            return hit[1]
+    plans = _build_pair_plans(src, dst, layer_range)
+    with _plan_cache_lock:
+        _plan_cache[key] = (parts, plans)
+        while len(_plan_cache) > _PLAN_CACHE_ENTRIES:
+            del _plan_cache[next(iter(_plan_cache))]
+    return plans
+
+
+def _build_pair_plans(
+    src: RankLayout, dst: RankLayout, layer_range: tuple[int, int] | None
+) -> tuple[_PairPlan | _Deferred, ...]:
+    require_no_cp(src.topology, dst.topology, what="plan_transfer")
+    contacted = peer_ranks(dst.topology, src.topology, src.topology.dp_rank)
+    if src.topology.rank not in contacted:
+        raise TopologyError(
+            f"source rank {src.topology.rank} is not a peer of destination rank {dst.topology.rank} "
+            f"(destination contacts {contacted})"
+        )
+    st, dt = src.page_table, dst.page_table
+    sidx, didx = _view_index(st), _view_index(dt)
+    common = st.layers() & dt.layers()
+    if layer_range is not None:
+        common = {layer for layer in common if layer_range[0] <= layer < layer_range[1]}
+    missing = sorted(
+        [("source", k) for k in sidx if k[0] in common and k not in didx]
+        + [("destination", k) for k in didx if k[0] in common and k not in sidx]
+    )
+    if missing:
+        shown = ", ".join(f"layer {k[0]} role {k[1]!r} only on {side}" for side, k in missing[:8])
+        return (_Deferred(PoolMismatchError, f"pool roles differ on shared layers: {shown}"),)
+    # (src view, dst view) -> [(src pos, dst pos)] in source physical order
+    pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for key, (svi, spos) in sidx.items():
+        if key[0] in common:
+            dvi, dpos = didx[key]
+            pairs.setdefault((svi, dvi), []).append((spos, dpos))
+    dst_dp = dst.topology.dp_rank
+    out: list[_PairPlan | _Deferred] = []
+    for (svi, dvi), positions in pairs.items():
+        sv, dv = st.views[svi], dt.views[dvi]
+        try:
+            kind = select_mapper_kind(sv, dv)
+        except PoolMismatchError as exc:
+            out.append(_Deferred(PoolMismatchError, str(exc)))
+            break
+        if sv.buffers_per_layer != dv.buffers_per_layer or sv.is_state != dv.is_state:
+            out.append(
+                _Deferred(
+                    PoolMismatchError,
+                    f"view {sv.role!r}: buffers_per_layer/tokens_per_slot differ: source "
+                    f"{sv.buffers_per_layer}/{sv.tokens_per_slot}, destination "
+                    f"{dv.buffers_per_layer}/{dv.tokens_per_slot}",
+                )
+            )
+            break
+        if sv.group != dv.group:
+            out.append(
+                _Deferred(
+                    PoolMismatchError,
+                    f"view {sv.role!r} layers {sorted(set(sv.layers) & set(dv.layers))[:8]}: layer group differs: "
+                    f"source {sv.group!r}, destination {dv.group!r}",
+                )
+            )
+            break
+        if not owns(sv.layout, dv.layout, dst_dp):
+            continue
+        bf = sv.buffers_per_layer
+        pos = np.asarray(positions, dtype=np.int64)
+        sub = np.arange(bf, dtype=np.int64)
+        s_entries = (pos[:, 0:1] * bf + sub).reshape(-1)
+        d_entries = (pos[:, 1:2] * bf + sub).reshape(-1)
+        # order entries by (source pool, offset) so each pool's buffers form one run
+        s_pools = np.asarray(sv.pools, dtype=np.int64)[s_entries]
+        order = np.lexsort((np.asarray(sv.offsets, dtype=np.int64)[s_entries], s_pools))
+        s_entries, d_entries, s_pools = s_entries[order], d_entries[order], s_pools[order]
+        runs = np.unique(s_pools, return_counts=True)[1]
+        group = int(runs[0]) if (runs == runs[0]).all() else 1
+        out.append(
+            _PairPlan(sv, dv, kind, _Entries.build(st, svi, s_entries), _Entries.build(dt, dvi, d_entries), group)
+        )
+    return tuple(out)
+
+
 def plan_transfer(
     src: RankLayout,
     dst: RankLayout,
@@ -437,55 +599,20 @@ def plan_transfer(
     (:func:`kvcore.peer.owns`); the result may be empty. ``layer_range``
     restricts to global layers ``[start, stop)`` (layer-wise slices).
     """
-    require_no_cp(src.topology, dst.topology, what="plan_transfer")
-    contacted = peer_ranks(dst.topology, src.topology, src.topology.dp_rank)
-    if src.topology.rank not in contacted:
-        raise TopologyError(
-            f"source rank {src.topology.rank} is not a peer of destination rank {dst.topology.rank} "
-            f"(destination contacts {contacted})"
-        )
     if mappers is None:
         from kvcore.plugins import get_plugin_manager
 
         mappers = get_plugin_manager().layout_mappers
+    steps = _pair_plans(src, dst, mappers, layer_range)  # raises the topology errors, as before caching
     st, dt = src.page_table, dst.page_table
     s_groups = _group_ids(src_block_ids, st, "src_block_ids")
     d_groups = _group_ids(dst_block_ids, dt, "dst_block_ids")
-    sidx, didx = _view_index(st), _view_index(dt)
-    common = st.layers() & dt.layers()
-    if layer_range is not None:
-        common = {layer for layer in common if layer_range[0] <= layer < layer_range[1]}
-    missing = sorted(
-        [("source", k) for k in sidx if k[0] in common and k not in didx]
-        + [("destination", k) for k in didx if k[0] in common and k not in sidx]
-    )
-    if missing:
-        shown = ", ".join(f"layer {k[0]} role {k[1]!r} only on {side}" for side, k in missing[:8])
-        raise PoolMismatchError(f"pool roles differ on shared layers: {shown}")
-    # (src view, dst view) -> [(src pos, dst pos)] in source physical order
-    pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for key, (svi, spos) in sidx.items():
-        if key[0] in common:
-            dvi, dpos = didx[key]
-            pairs.setdefault((svi, dvi), []).append((spos, dpos))
-    dst_dp = dst.topology.dp_rank
     plans: list[FragmentPlan] = []
     state_plans: list[FragmentPlan] = []
-    for (svi, dvi), positions in pairs.items():
-        sv, dv = st.views[svi], dt.views[dvi]
-        kind = select_mapper_kind(sv, dv)
-        if sv.buffers_per_layer != dv.buffers_per_layer or sv.is_state != dv.is_state:
-            raise PoolMismatchError(
-                f"view {sv.role!r}: buffers_per_layer/tokens_per_slot differ: source "
-                f"{sv.buffers_per_layer}/{sv.tokens_per_slot}, destination {dv.buffers_per_layer}/{dv.tokens_per_slot}"
-            )
-        if sv.group != dv.group:
-            raise PoolMismatchError(
-                f"view {sv.role!r} layers {sorted(set(sv.layers) & set(dv.layers))[:8]}: layer group differs: "
-                f"source {sv.group!r}, destination {dv.group!r}"
-            )
-        if not owns(sv.layout, dv.layout, dst_dp):
-            continue
+    for pp in steps:
+        if isinstance(pp, _Deferred):
+            raise pp.cls(pp.message)  # a layout error, raised where the uncached planner raised it
+        sv, dv = pp.sv, pp.dv
         if sv.is_state:
             if src_state_slot is None or dst_state_slot is None:
                 raise MappingError(
@@ -508,25 +635,8 @@ def plan_transfer(
             sb, db = align_blocks(s_ids, d_ids, sv.tokens_per_slot, prompt_len=prompt_len, window=window)  # type: ignore[arg-type]
             if not len(sb):
                 continue
-        bf = sv.buffers_per_layer
-        pos = np.asarray(positions, dtype=np.int64)
-        sub = np.arange(bf, dtype=np.int64)
-        s_entries = (pos[:, 0:1] * bf + sub).reshape(-1)
-        d_entries = (pos[:, 1:2] * bf + sub).reshape(-1)
-        # order entries by (source pool, offset) so each pool's buffers form one run
-        s_pools = np.asarray(sv.pools, dtype=np.int64)[s_entries]
-        order = np.lexsort((np.asarray(sv.offsets, dtype=np.int64)[s_entries], s_pools))
-        s_entries, d_entries, s_pools = s_entries[order], d_entries[order], s_pools[order]
-        runs = np.unique(s_pools, return_counts=True)[1]
-        group = int(runs[0]) if (runs == runs[0]).all() else 1
-        pair = ViewPair(
-            sv,
-            dv,
-            st.entry_addresses(svi, s_entries, sb),
-            dt.entry_addresses(dvi, d_entries, db),
-            group=group,
-        )
-        (state_plans if sv.is_state else plans).append(_mapper(kind, mappers, sv.role).map(pair))
+        pair = ViewPair(sv, dv, pp.src.addresses(st, sb), pp.dst.addresses(dt, db), group=pp.group)
+        (state_plans if sv.is_state else plans).append(_mapper(pp.kind, mappers, sv.role).map(pair))
     if state_plans:
         state = FragmentPlan.concat(state_plans)
         if merge:

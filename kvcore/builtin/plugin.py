@@ -14,7 +14,12 @@ KVCORE_PLUGIN_API = 1
 
 #: What the shm agent can do: stated once here, read back by ``ShmAgent.capabilities``.
 SHM_CAPABILITIES = AgentCapabilities(
-    memory_kinds=frozenset({MemoryKind.DRAM}), write=True, read=True, notifications=True, remote=False
+    memory_kinds=frozenset({MemoryKind.DRAM}),
+    write=True,
+    read=True,
+    notifications=True,
+    remote=False,
+    async_submit=True,  # transfers over 256 KiB are copied by the agent's copy threads, which announce the end
 )
 
 

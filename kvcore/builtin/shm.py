@@ -57,7 +57,7 @@ import stat
 import struct
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
@@ -129,6 +129,12 @@ _SLOTS = 4096
 _CTL_BYTES = 8 * (_HEADER_WORDS + _SLOTS)
 
 _memmove = ctypes.memmove  # a CFUNCTYPE: releases the GIL while glibc copies
+# Transfers up to this size are copied inside submit (a few microseconds; no thread hop), larger ones by the
+# copy threads, which take at most _SLICE_BYTES of one transfer before serving the next: a small transfer
+# never waits behind the whole of a large one.
+_INLINE_BYTES = 256 * 1024
+_SLICE_BYTES = 2 * 1024 * 1024
+_COPY_THREADS = 2
 _agent_seq = itertools.count(1)
 
 Name = Annotated[str, msgspec.Meta(max_length=1024)]
@@ -314,18 +320,136 @@ class _Peer:
 
 @dataclass(eq=False)
 class _Xfer:
-    """A transfer whose bytes have landed; ``pending`` holds a notification the peer's queue could not take yet."""
+    """A transfer: its copy job (None once copied inside submit) and a notification the peer's queue has not taken.
+
+    ``pending`` is sent only after every byte landed.
+    """
 
     pending: bytes | None
     address: bytes
+    job: _Job | None = None
+    error: TransferError | None = None  # set by the copy thread when the notification failed
+
+
+@dataclass(eq=False)
+class _Job:
+    """One transfer's copy, run by the copy threads in slices: runs ``(dst, src, n)`` from ``i``/``off`` on."""
+
+    dst: list[int]
+    src: list[int]
+    n: list[int]
+    peer: _Peer
+    handle_id: int
+    xfer: _Xfer
+    i: int = 0  # next run to copy
+    off: int = 0  # bytes of run ``i`` already handed out
+    active: int = 0  # slices being copied now
+    finished: bool = False  # every byte landed
+
+    @property
+    def exhausted(self) -> bool:
+        return self.i >= len(self.n)
+
+    def take(self, limit: int) -> list[tuple[int, int, int]]:
+        """The next slice: whole runs (and at most one part of a run) totalling at most ``limit`` bytes."""
+        out: list[tuple[int, int, int]] = []
+        left = limit
+        while left > 0 and self.i < len(self.n):
+            k = min(self.n[self.i] - self.off, left)
+            out.append((self.dst[self.i] + self.off, self.src[self.i] + self.off, k))
+            left -= k
+            self.off += k
+            if self.off == self.n[self.i]:
+                self.i, self.off = self.i + 1, 0
+        return out
+
+
+class _CopyEngine:
+    """Copy threads for the shm agent: every live job gets a slice in turn (round robin), so none waits for another.
+
+    Threads start at the first job and stop at ``stop()``. ``wait_peer`` blocks until no job writes or reads a
+    peer's mappings, so they are never unmapped under a copy.
+    """
+
+    def __init__(self, name: str, threads: int, on_done: Callable[[_Job], None]) -> None:
+        self._name, self._nthreads, self._on_done = name, threads, on_done
+        self._cv = threading.Condition()
+        self._queue: deque[_Job] = deque()  # jobs with slices left to hand out
+        self._live: set[_Job] = set()  # jobs not finished
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+
+    def start(self, job: _Job) -> None:
+        with self._cv:
+            if self._stopping:
+                raise TransferError("the shm agent is closing; no new copies")
+            self._live.add(job)
+            self._queue.append(job)
+            if len(self._threads) < self._nthreads:
+                t = threading.Thread(target=self._run, name=f"{self._name}-copy{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                pieces = job.take(_SLICE_BYTES)
+                job.active += 1
+                if not job.exhausted:
+                    self._queue.append(job)  # its next slice after every other job's
+            try:
+                for d, s, k in pieces:
+                    _memmove(d, s, k)
+            finally:
+                with self._cv:
+                    job.active -= 1
+                    done = job.exhausted and job.active == 0 and not job.finished
+                    if done:
+                        job.finished = True
+                        self._live.discard(job)
+                        self._cv.notify_all()
+            if done:
+                self._on_done(job)
+
+    def wait_peer(self, peer: _Peer) -> None:
+        """Return once no live job touches ``peer``'s mappings (copies always end: memmove cannot block)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not any(j.peer is peer for j in self._live))
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    @property
+    def threads(self) -> int:
+        return sum(t.is_alive() for t in self._threads)
+
+    def stop(self) -> None:
+        """Finish every job, then end the threads."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._live)
+            self._stopping = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout=5.0)
 
 
 class ShmAgent(TransferAgent):
     """Same-host agent over sealed memfds: WRITE and READ into peers' ``allocate_tensor`` memory.
 
-    Transfers complete inside ``submit`` (DONE at the first poll) unless the
-    peer's notification queue is full; then the transfer stays PENDING and
-    every poll retries, so ``wait(timeout)`` bounds it. Takes no options.
+    Transfers of up to 256 KiB are copied inside ``submit`` (DONE at the first
+    poll); larger ones by the agent's copy threads (option ``copy_threads``,
+    default 2), which serve every transfer in turn, 2 MiB at a time, and
+    announce each end to the completion listener. A transfer is DONE once
+    every byte landed and its notification was queued at the peer; while the
+    peer's notification queue is full it stays PENDING and every poll
+    retries, so ``wait(timeout)`` bounds it.
     The peer must have loaded this agent's descriptor before our first
     transfer to it (the capability rule in the module docstring).
     """
@@ -344,6 +468,11 @@ class ShmAgent(TransferAgent):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.refused = 0  # fd requests and notifications refused (read by tests and operators)
+        threads = self.options.get("copy_threads", _COPY_THREADS)
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
+            raise TransferError(f"shm agent option copy_threads: expected an integer in 1..64, got {threads!r}")
+        self._send_lock = threading.Lock()  # a notification is sent once, by a copy thread or by poll
+        self._engine = _CopyEngine(f"kvcore-shm-{name}", threads, self._copied)
 
         ctl_fd = self._new_memfd("ctl", _CTL_BYTES)
         try:
@@ -488,6 +617,7 @@ class ShmAgent(TransferAgent):
                     f"(pid {payload.pid}, socket {payload.fds!r}) does not replace it. Unload the old peer first if it "
                     "really restarted"
                 )
+            self._engine.wait_peer(old)  # never unmap under a copy
             old.close()
             old = None
         peer = _Peer(
@@ -495,6 +625,7 @@ class ShmAgent(TransferAgent):
         )
         if old is not None:
             # Same owner: keep the connection, the control block and every segment it still lists unchanged.
+            self._engine.wait_peer(old)  # segments it no longer lists are unmapped below
             peer.conn, peer.ctl_mm, peer.ctl_words = old.conn, old.ctl_mm, old.ctl_words
             wanted = {(s.id, s.base, s.size) for s in payload.segments}
             for sid, seg in old.segments.items():
@@ -565,6 +696,7 @@ class ShmAgent(TransferAgent):
 
     def _unload_remote(self, remote: RemoteAgent) -> None:
         peer: _Peer = remote.native
+        self._engine.wait_peer(peer)  # never unmap under a copy
         peer.close()
 
     # --- fetching a peer's memory (client side) -------------------------------------------------
@@ -770,11 +902,23 @@ class ShmAgent(TransferAgent):
             dst, src, n = _merge_runs(mapped, local, sizes)
         else:
             dst, src, n = _merge_runs(local, mapped, sizes)
+        xfer = _Xfer(message, peer.notify)
+        if handle.nbytes > _INLINE_BYTES:
+            xfer.job = _Job(dst, src, n, peer, handle.id, xfer)
+            self._engine.start(xfer.job)  # DONE once the copy threads moved every byte
+            return xfer
         for d, s, k in zip(dst, src, n):
             _memmove(d, s, k)
-        xfer = _Xfer(message, peer.notify)
         self._send_pending(remote.name, xfer)
         return xfer
+
+    def _copied(self, job: _Job) -> None:
+        """A copy thread moved every byte of ``job``: queue its notification, tell the listener."""
+        try:
+            self._send_pending(job.peer.name, job.xfer)
+        except TransferError as exc:
+            job.xfer.error = exc  # the next poll reports it
+        self._announce(job.handle_id)
 
     def _translate(self, peer_name: str, peer: _Peer, addrs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Peer addresses -> addresses of our mappings, refusing any fragment outside a live export."""
@@ -810,25 +954,32 @@ class ShmAgent(TransferAgent):
         return out
 
     def _send_pending(self, peer_name: str, xfer: _Xfer) -> None:
-        if xfer.pending is None:
-            return
-        try:
-            self._tx.sendto(xfer.pending, xfer.address)
-        except BlockingIOError:
-            return  # the peer's queue is full; _poll retries until the caller's wait() deadline
-        except (ConnectionRefusedError, FileNotFoundError) as exc:
-            raise PeerLostError(f"peer {peer_name!r} no longer receives notifications ({exc}); it closed or died")
-        except OSError as exc:
-            raise TransferFailedError(f"notification to peer {peer_name!r} failed: {exc}") from exc
-        xfer.pending = None
+        with self._send_lock:  # a copy thread and a poll may both try: the notification goes once
+            if xfer.pending is None:
+                return
+            try:
+                self._tx.sendto(xfer.pending, xfer.address)
+            except BlockingIOError:
+                return  # the peer's queue is full; _poll retries until the caller's wait() deadline
+            except (ConnectionRefusedError, FileNotFoundError) as exc:
+                raise PeerLostError(
+                    f"peer {peer_name!r} no longer receives notifications ({exc}); it closed or died"
+                ) from exc
+            except OSError as exc:
+                raise TransferFailedError(f"notification to peer {peer_name!r} failed: {exc}") from exc
+            xfer.pending = None
 
     def _poll(self, handle: TransferHandle) -> TransferStatus:
         xfer: _Xfer = handle.native
+        if xfer.job is not None and not xfer.job.finished:
+            return TransferStatus.PENDING  # bytes still moving
+        if xfer.error is not None:
+            raise xfer.error
         self._send_pending(handle.remote, xfer)
         return TransferStatus.PENDING if xfer.pending is not None else TransferStatus.DONE
 
     def _release(self, handle: TransferHandle) -> None:
-        pass  # nothing native: the bytes moved inside submit
+        pass  # nothing native: released only when terminal, so its copy has ended
 
     # --- the serving thread: notifications and fd requests ------------------------------------------
 
@@ -900,7 +1051,8 @@ class ShmAgent(TransferAgent):
     # --- lifecycle -----------------------------------------------------------------------------
 
     def _close(self) -> None:
-        self._ctl[_W_ALIVE] = 0  # first: a peer that still maps us sees "closed", not "died"
+        self._engine.stop()  # every copy lands before anything is unmapped
+        self._ctl[_W_ALIVE] = 0  # a peer that still maps us sees "closed", not "died"
         self._stop.set()
         self._wake_w.send(b"x")
         self._thread.join(timeout=5.0)
@@ -927,5 +1079,6 @@ class ShmAgent(TransferAgent):
             "peer_mappings": sum(len(p.segments) for p in peers),
             "peer_connections": sum(p.conn is not None for p in peers),
             "served_connections": len(self._conns),
-            "threads": int(self._thread.is_alive()),
+            "threads": int(self._thread.is_alive()) + self._engine.threads,
+            "copy_jobs": self._engine.live,
         }

@@ -854,6 +854,8 @@ class Sender(Role):
         for s in self.tx.values():
             t = s.tasks.get(key)
             if t is not None and t.peer is peer:
+                if t.handle is not None:
+                    self.link.stop_transfer(t.handle, f"{peer} was lost")  # no new chunk into its memory
                 if t.state in IDLE_TASK_STATES:
                     t.move(TaskState.FAILED)  # nobody to answer
                 self._end(s, SessionState.FAILED, error)
@@ -1006,7 +1008,9 @@ class Sender(Role):
                     self._slice_done(s, t)
                 return
             assert t.peer.agent_name is not None
-            handle = self.link.agent.submit(TransferOp.WRITE, t.peer.agent_name, plan.src, plan.dst, plan.sizes)
+            handle = self.link.submit_transfer(
+                TransferOp.WRITE, t.peer.agent_name, plan.src, plan.dst, plan.sizes, self._done_hook(s, t)
+            )
         except E.KvcoreError as exc:
             self._fail_task(s, t, exc)
             return
@@ -1022,6 +1026,10 @@ class Sender(Role):
             self.inflight[id(t)] = (s, t)
             t.deadline = min(t.deadline, time.monotonic() + self.config.transfer_timeout_s)
         self._check_transfer(s, t, time.monotonic())  # same-host transports are often done already
+
+    def _done_hook(self, s: TxSession, t: ReceiverTask) -> Any:
+        """What the data plane calls (worker thread) when the task's transfer ends: answer the receiver now."""
+        return lambda: self._check_transfer(s, t, time.monotonic())
 
     def _submit_bounced(self, s: TxSession, t: ReceiverTask, t0: float) -> bool:
         """Gather the unmerged plan into staging and write it with one fragment; False: use the direct path."""
@@ -1046,12 +1054,13 @@ class Sender(Role):
             bounce.gather(plan.src, plan.sizes, staging)
             t1 = time.monotonic()  # the gather counts as planning
             assert t.peer.agent_name is not None
-            handle = self.link.agent.submit(
+            handle = self.link.submit_transfer(
                 TransferOp.WRITE,
                 t.peer.agent_name,
                 np.array([staging], np.uint64),
                 np.array([t.bounce_addr], np.uint64),
                 np.array([plan.nbytes], np.uint64),
+                self._done_hook(s, t),
             )
         except E.KvcoreError as exc:
             self.staging.release(off)
@@ -1067,12 +1076,15 @@ class Sender(Role):
 
     def _check_transfer(self, s: TxSession, t: ReceiverTask, now: float) -> None:
         """Poll one submitted write; answer the receiver as soon as the transport says it is terminal."""
-        agent = self.link.agent
-        status = agent.poll(t.handle)
+        x = t.handle
+        if x is None:
+            return  # already answered (the data plane's hook and a timer can both look)
+        status = self.link.poll_transfer(x)
         if status is TransferStatus.PENDING:
             if now > t.deadline and not t.doubt_sent:
                 # Logical timeout; the write may still land, so the receiver keeps its pages quarantined.
                 t.doubt_sent = True
+                self.link.stop_transfer(x, "its deadline passed")  # nothing more is started for it
                 with self.link.lock:
                     self._end(
                         s,
@@ -1093,9 +1105,9 @@ class Sender(Role):
                         ),
                     )
             return
-        err = t.handle.error
+        err = x.error
         self.link.metrics.transfer_finished(t.peer.name, status is TransferStatus.DONE, now - t.posted_at)
-        agent.release(t.handle)
+        self.link.release_transfer(x)
         if t.staging is not None and self.staging is not None:
             self.staging.release(t.staging)  # the transport no longer reads it
             t.staging = None
@@ -1184,6 +1196,7 @@ class Sender(Role):
             for key_t, (_, t) in list(self.inflight.items()):
                 if t.peer is peer:
                     del self.inflight[key_t]
+                    self.link.stop_transfer(t.handle, f"{peer} was lost")  # no new chunk into its memory
                     self.orphans.append(t.handle)
                     t.handle = None
                     peer.inflight -= 1
@@ -1195,10 +1208,10 @@ class Sender(Role):
     def _reap_orphans(self) -> None:
         keep = []
         for h in self.orphans:
-            if self.link.agent.poll(h) is TransferStatus.PENDING:
+            if self.link.poll_transfer(h) is TransferStatus.PENDING:
                 keep.append(h)
             else:
-                self.link.agent.release(h)
+                self.link.release_transfer(h)
         self.orphans = keep
 
     def _unload(self, peer: GenPeer) -> None:
