@@ -20,20 +20,21 @@ from typing import Any
 
 import numpy as np
 
-from kvcore import bounce, wire
 from kvcore import errors as E
-from kvcore.agent import TransferOp, TransferStatus
-from kvcore.blocks import as_id_array, encode_group_ids, normalize_block_ids, normalize_state_slot
-from kvcore.mapping import plan_transfer, validate_compatible
-from kvcore.messenger import Source
+from kvcore.control import wire
+from kvcore.control.messenger import Source
+from kvcore.layout.blocks import as_id_array, encode_group_ids, normalize_block_ids, normalize_state_slot
+from kvcore.layout.mapping import plan_transfer, validate_compatible
+from kvcore.layout.peer import peer_ranks
 from kvcore.metrics import FenceReason
 from kvcore.params import InternalId
-from kvcore.peer import peer_ranks
 from kvcore.transceiver.link import Handler, Link, error_from
 from kvcore.transceiver.peers import CtxInstance, PeerState, writer_fenced
 from kvcore.transceiver.role import Role
 from kvcore.transceiver.sender import blocks_digest
 from kvcore.transceiver.sessions import RxSession, SessionState, WriterState
+from kvcore.transport import bounce
+from kvcore.transport.agent import TransferOp, TransferStatus
 
 __all__ = ["Receiver"]
 
