@@ -13,6 +13,10 @@ monitor or a send is counted and logged (rate-limited) and the loop goes on.
 With authentication each messenger has its own ``zmq.Context``, so its ZAP
 handler (see ``kvcore.control.auth``) serves only its own ROUTER: several messengers
 with different allow-lists in one process never see each other's requests.
+
+Why one module of this length: every ZeroMQ socket belongs to the one I/O thread (ZeroMQ sockets are not
+thread-safe), and the ROUTER, the DEALERs, their monitors, CURVE/ZAP and the bounded dispatch are that thread's
+state; split, they would share it across modules.
 """
 
 from __future__ import annotations

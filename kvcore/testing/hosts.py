@@ -24,6 +24,10 @@ start time), which ``TwoHosts`` runs before building.
 Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN), ``ip``, ``unshare`` and
 ``nsenter``; ``unavailable_reason()`` says why not where they are missing, so
 tests skip with that reason and nowhere else.
+
+Why one module of this length: namespace setup, the RPC between the host processes and the rank operations
+are one harness whose code runs in three kinds of processes (the driver and the two hosts); split, each process
+would have to import the others' halves.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ The oracles (:func:`heads_of_rank`, :func:`layers_of_rank`,
 :func:`expected_conv`, :func:`expected_ssm`) are written from the model
 definition and never call kvcore's sharding or mapping code; they live in
 :mod:`kvcore.testing.oracle`, the one oracle the tests and plugins use too.
+
+Why one module of this length: the orchestrator, the rank processes' body and the summary table of one CLI
+command; the scenario itself (spec, rank storage, oracle view) lives in :mod:`kvcore.testing.scenario`.
 """
 
 from __future__ import annotations

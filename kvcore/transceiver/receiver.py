@@ -7,6 +7,10 @@ session is released only when every writer is settled: it answered, proved it
 never took the request, or is fenced (dead on this host, or lost past the
 fencing grace on another). A quarantined writer of a live context is asked
 again for its final word on a timer, so a lost message cannot pin pages forever.
+
+Why one module of this length: the generation role's handlers, its push and pull paths, lease renewals and
+fencing all move the same sessions and writers under one lock; the state machines themselves are in
+:mod:`.sessions` and :mod:`.peers`.
 """
 
 from __future__ import annotations
