@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
-from kvcore.agent import (
+from kvcore.config import TransceiverConfig, create_agent, resolve_backend
+from kvcore.errors import *  # noqa: F403
+from kvcore.errors import __all__ as _errors_all
+from kvcore.extension.hookspecs import hookimpl
+from kvcore.extension.plugins import KVCORE_PLUGIN_API, get_plugin_manager, make_plugin_manager
+from kvcore.transport.agent import (
     AgentCapabilities,
     MemoryKind,
     MemoryRegion,
@@ -18,11 +23,6 @@ from kvcore.agent import (
     TransferOp,
     TransferStatus,
 )
-from kvcore.config import TransceiverConfig, create_agent, resolve_backend
-from kvcore.errors import *  # noqa: F403
-from kvcore.errors import __all__ as _errors_all
-from kvcore.hookspecs import hookimpl
-from kvcore.plugins import KVCORE_PLUGIN_API, get_plugin_manager, make_plugin_manager
 
 try:  # the installed distribution's version: stated once, in pyproject.toml
     __version__ = _metadata.version("kvcore")

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvcore.cli import main
+from kvcore.tools.cli import main
 
 sys.exit(main())

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from kvcore.errors import ConfigError, UnknownBackendError
 
 if TYPE_CHECKING:
-    from kvcore.agent import TransferAgent
-    from kvcore.plugins import PluginManager
+    from kvcore.extension.plugins import PluginManager
+    from kvcore.transport.agent import TransferAgent
 
 __all__ = ["TransceiverConfig", "resolve_backend", "create_agent"]
 
@@ -145,7 +145,7 @@ class TransceiverConfig:
             raise ConfigError(
                 f"auth_allowed_keys must be a list of Z85 keys, got {type(self.auth_allowed_keys).__name__}"
             )
-        from kvcore.auth import is_loopback_host
+        from kvcore.control.auth import is_loopback_host
 
         authenticated = bool(self.auth_key_file or self.auth_secret_key)
         if not is_loopback_host(str(self.host)) and not authenticated and not self.allow_insecure_bind:
@@ -224,8 +224,8 @@ class TransceiverConfig:
 
     @classmethod
     def _from_env(cls, env: Mapping[str, str]) -> dict[str, Any]:
-        """The ``KVCORE_<FIELD>`` variables present, each converted to its field's declared type (kvcore.convert)."""
-        from kvcore.convert import from_text
+        """The ``KVCORE_<FIELD>`` variables present, each converted to its field's declared type (kvcore.extension.convert)."""
+        from kvcore.extension.convert import from_text
 
         types = typing.get_type_hints(cls)
         out: dict[str, Any] = {}
@@ -243,7 +243,7 @@ def check_required_plugins(config: TransceiverConfig, pm: PluginManager) -> None
     """Fail fast when a ``required_plugins`` entry (``"kvcore-nixl>=0.1"``) is missing or too old."""
     from packaging.requirements import Requirement
 
-    from kvcore.registry import PluginStatus
+    from kvcore.extension.registry import PluginStatus
 
     for spec in config.required_plugins:
         req = Requirement(spec)
@@ -262,8 +262,8 @@ def resolve_backend(
 
     ``auto`` tries the agents whose plugins gave them an ``auto_priority``, highest first (the core names none).
     """
-    from kvcore.agent import TransferAgent
-    from kvcore.plugins import get_plugin_manager
+    from kvcore.extension.plugins import get_plugin_manager
+    from kvcore.transport.agent import TransferAgent
 
     pm = pm or get_plugin_manager()
     name = config if isinstance(config, str) else config.backend

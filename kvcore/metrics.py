@@ -22,6 +22,10 @@ sets (an unknown error kind counts as ``OtherError``); ``peer`` (the peer
 instance's name) is capped per recorder at ``max_peers`` names, later ones count
 under ``_other``, and :meth:`TransceiverMetrics.forget_peer` frees a name when its
 peer is unloaded (its counts move to ``_other``, so sums over peers never drop).
+
+Why one module of this length: the metric table (names, units, labels, help), the recorder the transceiver
+calls, the typed snapshot and the Prometheus collector are one contract; docs/observability.md is checked against
+that single table.
 """
 
 from __future__ import annotations

@@ -23,12 +23,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvcore import hookimpl
-from kvcore.agent import RemoteAgent, TransferHandle, TransferStatus
-from kvcore.builtin import plugin as builtin
-from kvcore.builtin.shm import ShmAgent
 from kvcore.errors import TransferFailedError
-from kvcore.mapping import MatchingHeadsMapper
-from kvcore.plugins import KVCORE_PLUGIN_API, PluginManager, make_plugin_manager
+from kvcore.extension.plugins import KVCORE_PLUGIN_API, PluginManager, make_plugin_manager
+from kvcore.layout.mapping import MatchingHeadsMapper
+from kvcore.transport.agent import RemoteAgent, TransferHandle, TransferStatus
+from kvcore.transport.builtin import plugin as builtin
+from kvcore.transport.builtin.shm import ShmAgent
 
 __all__ = [
     "HeldShmAgent",
@@ -235,10 +235,10 @@ class RankGroup:
         **config: Any,
     ) -> RankGroup:
         """``tp*pp`` ranks of one instance, built concurrently (the constructor is collective)."""
-        from kvcore.builders import allocate_kv_cache, build_page_table
-        from kvcore.collective import LocalCollective
         from kvcore.config import TransceiverConfig, create_agent
-        from kvcore.topology import AttentionGeometry, Topology
+        from kvcore.control.collective import LocalCollective
+        from kvcore.layout.builders import allocate_kv_cache, build_page_table
+        from kvcore.layout.topology import AttentionGeometry, Topology
         from kvcore.transceiver import Transceiver
 
         pm = pm or fault_plugin_manager()

@@ -70,9 +70,9 @@ def make_rank(
 
     ``config`` overrides TransceiverConfig fields (ports, lifecycle timeouts).
     """
-    from kvcore.builders import allocate_kv_cache, build_page_table
     from kvcore.config import TransceiverConfig, create_agent
-    from kvcore.topology import AttentionGeometry, Topology
+    from kvcore.layout.builders import allocate_kv_cache, build_page_table
+    from kvcore.layout.topology import AttentionGeometry, Topology
     from kvcore.transceiver import Transceiver
 
     geometry = AttentionGeometry(**geometry_kwargs(**geo))

@@ -21,9 +21,9 @@ from typing import Any
 
 import msgspec
 
-from kvcore.agent import AgentDescriptor, RegionInfo, process_incarnation
-from kvcore.builtin import shm
 from kvcore.testing.harness import _read_frame, _write_frame, pattern
+from kvcore.transport.agent import AgentDescriptor, RegionInfo, process_incarnation
+from kvcore.transport.builtin import shm
 
 enc = msgspec.msgpack.encode
 

@@ -95,15 +95,18 @@ def test_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_import_circle_in_kvcore() -> None:
     graph = {name: _module_level_imports(path) for name, path in MODULES.items()}
-    assert graph["kvcore.plugins"] >= {"kvcore.hookspecs", "kvcore.registry"}  # the graph is really read
+    assert graph["kvcore.extension.plugins"] >= {
+        "kvcore.extension.hookspecs",
+        "kvcore.extension.registry",
+    }  # the graph is really read
     assert _cycles(graph) == []
 
 
 def test_extension_layer_imports_only_downwards() -> None:
     """hookspecs -> registry -> errors, and the loader on top: none of them imports the loader back."""
-    assert "kvcore.plugins" not in _module_level_imports(MODULES["kvcore.registry"])
-    assert "kvcore.plugins" not in _module_level_imports(MODULES["kvcore.hookspecs"])
-    assert "kvcore.hookspecs" not in _module_level_imports(MODULES["kvcore.registry"])
+    assert "kvcore.extension.plugins" not in _module_level_imports(MODULES["kvcore.extension.registry"])
+    assert "kvcore.extension.plugins" not in _module_level_imports(MODULES["kvcore.extension.hookspecs"])
+    assert "kvcore.extension.hookspecs" not in _module_level_imports(MODULES["kvcore.extension.registry"])
 
 
 @pytest.mark.parametrize("module", sorted(set(MODULES) - {"kvcore.__main__"}))  # __main__ runs the CLI
@@ -132,3 +135,42 @@ def test_core_names_no_plugin() -> None:
                 if node.value in PLUGIN_BACKENDS or node.value.startswith(("nixl_", "ucx_")):
                     offences.append(f"{name}: string {node.value!r}")
     assert offences == []
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every kvcore module ``path`` imports anywhere (inside functions too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if m in MODULES}
+
+
+def test_the_library_never_imports_the_tools() -> None:
+    """kvcore.tools (CLI, demo, bench) builds on the library; nothing outside it imports it, not even lazily."""
+    offences = {
+        name: sorted(m for m in _all_imports(path) if m == "kvcore.tools" or m.startswith("kvcore.tools."))
+        for name, path in MODULES.items()
+        if not (name == "kvcore.tools" or name.startswith("kvcore.tools.") or name == "kvcore.__main__")
+    }
+    assert {k: v for k, v in offences.items() if v} == {}
+
+
+def test_the_planes_have_their_folders() -> None:
+    for package in ("extension", "control", "transport", "layout", "transceiver", "testing", "tools"):
+        assert (PACKAGE / package / "__init__.py").is_file(), package
+    flat = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    # Only the engine-facing API, base modules every layer shares, and settings stay at the top.
+    assert flat == [
+        "__init__",
+        "__main__",
+        "config",
+        "errors",
+        "hostinfo",
+        "metrics",
+        "msgbounds",
+        "params",
+    ], flat

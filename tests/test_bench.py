@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvcore.bench import CASES, BenchError, BenchSpec, installed_backends, run_bench
+from kvcore.tools.bench import CASES, BenchError, BenchSpec, installed_backends, run_bench
 
 TINY = ["--tokens", "128", "--layers", "2", "--fragments", "32", "--iterations", "2"]
 TINY += ["--small-requests", "40", "--latency-requests", "10", "--timeout", "60"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.bench import BenchError, BenchProgress, BenchSpec, matrix_cells, plot_result, run_bench
+from kvcore.tools.bench import BenchError, BenchProgress, BenchSpec, matrix_cells, plot_result, run_bench
 
 
 def _plot_args(png: Path) -> list[str]:

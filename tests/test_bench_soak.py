@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvcore.bench import BenchError, BenchSpec
+from kvcore.tools.bench import BenchError, BenchSpec
 
 REQUESTS, INFLIGHT = 200, 32
 

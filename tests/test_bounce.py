@@ -7,7 +7,7 @@ import pytest
 import torch
 from _instances import ticket_for
 
-from kvcore.bounce import Arena, gather, plan_digest, scatter, wants_bounce
+from kvcore.transport.bounce import Arena, gather, plan_digest, scatter, wants_bounce
 
 
 def _fragments(rng: np.random.Generator, buf: torch.Tensor, n: int, unit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,9 +61,9 @@ def test_threshold_rule_and_digest() -> None:
 
 def _pair(layout: str, gen_tp: int, **cfg: object) -> tuple[list, list, list, list]:
     """A TP1 context rank and ``gen_tp`` generation ranks in this process (one-rank instances each)."""
-    from kvcore.builders import allocate_kv_cache, build_page_table
     from kvcore.config import TransceiverConfig, create_agent
-    from kvcore.topology import AttentionGeometry, Topology
+    from kvcore.layout.builders import allocate_kv_cache, build_page_table
+    from kvcore.layout.topology import AttentionGeometry, Topology
     from kvcore.transceiver import Transceiver
 
     geo = AttentionGeometry(

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-import kvcore.plugins
-from kvcore.cli import main
+import kvcore.extension.plugins
+from kvcore.tools.cli import main
 
 GOOD = """
     from kvcore import hookimpl
@@ -24,7 +24,7 @@ GOOD = """
 
     @hookimpl
     def kvcore_register_transfer_agents(registry):
-        registry.add("fakeagent", "kvcore.builtin.shm:ShmAgent")
+        registry.add("fakeagent", "kvcore.transport.builtin.shm:ShmAgent")
 """
 
 
@@ -49,9 +49,9 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.delenv("KVCORE_DISABLE_PLUGINS", raising=False)
     monkeypatch.delenv("KVCORE_STRICT_PLUGINS", raising=False)
     importlib.invalidate_caches()
-    kvcore.plugins.reset_plugin_manager()
+    kvcore.extension.plugins.reset_plugin_manager()
     yield tmp_path
-    kvcore.plugins.reset_plugin_manager()
+    kvcore.extension.plugins.reset_plugin_manager()
 
 
 def run_kvcore(site: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,7 @@ import pytest
 
 from kvcore.config import TransceiverConfig, check_required_plugins
 from kvcore.errors import ConfigError
-from kvcore.plugins import make_plugin_manager
+from kvcore.extension.plugins import make_plugin_manager
 
 
 def write(path: Path, text: str) -> Path:
@@ -122,7 +122,7 @@ def test_required_plugins() -> None:
         check_required_plugins(TransceiverConfig(required_plugins=["kvcore-nothing"]), pm)
 
 
-# --- text conversion (kvcore.convert): one place for every KVCORE_* value ---------------------------
+# --- text conversion (kvcore.extension.convert): one place for every KVCORE_* value ---------------------------
 
 
 def test_env_values_convert_by_declared_type() -> None:
@@ -149,7 +149,7 @@ def test_env_json_that_is_no_object_is_refused() -> None:
 
 
 def test_plugin_switches_use_the_same_words() -> None:
-    from kvcore.plugins import make_plugin_manager
+    from kvcore.extension.plugins import make_plugin_manager
 
     assert make_plugin_manager(load_entry_points=False, env={"KVCORE_STRICT_PLUGINS": "yes"}).strict is True
     assert make_plugin_manager(load_entry_points=False, env={"KVCORE_STRICT_PLUGINS": "off"}).strict is False

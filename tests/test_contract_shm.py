@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.agent import TransferAgent, TransferOp
-from kvcore.builtin.shm import ShmAgent
 from kvcore.errors import PeerLostError, RemoteAgentError, RemoteRangeError
 from kvcore.testing.contract import TransferAgentContract
 from kvcore.testing.harness import PeerProcess, digest, pattern
+from kvcore.transport.agent import TransferAgent, TransferOp
+from kvcore.transport.builtin.shm import ShmAgent
 
 
 class TestShmContract(TransferAgentContract):
@@ -35,6 +35,7 @@ def kvcore_peer() -> Iterator[PeerProcess]:
     peer = PeerProcess("shm", {}, name=f"peer-{uuid.uuid4().hex[:8]}")
     yield peer
     peer.close()
+
 
 MiB = 1024 * 1024
 

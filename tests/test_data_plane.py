@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.agent import TransferOp, TransferStatus
-from kvcore.bench import installed_backends
-from kvcore.builtin.shm import ShmAgent
 from kvcore.errors import TransferError
+from kvcore.tools.bench import installed_backends
 from kvcore.transceiver.link import CHUNK_BYTES, chunk_plan
+from kvcore.transport.agent import TransferOp, TransferStatus
+from kvcore.transport.builtin.shm import ShmAgent
 
 MiB = 1 << 20
 

@@ -2,7 +2,7 @@
 
 The refused instance runs in its own process through the public Transceiver
 API (tests/_instances.py) against a context instance configured exactly as
-the demo configures it (:func:`kvcore.demo.instance_keys`).
+the demo configures it (:func:`kvcore.tools.demo.instance_keys`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from _instances import ContextProcess, GenerationProcess
 
-from kvcore.auth import AuthConfig, write_key_pair
-from kvcore.demo import instance_keys
+from kvcore.control.auth import AuthConfig, write_key_pair
+from kvcore.tools.demo import instance_keys
 
 
 def test_instance_keys_are_private_listed_and_removed() -> None:

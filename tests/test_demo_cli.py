@@ -147,10 +147,11 @@ def test_demo_cli_two_hosts_nixl_verifies_every_byte() -> None:
 
 
 def test_two_hosts_spec_refuses_what_the_host_ranks_cannot_do() -> None:
-    from kvcore.demo import DemoSpec
+    from kvcore.tools.demo import DemoSpec
+    from kvcore.tools.demo_hosts import validate_two_hosts
 
     for field, value in (("mamba", True), ("layerwise", True), ("cached_prefix_blocks", 1)):
         with pytest.raises(ValueError, match=field):
-            DemoSpec(two_hosts=True, backend="nixl", **{field: value}).validate()
+            validate_two_hosts(DemoSpec(two_hosts=True, backend="nixl", **{field: value}))
     with pytest.raises(ValueError, match="network transport"):
-        DemoSpec(two_hosts=True, backend="shm").validate()
+        validate_two_hosts(DemoSpec(two_hosts=True, backend="shm"))

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from kvcore import hookspecs
+from kvcore.extension import hookspecs
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def hook_specs() -> dict[str, list[str]]:
-    """Every function in kvcore.hookspecs marked with ``@hookspec`` -> its argument names."""
+    """Every function in kvcore.extension.hookspecs marked with ``@hookspec`` -> its argument names."""
     return {
         name: list(inspect.signature(fn).parameters)
         for name, fn in vars(hookspecs).items()

@@ -1,6 +1,6 @@
 """Multi-process end-to-end transfers over real agents, across topologies; every byte verified, no leaks.
 
-Each case is one ``kvcore demo`` run (:func:`kvcore.demo.run_demo`): context and
+Each case is one ``kvcore demo`` run (:func:`kvcore.tools.demo.run_demo`): context and
 generation ranks are separate processes (gloo groups inside each instance),
 the context ranks fill their pools from a formula, the generation ranks verify
 every received byte against the same formula computed independently for their
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvcore.demo import DemoSpec, run_demo
+from kvcore.tools.demo import DemoSpec, run_demo
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -197,7 +197,7 @@ def test_wrong_bytes_are_detected() -> None:
 
 
 def test_oracles_follow_the_model_definition() -> None:
-    from kvcore.demo import conv_channels_of_rank, heads_of_rank, layers_of_rank, ssm_heads_of_rank
+    from kvcore.tools.demo import conv_channels_of_rank, heads_of_rank, layers_of_rank, ssm_heads_of_rank
 
     assert heads_of_rank(8, 2, 1, False) == [4, 5, 6, 7]
     assert [heads_of_rank(2, 4, r, False) for r in range(4)] == [[0], [0], [1], [1]]  # GQA replicas

@@ -19,7 +19,7 @@ from _faults import RankGroup, fault_plugin_manager
 from _instances import ContextProcess, fill_value, ticket_for
 
 from kvcore import errors as E
-from kvcore import wire
+from kvcore.control import wire
 from kvcore.transceiver import SessionState
 
 pytestmark = pytest.mark.timeout(120)
@@ -187,7 +187,7 @@ def test_missing_mapper_plugin_is_a_typed_error_naming_the_missing_mapper() -> N
     """Context TP2 -> generation TP1 needs the head-count mixer; without kvcore-mixers the request fails, typed.
 
     The core names no plugin: the error names the mapper kind and points at 'kvcore plugins'."""
-    from kvcore.plugins import make_plugin_manager
+    from kvcore.extension.plugins import make_plugin_manager
 
     pm = make_plugin_manager(load_entry_points=False)  # the built-ins only: no kvcore-mixers
     ctx = RankGroup.build("context", tp=2, pm=pm)

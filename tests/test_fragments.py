@@ -1,11 +1,11 @@
-"""``kvcore.fragments.merge_runs``: the one fragment-merge helper every planner and agent uses."""
+"""``kvcore.transport.fragments.merge_runs``: the one fragment-merge helper every planner and agent uses."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvcore.fragments import merge_runs
+from kvcore.transport.fragments import merge_runs
 
 U64 = np.uint64
 

@@ -24,7 +24,7 @@ FULL, SWA, MAMBA = (1,), (3,), (0, 2)
 
 
 def _geometry() -> tuple[Any, Any]:
-    from kvcore.topology import AttentionGeometry, MambaGeometry
+    from kvcore.layout.topology import AttentionGeometry, MambaGeometry
 
     geo = AttentionGeometry(num_layers=4, num_kv_heads=2, head_dim=8, tokens_per_block=TPB, dtype="bfloat16")
     mg = MambaGeometry(
@@ -60,10 +60,10 @@ def _fill(rank: dict[str, Any], logical: dict[str, np.ndarray], ids: dict[str, l
 
 
 def _rank(role: str, name: str) -> dict[str, Any]:
-    from kvcore.builders import allocate_kv_cache, allocate_mamba_state, build_kv_page_table, build_mamba_state
     from kvcore.config import TransceiverConfig, create_agent
-    from kvcore.page import PageTable
-    from kvcore.topology import Topology
+    from kvcore.layout.builders import allocate_kv_cache, allocate_mamba_state, build_kv_page_table, build_mamba_state
+    from kvcore.layout.page import PageTable
+    from kvcore.layout.topology import Topology
     from kvcore.transceiver import Transceiver
 
     geo, mg = _geometry()

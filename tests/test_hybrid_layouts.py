@@ -17,20 +17,20 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.blocks import normalize_block_ids, normalize_state_slot
-from kvcore.builders import (
+from kvcore.errors import IncompatiblePeerError, LayoutError, TopologyError
+from kvcore.layout.blocks import normalize_block_ids, normalize_state_slot
+from kvcore.layout.builders import (
     allocate_kv_cache,
     allocate_mamba_state,
     build_kv_page_table,
     build_mamba_state,
     build_page_table,
 )
-from kvcore.errors import IncompatiblePeerError, LayoutError, TopologyError
-from kvcore.mapping import RankLayout, plan_transfer, validate_compatible
-from kvcore.page import PageTable
-from kvcore.peer import peer_ranks
+from kvcore.layout.mapping import RankLayout, plan_transfer, validate_compatible
+from kvcore.layout.page import PageTable
+from kvcore.layout.peer import peer_ranks
+from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.testing.oracle import Memory
-from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
 
 SENTINEL = 0x5A
 D_STATE = 3

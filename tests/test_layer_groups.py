@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.blocks import normalize_block_ids
-from kvcore.builders import allocate_kv_cache, build_kv_page_table
 from kvcore.errors import IncompatiblePeerError, LayoutError, MappingError, PoolMismatchError
-from kvcore.mapping import RankLayout, plan_transfer, validate_compatible
-from kvcore.page import DEFAULT_GROUP, HEAD_MAJOR, PageTable, Pool, PoolView, ViewLayout, check_group_name
-from kvcore.peer import peer_ranks
+from kvcore.layout.blocks import normalize_block_ids
+from kvcore.layout.builders import allocate_kv_cache, build_kv_page_table
+from kvcore.layout.mapping import RankLayout, plan_transfer, validate_compatible
+from kvcore.layout.page import DEFAULT_GROUP, HEAD_MAJOR, PageTable, Pool, PoolView, ViewLayout, check_group_name
+from kvcore.layout.peer import peer_ranks
+from kvcore.layout.topology import AttentionGeometry, Topology
 from kvcore.testing.oracle import Memory
-from kvcore.topology import AttentionGeometry, Topology
 
 SENTINEL = 0x5A
 GEOM = AttentionGeometry(num_layers=4, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16")
@@ -226,8 +226,8 @@ def test_pp_stage_without_a_group_ignores_its_ids():
 
 
 def test_group_ids_round_trip_the_wire_form_and_bound_what_a_peer_sends():
-    from kvcore.blocks import MAX_GROUPS, decode_group_ids, encode_group_ids
     from kvcore.errors import MessageDecodeError
+    from kvcore.layout.blocks import MAX_GROUPS, decode_group_ids, encode_group_ids
 
     _, lay = build(Topology.create(1, 1, 0, 4))
     ids = normalize_block_ids({"full": [11, 0, 5], "swa": []}, lay.page_table)

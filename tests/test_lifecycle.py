@@ -464,10 +464,10 @@ def test_block_ids_are_checked_at_the_call(blocks: list[Any], match: str, closin
 
 def _hybrid_rank(role: str, ssm_dtype: str, mamba_arg: bool) -> tuple[Any, Any]:
     """A one-rank hybrid instance: attention KV plus Mamba2 state whose SSM dtype is ``ssm_dtype``."""
-    from kvcore.builders import allocate_kv_cache, allocate_mamba_state, build_page_table
     from kvcore.config import TransceiverConfig, create_agent
-    from kvcore.page import PageTable
-    from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
+    from kvcore.layout.builders import allocate_kv_cache, allocate_mamba_state, build_page_table
+    from kvcore.layout.page import PageTable
+    from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
     from kvcore.transceiver import Transceiver
 
     geo = AttentionGeometry(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=8, dtype="bfloat16")

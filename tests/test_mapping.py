@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcore.builders import allocate_kv_cache, build_kv_page_table
 from kvcore.errors import IncompatiblePeerError, MappingError, PoolMismatchError, TopologyError
-from kvcore.mapping import FragmentPlan, RankLayout, align_blocks, plan_transfer, validate_compatible
-from kvcore.page import PageTable
-from kvcore.plugins import make_plugin_manager
+from kvcore.extension.plugins import make_plugin_manager
+from kvcore.layout.builders import allocate_kv_cache, build_kv_page_table
+from kvcore.layout.mapping import FragmentPlan, RankLayout, align_blocks, plan_transfer, validate_compatible
+from kvcore.layout.page import PageTable
+from kvcore.layout.topology import AttentionGeometry, Topology
 from kvcore.testing.oracle import Side, run_scenario
-from kvcore.topology import AttentionGeometry, Topology
 
 HM = AttentionGeometry(num_layers=4, num_kv_heads=4, head_dim=8, tokens_per_block=4, dtype="float16")
 TM = AttentionGeometry(
@@ -190,7 +190,7 @@ def test_invalid_block_ids_are_named(core_mappers):
 def test_view_window_overrides_and_skips_stale_blocks(core_mappers):
     t = Topology.create(1, 1, 0, 4)
     kv = allocate_kv_cache(t, HM, 8)
-    from kvcore.builders import build_head_major_pool
+    from kvcore.layout.builders import build_head_major_pool
 
     lay = RankLayout(topology=t, geometry=HM, page_table=build_head_major_pool(kv, topology=t, geometry=HM, window=5))
     slot = kv[0].numel() * kv.element_size()

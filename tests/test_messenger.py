@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from kvcore import wire
+from kvcore.control import wire
+from kvcore.control.messenger import Messenger, Source
 from kvcore.errors import ConfigError
-from kvcore.messenger import Messenger, Source
 
 V = wire.PROTOCOL_VERSION
 
@@ -37,7 +37,7 @@ def test_binds_loopback_by_default() -> None:
 def test_non_loopback_bind_without_auth_needs_the_opt_in_and_warns(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(ConfigError, match="allow_insecure_bind"):
         Messenger(lambda s, x: None, host="0.0.0.0", name="any")
-    with caplog.at_level(logging.WARNING, logger="kvcore.messenger"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.control.messenger"):
         m = Messenger(lambda s, x: None, host="0.0.0.0", name="any", allow_insecure_bind=True)
     try:
         assert "non-loopback" in caplog.text and "WITHOUT authentication" in caplog.text

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from kvcore import wire
-from kvcore.messenger import Messenger
+from kvcore.control import wire
+from kvcore.control.messenger import Messenger
 
 
 def _ping() -> wire.Message:

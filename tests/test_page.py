@@ -6,17 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.builders import (
+from kvcore.errors import LayoutError
+from kvcore.extension.plugins import make_plugin_manager
+from kvcore.layout.builders import (
     allocate_kv_cache,
     build_head_major_pool,
     build_kv_page_table,
     build_page_table,
     build_token_major_layers,
 )
-from kvcore.errors import LayoutError
-from kvcore.page import PageTable, Pool, PoolView, ViewLayout
-from kvcore.plugins import make_plugin_manager
-from kvcore.topology import AttentionGeometry, Topology
+from kvcore.layout.page import PageTable, Pool, PoolView, ViewLayout
+from kvcore.layout.topology import AttentionGeometry, Topology
 
 HM = AttentionGeometry(num_layers=4, num_kv_heads=4, head_dim=8, tokens_per_block=4, dtype="float16")
 TM = AttentionGeometry(
@@ -159,8 +159,8 @@ def test_decode_is_bounded_and_typed():
 
 
 def test_mamba_state_builder_through_registry():
-    from kvcore.builders import allocate_mamba_state
-    from kvcore.topology import MambaGeometry
+    from kvcore.layout.builders import allocate_mamba_state
+    from kvcore.layout.topology import MambaGeometry
 
     mg = MambaGeometry(
         layers=(0, 2, 3), conv_sections=(8, 4, 4), d_conv=4, nheads=4, head_dim=2, d_state=3,

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.errors import TopologyError
-from kvcore.page import ViewLayout
-from kvcore.peer import (
+from kvcore.layout.page import ViewLayout
+from kvcore.layout.peer import (
     aux_writer,
     expected_receivers,
     expected_writers,
@@ -22,7 +22,7 @@ from kvcore.peer import (
     shard_position,
     shards_paired,
 )
-from kvcore.topology import Topology
+from kvcore.layout.topology import Topology
 
 
 def T(tp, pp, rank, layers=4, lpp=None, adp=False):

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore import mapping
-from kvcore.builders import allocate_kv_cache, build_page_table
 from kvcore.errors import LayoutError
-from kvcore.mapping import RankLayout, plan_transfer
-from kvcore.plugins import make_plugin_manager
-from kvcore.topology import AttentionGeometry, Topology
+from kvcore.extension.plugins import make_plugin_manager
+from kvcore.layout import mapping
+from kvcore.layout.builders import allocate_kv_cache, build_page_table
+from kvcore.layout.mapping import RankLayout, plan_transfer
+from kvcore.layout.topology import AttentionGeometry, Topology
 
 CORE = make_plugin_manager(load_entry_points=False).layout_mappers
 LAYERS, BLOCKS = 3, 16

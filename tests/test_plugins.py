@@ -13,7 +13,7 @@ from pathlib import Path
 import pluggy
 import pytest
 
-import kvcore.plugins
+import kvcore.extension.plugins
 from kvcore import hookimpl
 from kvcore.errors import (
     DuplicateBackendError,
@@ -22,7 +22,7 @@ from kvcore.errors import (
     PluginLoadError,
     UnknownBackendError,
 )
-from kvcore.plugins import KVCORE_PLUGIN_API, PluginManager, make_plugin_manager
+from kvcore.extension.plugins import KVCORE_PLUGIN_API, PluginManager, make_plugin_manager
 
 
 class AgentsPlugin:
@@ -30,7 +30,7 @@ class AgentsPlugin:
 
     KVCORE_PLUGIN_API = KVCORE_PLUGIN_API
 
-    def __init__(self, *names: str, target: str = "kvcore.builtin.shm:ShmAgent") -> None:
+    def __init__(self, *names: str, target: str = "kvcore.transport.builtin.shm:ShmAgent") -> None:
         self.names, self.target = names, target
 
     @hookimpl
@@ -59,10 +59,10 @@ def test_builtins_register_shm(pm: PluginManager) -> None:
 
 
 def test_in_process_plugin_registers_and_loads_lazily(pm: PluginManager) -> None:
-    pm.register(AgentsPlugin("fake", target="kvcore.builtin.shm:ShmAgent"), name="fakeplug")
+    pm.register(AgentsPlugin("fake", target="kvcore.transport.builtin.shm:ShmAgent"), name="fakeplug")
     entry = pm.transfer_agents.entry("fake")
     assert entry.plugin == "fakeplug" and entry._loaded is None  # nothing imported yet
-    from kvcore.builtin.shm import ShmAgent
+    from kvcore.transport.builtin.shm import ShmAgent
 
     assert pm.transfer_agents.get("fake") is ShmAgent
     assert pm.record("fakeplug").provides == {"transfer_agents": ["fake"]}  # type: ignore[union-attr]
@@ -145,7 +145,7 @@ def test_register_hook_exception_is_attributed(pm: PluginManager, caplog: pytest
             raise RuntimeError("kaboom")
 
     pm.register(Boom(), name="boom")
-    with caplog.at_level(logging.WARNING, logger="kvcore.plugins"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.extension.plugins"):
         assert "half" not in pm.transfer_agents  # its partial registrations are rolled back
     assert "shm" in pm.transfer_agents
     rec = pm.record("boom")
@@ -222,7 +222,7 @@ GOOD = """
 
     @hookimpl
     def kvcore_register_transfer_agents(registry):
-        registry.add("fakeagent", "kvcore.builtin.shm:ShmAgent", description="fake")
+        registry.add("fakeagent", "kvcore.transport.builtin.shm:ShmAgent", description="fake")
 """
 
 
@@ -231,9 +231,9 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A directory on sys.path for throw-away distributions; the entry-point cache is reset around each test."""
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    kvcore.plugins.reset_plugin_manager()
+    kvcore.extension.plugins.reset_plugin_manager()
     yield tmp_path
-    kvcore.plugins.reset_plugin_manager()
+    kvcore.extension.plugins.reset_plugin_manager()
     for name in [m for m in sys.modules if m.startswith("fake_kvcore_plugin_")]:
         del sys.modules[name]
 
@@ -254,7 +254,7 @@ def test_entry_point_loads_and_registers(site: Path) -> None:
 
 def test_entry_point_broken_import(site: Path, caplog: pytest.LogCaptureFixture) -> None:
     write_dist(site, "broken", "import kvcore_definitely_missing_dependency\n")
-    with caplog.at_level(logging.WARNING, logger="kvcore.plugins"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.extension.plugins"):
         pm = make_plugin_manager(env=_only("broken"))
     rec = pm.record("broken")
     assert rec is not None and rec.status == "failed" and rec.phase == "import"
@@ -345,32 +345,32 @@ def test_blocked_plugin_is_not_listed_as_failure(site: Path) -> None:
 def test_entry_points_read_once_per_process(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_dist(site, "fake", GOOD)
     calls = []
-    real = kvcore.plugins.metadata.entry_points
+    real = kvcore.extension.plugins.metadata.entry_points
 
     def counting(**kw):  # type: ignore[no-untyped-def]
         calls.append(kw)
         return real(**kw)
 
-    monkeypatch.setattr(kvcore.plugins.metadata, "entry_points", counting)
+    monkeypatch.setattr(kvcore.extension.plugins.metadata, "entry_points", counting)
     make_plugin_manager(env=_only("fake"))
     make_plugin_manager(env=_only("fake"))
     assert calls == [{"group": "kvcore"}]
-    kvcore.plugins.reset_plugin_manager()
+    kvcore.extension.plugins.reset_plugin_manager()
     make_plugin_manager(env=_only("fake"))
     assert len(calls) == 2
 
 
 def test_get_plugin_manager_is_cached_and_reset(site: Path) -> None:
-    first = kvcore.plugins.get_plugin_manager()
-    assert kvcore.plugins.get_plugin_manager() is first
-    kvcore.plugins.reset_plugin_manager()
-    assert kvcore.plugins.get_plugin_manager() is not first
+    first = kvcore.extension.plugins.get_plugin_manager()
+    assert kvcore.extension.plugins.get_plugin_manager() is first
+    kvcore.extension.plugins.reset_plugin_manager()
+    assert kvcore.extension.plugins.get_plugin_manager() is not first
 
 
 def test_import_kvcore_loads_no_plugin() -> None:
     import subprocess
 
-    code = "import sys, kvcore; print(any(m.startswith(('kvcore_nixl', 'kvcore_ucx', 'kvcore.builtin')) for m in sys.modules))"
+    code = "import sys, kvcore; print(any(m.startswith(('kvcore_nixl', 'kvcore_ucx', 'kvcore.transport.builtin')) for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
 
@@ -391,11 +391,11 @@ def test_external_plugin_cannot_shadow_builtin(pm: PluginManager) -> None:
 
 def test_trace_records_each_registration_call(caplog: pytest.LogCaptureFixture) -> None:
     """KVCORE_TRACE_PLUGINS=1 sees the registration hooks: they run through pluggy, not around it."""
-    with caplog.at_level(logging.DEBUG, logger="kvcore.plugins"):
+    with caplog.at_level(logging.DEBUG, logger="kvcore.extension.plugins"):
         pm = make_plugin_manager(load_entry_points=False, env={"KVCORE_TRACE_PLUGINS": "1"})
         pm.register(AgentsPlugin("traced"), name="tracer")
         assert "traced" in pm.transfer_agents
-    calls = [r.getMessage().strip() for r in caplog.records if r.name == "kvcore.plugins"]
+    calls = [r.getMessage().strip() for r in caplog.records if r.name == "kvcore.extension.plugins"]
     traced = [m for m in calls if m.startswith("kvcore_register_transfer_agents [hook]")]
     assert len(traced) == 2, calls  # pluggy's tracer saw one call per plugin: the built-ins, then 'tracer'
 
@@ -410,7 +410,7 @@ def test_tryfirst_impl_runs_first_and_takes_the_name() -> None:
         @hookimpl
         def kvcore_register_transfer_agents(self, registry):  # type: ignore[no-untyped-def]
             calls.append("plain")
-            registry.add("contested", "kvcore.builtin.shm:ShmAgent")
+            registry.add("contested", "kvcore.transport.builtin.shm:ShmAgent")
 
     class Eager:
         KVCORE_PLUGIN_API = KVCORE_PLUGIN_API
@@ -418,7 +418,7 @@ def test_tryfirst_impl_runs_first_and_takes_the_name() -> None:
         @hookimpl(tryfirst=True)
         def kvcore_register_transfer_agents(self, registry):  # type: ignore[no-untyped-def]
             calls.append("eager")
-            registry.add("contested", "kvcore.builtin.shm:ShmAgent")
+            registry.add("contested", "kvcore.transport.builtin.shm:ShmAgent")
 
     pm = make_plugin_manager(load_entry_points=False, builtins=False, env={})
     pm.register(Plain(), name="plain")
@@ -452,7 +452,7 @@ def test_wrapper_impl_wraps_every_plugins_call(pm: PluginManager) -> None:
 
 
 def test_plugin_status_is_an_enum_that_reads_as_its_word(pm: PluginManager) -> None:
-    from kvcore.plugins import PluginStatus
+    from kvcore.extension.plugins import PluginStatus
 
     rec = pm.record("builtin")
     assert rec is not None and rec.status is PluginStatus.LOADED
@@ -488,14 +488,18 @@ def test_auto_selection_and_network_agents_follow_what_plugins_declare(pm: Plugi
 
         @hookimpl
         def kvcore_register_transfer_agents(self, registry):  # type: ignore[no-untyped-def]
-            from kvcore.builtin.plugin import SHM_CAPABILITIES
+            from kvcore.transport.builtin.plugin import SHM_CAPABILITIES
 
             net = AgentCapabilities(remote=True)
             registry.add("net_b", "kvcore_no_such_module:Agent", capabilities=net)
             registry.add("net_a", "kvcore_no_such_module:Agent", capabilities=net, auto_priority=5)
-            registry.add("local", "kvcore.builtin.shm:ShmAgent", capabilities=SHM_CAPABILITIES, auto_priority=7)
+            registry.add(
+                "local", "kvcore.transport.builtin.shm:ShmAgent", capabilities=SHM_CAPABILITIES, auto_priority=7
+            )
             registry.add("broken", "kvcore_no_such_module:Agent", capabilities=net, auto_priority=50)
-            registry.add("liar", "kvcore.builtin.shm:ShmAgent", capabilities=net)  # ShmAgent says remote=False
+            registry.add(
+                "liar", "kvcore.transport.builtin.shm:ShmAgent", capabilities=net
+            )  # ShmAgent says remote=False
 
     pm.register(Declares(), name="declares")
     reg = pm.transfer_agents

@@ -8,11 +8,11 @@ import sys
 import pytest
 
 from kvcore import hookimpl
-from kvcore.agent import AgentCapabilities, MemoryKind
 from kvcore.config import TransceiverConfig, create_agent, resolve_backend
 from kvcore.errors import DuplicateBackendError, PluginError, UnknownBackendError
-from kvcore.plugins import KVCORE_PLUGIN_API, PluginManager, make_plugin_manager
-from kvcore.registry import LayoutMapperRegistry, PageTableBuilderRegistry, Registries, TransferAgentRegistry
+from kvcore.extension.plugins import KVCORE_PLUGIN_API, PluginManager, make_plugin_manager
+from kvcore.extension.registry import LayoutMapperRegistry, PageTableBuilderRegistry, Registries, TransferAgentRegistry
+from kvcore.transport.agent import AgentCapabilities, MemoryKind
 
 
 def test_add_get_and_lazy_import() -> None:
@@ -51,7 +51,7 @@ def test_target_is_not_imported_until_used() -> None:
 
 def test_missing_attribute_is_reported() -> None:
     reg = TransferAgentRegistry()
-    reg.add("x", "kvcore.agent:NoSuchAgent", install_hint="pip install kvcore-x")
+    reg.add("x", "kvcore.transport.agent:NoSuchAgent", install_hint="pip install kvcore-x")
     with pytest.raises(UnknownBackendError) as exc:
         reg.get("x")
     assert "AttributeError" in str(exc.value)
@@ -136,17 +136,19 @@ def pm() -> PluginManager:
 
 
 def test_resolve_by_name(pm: PluginManager) -> None:
-    from kvcore.builtin.shm import ShmAgent
+    from kvcore.transport.builtin.shm import ShmAgent
 
     assert resolve_backend("shm", pm) == ("shm", ShmAgent)
     assert resolve_backend(TransceiverConfig(backend="shm"), pm) == ("shm", ShmAgent)
 
 
 def test_auto_prefers_the_highest_priority_that_loads(pm: PluginManager) -> None:
-    from kvcore.builtin.shm import ShmAgent
+    from kvcore.transport.builtin.shm import ShmAgent
 
-    pm.register(Provides("fast", "kvcore.builtin.shm:ShmAgent", auto_priority=100), name="fastplug")
-    pm.register(Provides("never", "kvcore.builtin.shm:ShmAgent"), name="neverplug")  # no priority: not for auto
+    pm.register(Provides("fast", "kvcore.transport.builtin.shm:ShmAgent", auto_priority=100), name="fastplug")
+    pm.register(
+        Provides("never", "kvcore.transport.builtin.shm:ShmAgent"), name="neverplug"
+    )  # no priority: not for auto
     assert pm.transfer_agents.auto_candidates() == ["fast", "shm"]
     assert resolve_backend("auto", pm) == ("fast", ShmAgent)
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvcore import wire
-from kvcore.auth import AuthConfig, load_public_keys, raw_key, write_key_pair, z85_key
 from kvcore.config import TransceiverConfig
+from kvcore.control import wire
+from kvcore.control.auth import AuthConfig, load_public_keys, raw_key, write_key_pair, z85_key
+from kvcore.control.messenger import Messenger, Source
 from kvcore.errors import ConfigError
-from kvcore.messenger import Messenger, Source
 
 V = wire.PROTOCOL_VERSION
 SETTLE_S = 1.5  # long enough for a CURVE handshake (and its refusal) on a loaded 2-core machine
@@ -222,7 +222,7 @@ def test_auth_config_from_files_env_and_keygen(tmp_path: Path) -> None:
 
 
 def test_keygen_cli_writes_a_pair_and_prints_the_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvcore.cli import main
+    from kvcore.tools.cli import main
 
     assert main(["keygen", "--dir", str(tmp_path), "--name", "rank0"]) == 0
     out = capsys.readouterr().out
@@ -235,7 +235,7 @@ def test_keygen_cli_writes_a_pair_and_prints_the_config(tmp_path: Path, capsys: 
 
 
 def test_the_proven_key_can_be_checked_against_a_claimed_rank_info_key(nodes: Callable[..., _Node]) -> None:
-    from kvcore.auth import keys_equal
+    from kvcore.control.auth import keys_equal
 
     shared = AuthConfig.generate()
     a, b = nodes("a", shared), nodes("b", shared)

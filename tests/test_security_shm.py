@@ -21,10 +21,10 @@ import pytest
 import torch
 from _shm_attacker import Attacker, forge_notification, steal
 
-from kvcore.agent import TransferAgent, TransferOp, process_incarnation
-from kvcore.builtin.shm import ShmAgent
 from kvcore.errors import PeerLostError, RemoteAgentError
 from kvcore.testing.harness import PeerProcess, pattern
+from kvcore.transport.agent import TransferAgent, TransferOp, process_incarnation
+from kvcore.transport.builtin.shm import ShmAgent
 
 MiB = 1024 * 1024
 NOBODY = 65534

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from kvcore.errors import LayoutError, TopologyError
-from kvcore.topology import AttentionGeometry, MambaGeometry, Topology, require_no_cp
+from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology, require_no_cp
 
 
 def test_create_rank_ordering_is_cp_minor():

@@ -14,7 +14,7 @@ import zmq
 from _instances import ContextProcess, fill_value, make_rank, ticket_for
 
 from kvcore import errors as E
-from kvcore import wire
+from kvcore.control import wire
 from kvcore.transceiver import RequestStatus, SessionState, leaks
 
 

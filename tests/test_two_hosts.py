@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from kvcore.config import TransceiverConfig
+from kvcore.control.messenger import Messenger
 from kvcore.errors import ConfigError
-from kvcore.messenger import Messenger
 from kvcore.testing.harness import PeerError, digest, pattern
 from kvcore.testing.hosts import TwoHosts, sweep, unavailable_reason
 
@@ -249,9 +249,9 @@ def test_shm_refuses_a_peer_on_another_host(hosts: TwoHosts) -> None:
 
 _SERVE = """
 import sys
-from kvcore import wire
+from kvcore.control import wire
 from kvcore.config import TransceiverConfig
-from kvcore.messenger import Messenger
+from kvcore.control.messenger import Messenger
 
 host, advertise, base, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 cfg = TransceiverConfig(host=host, advertise_host=advertise, port=base, port_stride=2, allow_insecure_bind=True)
@@ -273,8 +273,8 @@ for m in ms:
 
 _DIAL = """
 import queue, sys
-from kvcore import wire
-from kvcore.messenger import Messenger
+from kvcore.control import wire
+from kvcore.control.messenger import Messenger
 
 q = queue.Queue()
 m = Messenger(lambda src, msg: q.put(msg), name="dialer")
@@ -521,8 +521,8 @@ def test_shm_host_check_decides_by_reachability_and_names_both_hosts(tmp_path: A
     import os
     import socket
 
-    from kvcore.builtin.hostcheck import PeerOnOtherHostError, require_same_host
     from kvcore.hostinfo import host_identity
+    from kvcore.transport.builtin.hostcheck import PeerOnOtherHostError, require_same_host
 
     name = b"\0" + f"kvcore-hostcheck-{os.getpid()}".encode()
     ctl = tmp_path / "ctl"

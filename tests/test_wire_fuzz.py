@@ -19,12 +19,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcore import wire
-from kvcore.agent import TransferAgent
+from kvcore.control import wire
+from kvcore.control.messenger import Messenger
 from kvcore.errors import KvcoreError, MessageDecodeError, ProtocolError, RemoteAgentError
-from kvcore.messenger import Messenger
 from kvcore.msgbounds import MAX_DEPTH, check_msgpack_bounds
 from kvcore.params import BytesId
+from kvcore.transport.agent import TransferAgent
 
 V = wire.PROTOCOL_VERSION
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -227,7 +227,7 @@ def test_hostile_descriptors_are_typed_errors(what: str) -> None:
 
 
 def _backends() -> list[str]:
-    from kvcore.plugins import make_plugin_manager
+    from kvcore.extension.plugins import make_plugin_manager
 
     reg = make_plugin_manager().transfer_agents
     out = []
@@ -242,7 +242,7 @@ def _backends() -> list[str]:
 
 @pytest.fixture(scope="module", params=_backends())
 def real_agent(request: pytest.FixtureRequest) -> Iterator[TransferAgent]:
-    from kvcore.plugins import make_plugin_manager
+    from kvcore.extension.plugins import make_plugin_manager
 
     agent = make_plugin_manager().transfer_agents.get(request.param)(f"fuzz-{request.param}", {})
     yield agent

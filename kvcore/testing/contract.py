@@ -35,7 +35,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvcore.agent import MemoryKind, TransferAgent, TransferOp
 from kvcore.errors import (
     PeerLostError,
     RemoteAgentError,
@@ -44,6 +43,7 @@ from kvcore.errors import (
     UnsupportedOperationError,
 )
 from kvcore.testing.harness import PeerProcess, digest, pattern
+from kvcore.transport.agent import MemoryKind, TransferAgent, TransferOp
 
 __all__ = ["TransferAgentContract", "TestLegacyContract"]
 
@@ -133,7 +133,7 @@ class TransferAgentContract:
     @classmethod
     def kvcore_agent_class(cls, kvcore_backend: str) -> type[TransferAgent]:
         """The agent class the installed plugins register under the backend name."""
-        from kvcore.plugins import make_plugin_manager
+        from kvcore.extension.plugins import make_plugin_manager
 
         agent_cls = make_plugin_manager().transfer_agents.get(kvcore_backend)
         assert isinstance(agent_cls, type) and issubclass(agent_cls, TransferAgent), (

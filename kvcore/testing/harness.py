@@ -181,7 +181,7 @@ class _Peer:
     """Command handlers; each returns the reply's fields."""
 
     def __init__(self, backend: str, name: str, options: dict[str, Any]) -> None:
-        from kvcore.plugins import make_plugin_manager
+        from kvcore.extension.plugins import make_plugin_manager
 
         self.backend, self.name, self.options = backend, name, options
         self.cls = make_plugin_manager().transfer_agents.get(backend)
@@ -211,7 +211,7 @@ class _Peer:
     ) -> dict[str, Any]:
         import torch
 
-        from kvcore.agent import MemoryKind, MemoryRegion
+        from kvcore.transport.agent import MemoryKind, MemoryRegion
 
         tensor = self.agent.allocate_tensor((nbytes,), torch.uint8, device=device)
         if seed is not None:

@@ -24,6 +24,10 @@ start time), which ``TwoHosts`` runs before building.
 Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN), ``ip``, ``unshare`` and
 ``nsenter``; ``unavailable_reason()`` says why not where they are missing, so
 tests skip with that reason and nowhere else.
+
+Why one module of this length: namespace setup, the RPC between the host processes and the rank operations
+are one harness whose code runs in three kinds of processes (the driver and the two hosts); split, each process
+would have to import the others' halves.
 """
 
 from __future__ import annotations
@@ -470,10 +474,10 @@ def _close_all() -> None:
 def _peer_class() -> type:
     import numpy as np
 
-    from kvcore.agent import TransferOp, TransferStatus
     from kvcore.errors import TransferTimeoutError
     from kvcore.hostinfo import host_identity, hostname
     from kvcore.testing.harness import _Peer
+    from kvcore.transport.agent import TransferOp, TransferStatus
 
     class _HostPeer(_Peer):
         """Harness commands plus: where am I, load a peer, write to it (timed), write until an error."""
@@ -594,9 +598,9 @@ def _peer_class() -> type:
             import datetime
             import queue
 
-            from kvcore.collective import LocalCollective, TorchCollective
             from kvcore.config import TransceiverConfig
-            from kvcore.demo import DemoSpec, _Rank
+            from kvcore.control.collective import LocalCollective, TorchCollective
+            from kvcore.testing.scenario import DemoSpec, Rank
             from kvcore.transceiver import Transceiver
 
             demo = DemoSpec(**spec)
@@ -625,7 +629,7 @@ def _peer_class() -> type:
                 # tested on its own); a caller's config may still set auth_* instead.
                 **{"allow_insecure_bind": True, **(config or {})},
             )
-            me = _Rank(role, rank, demo, self.agent)
+            me = Rank(role, rank, demo, self.agent)
             tx = Transceiver(
                 tx_config,
                 role=role,
@@ -820,7 +824,7 @@ def _bench_main(argv: list[str]) -> int:
     options = json.loads(args.options)
     with TwoHosts(mtu=args.mtu) as hosts:
         hosts.wait_link()
-        from kvcore.plugins import get_plugin_manager
+        from kvcore.extension.plugins import get_plugin_manager
 
         for backend in args.backend or get_plugin_manager().transfer_agents.remote_names():
             for cross in (True,) if args.cross_only else (False, True):

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvcore.builders import allocate_kv_cache, allocate_mamba_state, build_kv_page_table, build_mamba_state
-from kvcore.mapping import FragmentPlan, RankLayout, plan_transfer
-from kvcore.page import PageTable
-from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
+from kvcore.layout.builders import allocate_kv_cache, allocate_mamba_state, build_kv_page_table, build_mamba_state
+from kvcore.layout.mapping import FragmentPlan, RankLayout, plan_transfer
+from kvcore.layout.page import PageTable
+from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 
 if TYPE_CHECKING:
     import torch
@@ -319,7 +319,7 @@ def run_scenario(
     """
     import torch
 
-    from kvcore.peer import expected_receivers, expected_writers, peer_ranks
+    from kvcore.layout.peer import expected_receivers, expected_writers, peer_ranks
 
     tpb = geom.tokens_per_block
     total = -(-prompt_len // tpb)

@@ -32,19 +32,19 @@ from typing import Any
 import msgspec
 
 from kvcore import errors as E
-from kvcore import wire
-from kvcore.agent import TransferAgent
-from kvcore.collective import Collective
 from kvcore.config import TransceiverConfig
-from kvcore.mapping import RankLayout
-from kvcore.page import PageTable
+from kvcore.control import wire
+from kvcore.control.collective import Collective
+from kvcore.layout.mapping import RankLayout
+from kvcore.layout.page import PageTable
+from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.params import InternalId, RequestId, TransferParams, api_id, check_ticket, internal_id
-from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.transceiver.link import Link
 from kvcore.transceiver.receiver import Receiver
 from kvcore.transceiver.role import Role
 from kvcore.transceiver.sender import Sender
 from kvcore.transceiver.sessions import FINAL_TASK_STATES, RxSession, SessionState, TaskState, TxSession
+from kvcore.transport.agent import TransferAgent
 
 __all__ = ["Transceiver", "PollResult", "Outcome", "RequestStatus", "CACHE_GAUGES", "COUNTERS", "leaks"]
 
@@ -158,7 +158,7 @@ class Transceiver:
     ) -> None:
         if role not in ("context", "generation"):
             raise E.ConfigError(f"role must be 'context' or 'generation', got {role!r}")
-        from kvcore.plugins import get_plugin_manager
+        from kvcore.extension.plugins import get_plugin_manager
 
         pm = pm or get_plugin_manager()
         self.config = config

@@ -37,9 +37,19 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from kvcore import bounce, hostinfo, wire
 from kvcore import errors as E
-from kvcore.agent import (
+from kvcore import hostinfo
+from kvcore.config import TransceiverConfig
+from kvcore.control import wire
+from kvcore.control.auth import keys_equal
+from kvcore.control.collective import Collective, LocalCollective
+from kvcore.control.messenger import Messenger, Source
+from kvcore.layout.mapping import RankLayout
+from kvcore.layout.page import PageTable
+from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
+from kvcore.metrics import TransceiverMetrics
+from kvcore.transport import bounce
+from kvcore.transport.agent import (
     MemoryKind,
     MemoryRegion,
     TransferAgent,
@@ -48,17 +58,9 @@ from kvcore.agent import (
     TransferStatus,
     process_incarnation,
 )
-from kvcore.auth import keys_equal
-from kvcore.collective import Collective, LocalCollective
-from kvcore.config import TransceiverConfig
-from kvcore.mapping import RankLayout
-from kvcore.messenger import Messenger, Source
-from kvcore.metrics import TransceiverMetrics
-from kvcore.page import PageTable
-from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
 
 if TYPE_CHECKING:
-    from kvcore.registry import LayoutMapperRegistry
+    from kvcore.extension.registry import LayoutMapperRegistry
 
 __all__ = ["Link", "Handler", "Transfer", "error_from", "CHUNK_BYTES", "chunk_plan"]
 
@@ -184,7 +186,7 @@ class Link:
         # The receiver's bounce arena is registered before the descriptor is taken, so that peers may write it.
         self.bounce_on = config.bounce_enabled and kind is MemoryKind.DRAM
         self.arena = self.new_arena() if self.bounce_on and role == "generation" else None
-        from kvcore.auth import AuthConfig
+        from kvcore.control.auth import AuthConfig
 
         self.auth = AuthConfig.from_config(config)
         self.messenger = Messenger(

@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvcore import hostinfo, wire
+from kvcore import hostinfo
+from kvcore.control import wire
 from kvcore.errors import KvcoreError, SessionError
 
 __all__ = ["PeerState", "Peer", "CtxInstance", "GenPeer", "writer_fenced"]

@@ -7,6 +7,10 @@ session is released only when every writer is settled: it answered, proved it
 never took the request, or is fenced (dead on this host, or lost past the
 fencing grace on another). A quarantined writer of a live context is asked
 again for its final word on a timer, so a lost message cannot pin pages forever.
+
+Why one module of this length: the generation role's handlers, its push and pull paths, lease renewals and
+fencing all move the same sessions and writers under one lock; the state machines themselves are in
+:mod:`.sessions` and :mod:`.peers`.
 """
 
 from __future__ import annotations
@@ -20,20 +24,21 @@ from typing import Any
 
 import numpy as np
 
-from kvcore import bounce, wire
 from kvcore import errors as E
-from kvcore.agent import TransferOp, TransferStatus
-from kvcore.blocks import as_id_array, encode_group_ids, normalize_block_ids, normalize_state_slot
-from kvcore.mapping import plan_transfer, validate_compatible
-from kvcore.messenger import Source
+from kvcore.control import wire
+from kvcore.control.messenger import Source
+from kvcore.layout.blocks import as_id_array, encode_group_ids, normalize_block_ids, normalize_state_slot
+from kvcore.layout.mapping import plan_transfer, validate_compatible
+from kvcore.layout.peer import peer_ranks
 from kvcore.metrics import FenceReason
 from kvcore.params import InternalId
-from kvcore.peer import peer_ranks
 from kvcore.transceiver.link import Handler, Link, error_from
 from kvcore.transceiver.peers import CtxInstance, PeerState, writer_fenced
 from kvcore.transceiver.role import Role
 from kvcore.transceiver.sender import blocks_digest
 from kvcore.transceiver.sessions import RxSession, SessionState, WriterState
+from kvcore.transport import bounce
+from kvcore.transport.agent import TransferOp, TransferStatus
 
 __all__ = ["Receiver"]
 

@@ -20,14 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from kvcore import bounce, wire
 from kvcore import errors as E
-from kvcore.agent import TransferOp, TransferStatus
-from kvcore.blocks import decode_group_ids, normalize_block_ids, normalize_state_slot
-from kvcore.mapping import plan_transfer, validate_compatible
-from kvcore.messenger import Source
+from kvcore.control import wire
+from kvcore.control.messenger import Source
+from kvcore.layout.blocks import decode_group_ids, normalize_block_ids, normalize_state_slot
+from kvcore.layout.mapping import plan_transfer, validate_compatible
+from kvcore.layout.peer import peer_ranks
 from kvcore.params import InternalId, TransferParams, api_id, check_ticket, new_ticket
-from kvcore.peer import peer_ranks
 from kvcore.transceiver.link import Handler, Link
 from kvcore.transceiver.peers import GenPeer, PeerState, writer_fenced
 from kvcore.transceiver.role import Role
@@ -39,6 +38,8 @@ from kvcore.transceiver.sessions import (
     Tombstones,
     TxSession,
 )
+from kvcore.transport import bounce
+from kvcore.transport.agent import TransferOp, TransferStatus
 
 __all__ = ["Sender", "blocks_digest"]
 

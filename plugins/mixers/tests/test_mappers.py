@@ -12,14 +12,14 @@ from kvcore_mixers.mappers import (
     TokenMajorShardMapper,
 )
 
-from kvcore.builders import allocate_kv_cache, build_kv_page_table
 from kvcore.errors import IncompatiblePeerError, MappingError
-from kvcore.mapping import RankLayout, plan_transfer, validate_compatible
-from kvcore.page import PageTable, Pool, PoolView, ViewLayout
-from kvcore.peer import shard_position
-from kvcore.plugins import make_plugin_manager
+from kvcore.extension.plugins import make_plugin_manager
+from kvcore.layout.builders import allocate_kv_cache, build_kv_page_table
+from kvcore.layout.mapping import RankLayout, plan_transfer, validate_compatible
+from kvcore.layout.page import PageTable, Pool, PoolView, ViewLayout
+from kvcore.layout.peer import shard_position
+from kvcore.layout.topology import AttentionGeometry, Topology
 from kvcore.testing.oracle import Side, run_scenario
-from kvcore.topology import AttentionGeometry, Topology
 
 
 def view(kind, tp, rank, units, buffer_bytes, *, unit=1, rows=1, sections=(), state=False):

@@ -14,9 +14,9 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcore.plugins import make_plugin_manager
+from kvcore.extension.plugins import make_plugin_manager
+from kvcore.layout.topology import AttentionGeometry, MambaGeometry
 from kvcore.testing.oracle import Side, run_scenario
-from kvcore.topology import AttentionGeometry, MambaGeometry
 
 MAPPERS = make_plugin_manager().layout_mappers
 

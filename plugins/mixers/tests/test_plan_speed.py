@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.builders import allocate_kv_cache, build_kv_page_table
-from kvcore.mapping import RankLayout, plan_transfer
-from kvcore.peer import peer_ranks
-from kvcore.plugins import make_plugin_manager
-from kvcore.topology import AttentionGeometry, Topology
+from kvcore.extension.plugins import make_plugin_manager
+from kvcore.layout.builders import allocate_kv_cache, build_kv_page_table
+from kvcore.layout.mapping import RankLayout, plan_transfer
+from kvcore.layout.peer import peer_ranks
+from kvcore.layout.topology import AttentionGeometry, Topology
 
 BLOCKS = 128  # 4096 tokens / 32
 

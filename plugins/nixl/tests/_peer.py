@@ -30,7 +30,7 @@ def _serve(conn: Any, name: str, options: dict[str, Any], nbytes: int, seed: int
     import torch
     from kvcore_nixl.agent import NixlAgent
 
-    from kvcore.agent import MemoryRegion, TransferOp
+    from kvcore.transport.agent import MemoryRegion, TransferOp
 
     agent = NixlAgent(name, options)
     buf = torch.zeros(nbytes, dtype=torch.uint8)

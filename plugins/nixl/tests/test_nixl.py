@@ -27,7 +27,6 @@ except PackageNotFoundError:  # only an absent plugin skips; a broken NIXL insta
 import torch
 from kvcore_nixl.agent import NixlAgent, decode_payload, load_nixl
 
-from kvcore.agent import AgentDescriptor, RegionInfo, TransferAgent, TransferOp
 from kvcore.errors import (
     ConfigError,
     PeerLostError,
@@ -37,6 +36,7 @@ from kvcore.errors import (
     TransferTimeoutError,
     UnsupportedOperationError,
 )
+from kvcore.transport.agent import AgentDescriptor, RegionInfo, TransferAgent, TransferOp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _peer import Peer, pattern
@@ -107,7 +107,7 @@ def test_plugin_module_imports_nothing_heavy() -> None:
 
 
 def test_registry_finds_nixl_agent() -> None:
-    from kvcore.plugins import make_plugin_manager
+    from kvcore.extension.plugins import make_plugin_manager
 
     pm = make_plugin_manager()
     entry = pm.registries.transfer_agents.entry("nixl")
@@ -263,7 +263,7 @@ def test_bad_payload_is_remote_agent_error(agent: NixlAgent) -> None:
 
 
 def test_registration_failure_is_registration_error(agent: NixlAgent) -> None:
-    from kvcore.agent import MemoryKind, MemoryRegion
+    from kvcore.transport.agent import MemoryKind, MemoryRegion
 
     if torch.cuda.is_available():
         pytest.skip("a bogus VRAM address is only guaranteed to fail without CUDA")

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from kvcore_nixl.agent import CROSS_HOST, SAME_HOST, NixlAgent, decode_payload, load_nixl
 
-from kvcore.agent import TransferAgent
 from kvcore.errors import ConfigError, RemoteAgentError
 from kvcore.hostinfo import host_identity
+from kvcore.transport.agent import TransferAgent
 
 try:
     load_nixl()

@@ -23,9 +23,9 @@ except PackageNotFoundError:  # only an absent plugin skips; a broken UCX instal
 from kvcore_ucx import _ucp
 from kvcore_ucx.agent import UcxAgent, merge_runs
 
-from kvcore.agent import MemoryRegion, TransferOp
 from kvcore.errors import PeerLostError, RemoteAgentError, RemoteRangeError
 from kvcore.testing.harness import PeerProcess, pattern
+from kvcore.transport.agent import MemoryRegion, TransferOp
 
 MiB = 1024 * 1024
 
@@ -318,7 +318,7 @@ def _claim_host(descriptor: bytes, identity: str) -> bytes:
     import msgspec
     from kvcore_ucx.agent import _Payload
 
-    from kvcore.agent import TransferAgent
+    from kvcore.transport.agent import TransferAgent
 
     desc = TransferAgent.decode_descriptor(descriptor)
     payload = msgspec.msgpack.decode(desc.payload, type=_Payload)

@@ -12,8 +12,8 @@ from kvcore_vllm.layout import describe_kv_caches, layer_index
 from vllm_engine import BLOCK_SIZE, HEAD_SIZE, NUM_KV_HEADS, NUM_LAYERS
 
 from kvcore.errors import LayoutError
-from kvcore.page import HEAD_MAJOR, TOKEN_MAJOR
-from kvcore.topology import Topology
+from kvcore.layout.page import HEAD_MAJOR, TOKEN_MAJOR
+from kvcore.layout.topology import Topology
 
 NUM_BLOCKS = 12
 TOPOLOGY = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=NUM_LAYERS)

@@ -184,7 +184,7 @@ class Engine:
             from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
             from vllm.distributed.parallel_state import get_tp_group
 
-            from kvcore.collective import TorchCollective
+            from kvcore.control.collective import TorchCollective
 
             self.aggregator = KVOutputAggregator.from_connector(self.worker, spec.tp_size)
             self.tp_collective = TorchCollective(get_tp_group().cpu_group)

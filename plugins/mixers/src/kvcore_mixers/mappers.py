@@ -1,6 +1,6 @@
 """Re-sharding layout mappers. Each reads only the two views' layout declarations and buffer sizes.
 
-All of them reduce to :func:`kvcore.mapping.shard_split` on a run of bytes that
+All of them reduce to :func:`kvcore.layout.mapping.shard_split` on a run of bytes that
 is sharded contiguously: the whole buffer (head-major heads, SSM heads), one
 row of it (token-major: every token's heads) or one section (conv state).
 Owner election already happened in the core; these only say where bytes go.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvcore.errors import IncompatiblePeerError, MappingError
-from kvcore.mapping import LayoutMapper, shard_split
-from kvcore.page import HEAD_MAJOR, REPLICATED, SECTIONED, TOKEN_MAJOR, PoolView
+from kvcore.layout.mapping import LayoutMapper, shard_split
+from kvcore.layout.page import HEAD_MAJOR, REPLICATED, SECTIONED, TOKEN_MAJOR, PoolView
 
 __all__ = ["HeadMajorShardMapper", "ReplicatedMapper", "SectionedMapper", "SsmHeadMapper", "TokenMajorShardMapper"]
 

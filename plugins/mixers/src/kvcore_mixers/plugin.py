@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvcore.hookspecs import hookimpl
-from kvcore.registry import LayoutMapperRegistry
+from kvcore.extension.hookspecs import hookimpl
+from kvcore.extension.registry import LayoutMapperRegistry
 
 KVCORE_PLUGIN_API = 1
 

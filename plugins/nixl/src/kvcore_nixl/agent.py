@@ -61,18 +61,6 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
-from kvcore.agent import (
-    AgentCapabilities,
-    AgentDescriptor,
-    MemoryRegion,
-    Notification,
-    Registration,
-    RemoteAgent,
-    TransferAgent,
-    TransferHandle,
-    TransferStatus,
-    process_incarnation,
-)
 from kvcore.errors import (
     ConfigError,
     PeerLostError,
@@ -84,8 +72,20 @@ from kvcore.errors import (
     UnknownBackendError,
     UnsupportedOperationError,
 )
-from kvcore.fragments import merge_runs
 from kvcore.hostinfo import host_identity
+from kvcore.transport.agent import (
+    AgentCapabilities,
+    AgentDescriptor,
+    MemoryRegion,
+    Notification,
+    Registration,
+    RemoteAgent,
+    TransferAgent,
+    TransferHandle,
+    TransferStatus,
+    process_incarnation,
+)
+from kvcore.transport.fragments import merge_runs
 from kvcore_nixl.plugin import CAPABILITIES, INSTALL_HINT
 
 __all__ = [

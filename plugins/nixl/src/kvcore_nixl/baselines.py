@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.baselines import BaselinePlan, BenchBaseline
 from kvcore.errors import TransferFailedError, TransferTimeoutError
+from kvcore.transport.baselines import BaselinePlan, BenchBaseline
 from kvcore_nixl.agent import DEFAULT_BACKEND_PARAMS, decode_payload, load_nixl
 
 __all__ = ["NixlInitialize", "NixlPrepped"]

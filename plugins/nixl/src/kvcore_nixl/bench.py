@@ -122,7 +122,7 @@ def run_bench(
     """Run bare NIXL, ``NixlAgent`` and memcpy on the same plan; return GB/s (median), ratios and checks."""
     import torch
 
-    from kvcore.agent import TransferOp
+    from kvcore.transport.agent import TransferOp
     from kvcore_nixl.agent import DEFAULT_BACKEND_PARAMS, NixlAgent, decode_payload, load_nixl
 
     options = dict(options or {})

@@ -57,7 +57,18 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvcore.agent import (
+from kvcore.errors import (
+    PeerLostError,
+    RegistrationError,
+    RemoteAgentError,
+    RemoteRangeError,
+    TransferError,
+    TransferFailedError,
+    TransferTimeoutError,
+    UnsupportedOperationError,
+)
+from kvcore.hostinfo import host_identity
+from kvcore.transport.agent import (
     AgentDescriptor,
     MemoryKind,
     MemoryRegion,
@@ -69,18 +80,7 @@ from kvcore.agent import (
     TransferOp,
     TransferStatus,
 )
-from kvcore.errors import (
-    PeerLostError,
-    RegistrationError,
-    RemoteAgentError,
-    RemoteRangeError,
-    TransferError,
-    TransferFailedError,
-    TransferTimeoutError,
-    UnsupportedOperationError,
-)
-from kvcore.fragments import merge_runs
-from kvcore.hostinfo import host_identity
+from kvcore.transport.fragments import merge_runs
 from kvcore_ucx import _ucp
 from kvcore_ucx._ucp import ptr_status
 from kvcore_ucx.plugin import CAPABILITIES

@@ -71,7 +71,7 @@ def _digest(buf: np.ndarray) -> str:
 
 def _target_main(conn: Any, design: str, nbytes: int, options: dict[str, Any]) -> None:
     """Target process: register a zeroed buffer, hand out the descriptor, answer digest/notification queries."""
-    from kvcore.agent import MemoryRegion
+    from kvcore.transport.agent import MemoryRegion
 
     try:
         agent = _agent_class(design)(f"bench-target-{design}", options)
@@ -101,8 +101,8 @@ def _target_main(conn: Any, design: str, nbytes: int, options: dict[str, Any]) -
 
 def _spin_wait(agent: Any, handle: Any, deadline: float) -> None:
     """Poll without back-off (``TransferAgent.wait`` backs off to 5 ms sleeps, which would blur the numbers)."""
-    from kvcore.agent import TransferStatus
     from kvcore.errors import TransferTimeoutError
+    from kvcore.transport.agent import TransferStatus
 
     while agent.poll(handle) is TransferStatus.PENDING:
         if time.perf_counter() > deadline:
@@ -138,7 +138,7 @@ def _scattered_memcpy(src2d: np.ndarray, src_slot: np.ndarray, dst_slot: np.ndar
 def _run_design(
     design: str, cases: Sequence[str], iterations: int, options: dict[str, Any], seed: int
 ) -> dict[str, Any]:
-    from kvcore.agent import MemoryRegion, TransferOp
+    from kvcore.transport.agent import MemoryRegion, TransferOp
 
     biggest = max(CASES[c][0] * CASES[c][1] for c in cases)
     ctx = mp.get_context("spawn")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvcore.agent import AgentCapabilities, MemoryKind
-from kvcore.hookspecs import hookimpl
-from kvcore.registry import TransferAgentRegistry
+from kvcore.extension.hookspecs import hookimpl
+from kvcore.extension.registry import TransferAgentRegistry
+from kvcore.transport.agent import AgentCapabilities, MemoryKind
 
 KVCORE_PLUGIN_API = 1
 

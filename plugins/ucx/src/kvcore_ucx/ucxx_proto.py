@@ -28,7 +28,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvcore.agent import (
+from kvcore.errors import PeerLostError, RemoteRangeError, TransferError, TransferFailedError
+from kvcore.transport.agent import (
     AgentCapabilities,
     AgentDescriptor,
     MemoryKind,
@@ -41,7 +42,6 @@ from kvcore.agent import (
     TransferStatus,
     ranges_inside,
 )
-from kvcore.errors import PeerLostError, RemoteRangeError, TransferError, TransferFailedError
 
 __all__ = ["UcxxProtoAgent", "load_ucxx"]
 

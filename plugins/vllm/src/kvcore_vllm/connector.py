@@ -50,8 +50,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvcore.config import create_agent
 from kvcore.errors import ConfigError, KvcoreError
+from kvcore.layout.topology import Topology
 from kvcore.params import TransferParams
-from kvcore.topology import Topology
 from kvcore_vllm.engine_api import (
     COUNTERS,
     PARAMS_KEY,
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from kvcore.agent import TransferAgent
+    from kvcore.transport.agent import TransferAgent
 
 __all__ = [
     "KvcoreConnector",
@@ -234,7 +234,7 @@ class KvcoreConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe vLLM's KV views to kvcore and start this rank's transceiver."""
-        from kvcore.collective import LocalCollective, TorchCollective
+        from kvcore.control.collective import LocalCollective, TorchCollective
         from kvcore.transceiver import Transceiver
 
         assert self._agent is not None

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvcore.builders import build_token_major_layers, kv_view_layout
 from kvcore.errors import LayoutError
-from kvcore.page import HEAD_MAJOR, TOKEN_MAJOR, PageTable, Pool, PoolView
-from kvcore.topology import AttentionGeometry, Topology
+from kvcore.layout.builders import build_token_major_layers, kv_view_layout
+from kvcore.layout.page import HEAD_MAJOR, TOKEN_MAJOR, PageTable, Pool, PoolView
+from kvcore.layout.topology import AttentionGeometry, Topology
 
 if TYPE_CHECKING:
     import torch

@@ -34,8 +34,8 @@ from kvcore import (
     TransferOp,
     TransferStatus,
 )
-from kvcore.agent import AgentDescriptor, RemoteAgent
-from kvcore.fragments import merge_runs
+from kvcore.transport.agent import AgentDescriptor, RemoteAgent
+from kvcore.transport.fragments import merge_runs
 from kvcore_cma.plugin import CAPABILITIES
 
 IOV_MAX = 1024  # the kernel refuses more iovecs per call

@@ -7,7 +7,7 @@ The agent itself (``kvcore_cma.agent``) is imported only when a user selects
 from __future__ import annotations
 
 from kvcore import AgentCapabilities, MemoryKind, hookimpl
-from kvcore.registry import TransferAgentRegistry
+from kvcore.extension.registry import TransferAgentRegistry
 
 #: The kvcore plugin API this module was written for; kvcore refuses to load a mismatch.
 KVCORE_PLUGIN_API = 1

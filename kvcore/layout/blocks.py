@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kvcore.errors import LayoutError, MessageDecodeError
-from kvcore.page import PageTable, check_group_name
+from kvcore.layout.page import PageTable, check_group_name
 
 __all__ = [
     "MAX_GROUPS",

@@ -6,9 +6,9 @@ imported here.
 
 from __future__ import annotations
 
-from kvcore.agent import AgentCapabilities, MemoryKind
-from kvcore.hookspecs import hookimpl
-from kvcore.registry import LayoutMapperRegistry, PageTableBuilderRegistry, TransferAgentRegistry
+from kvcore.extension.hookspecs import hookimpl
+from kvcore.extension.registry import LayoutMapperRegistry, PageTableBuilderRegistry, TransferAgentRegistry
+from kvcore.transport.agent import AgentCapabilities, MemoryKind
 
 KVCORE_PLUGIN_API = 1
 
@@ -27,7 +27,7 @@ SHM_CAPABILITIES = AgentCapabilities(
 def kvcore_register_transfer_agents(registry: TransferAgentRegistry) -> None:
     registry.add(
         "shm",
-        "kvcore.builtin.shm:ShmAgent",
+        "kvcore.transport.builtin.shm:ShmAgent",
         capabilities=SHM_CAPABILITIES,
         auto_priority=0,  # backend="auto" falls back to it: no native dependency, one host only
         description="same-host shared memory (POSIX shm segments); no native dependency",
@@ -38,7 +38,7 @@ def kvcore_register_transfer_agents(registry: TransferAgentRegistry) -> None:
 def kvcore_register_layout_mappers(registry: LayoutMapperRegistry) -> None:
     registry.add(
         "matching_heads",
-        "kvcore.mapping:MatchingHeadsMapper",
+        "kvcore.layout.mapping:MatchingHeadsMapper",
         description="identical per-block layout on both sides (same heads per rank)",
     )
 
@@ -47,16 +47,16 @@ def kvcore_register_layout_mappers(registry: LayoutMapperRegistry) -> None:
 def kvcore_register_page_table_builders(registry: PageTableBuilderRegistry) -> None:
     registry.add(
         "head_major_pool",
-        "kvcore.builders:build_head_major_pool",
+        "kvcore.layout.builders:build_head_major_pool",
         description="one tensor holding all layers: [blocks, layers, kv, heads, tokens, dim]",
     )
     registry.add(
         "token_major_layers",
-        "kvcore.builders:build_token_major_layers",
+        "kvcore.layout.builders:build_token_major_layers",
         description="one tensor per layer: [kv, blocks, tokens, heads, dim] or [blocks, kv, tokens, heads, dim]",
     )
     registry.add(
         "mamba_state",
-        "kvcore.builders:build_mamba_state",
+        "kvcore.layout.builders:build_mamba_state",
         description="Mamba2/GDN state per layer: conv [layers, slots, conv_dim, d_conv-1], SSM [layers, slots, heads, head_dim, d_state]; layout='vllm': one [slots, d_conv-1, conv_dim] and one SSM tensor per layer",
     )

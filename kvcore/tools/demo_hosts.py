@@ -5,7 +5,7 @@ The context instance runs in host ``a`` and the generation instance in host
 mount namespaces, joined by a veth pair). Each rank is a harness peer process
 of that module (``rank_start``/``rank_send``/``rank_receive``/``rank_verify``/
 ``rank_stop``), which builds the demo's own storage and oracle
-(:class:`kvcore.demo._Rank`); this module only orchestrates them and writes
+(:class:`kvcore.testing.scenario.Rank`); this module only orchestrates them and writes
 the demo's summary. KV crosses the link with NIXL or UCX over TCP: the shm
 agent cannot reach another host.
 
@@ -22,7 +22,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvcore.demo import DemoSpec
+    from kvcore.tools.demo import DemoSpec
 
 __all__ = [
     "network_backends",
@@ -42,7 +42,7 @@ class TwoHostsUnavailable(RuntimeError):
 
 def network_backends() -> list[str]:
     """The registered transfer agents that reach a peer on another host (their plugins declare ``remote=True``)."""
-    from kvcore.plugins import get_plugin_manager
+    from kvcore.extension.plugins import get_plugin_manager
 
     return get_plugin_manager().registries.transfer_agents.remote_names()
 
@@ -143,7 +143,7 @@ def _wait_released(peers: list[Any], spec: DemoSpec, role: str, requests: list[i
 
 
 def run_two_hosts(spec: DemoSpec) -> dict[str, Any]:
-    """Run the demo across hosts a and b; returns the summary ``kvcore.demo.run_demo`` returns (plus ``hosts``).
+    """Run the demo across hosts a and b; returns the summary ``kvcore.tools.demo.run_demo`` returns (plus ``hosts``).
 
     ``TwoHostsUnavailable`` (before anything is made) where namespaces cannot be
     built. The first requests (one per DP group) make first contact and are

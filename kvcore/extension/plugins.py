@@ -12,7 +12,7 @@ Environment switches (entry-point names, comma-separated):
 ``KVCORE_PLUGINS``          allow-list; set but empty means no external plugin
 ``KVCORE_DISABLE_PLUGINS``  block-list
 ``KVCORE_STRICT_PLUGINS=1`` every plugin failure raises instead of warning
-``KVCORE_TRACE_PLUGINS=1``  log every hook call to the ``kvcore.plugins`` logger
+``KVCORE_TRACE_PLUGINS=1``  log every hook call to the ``kvcore.extension.plugins`` logger
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any
 
 import pluggy
 
-from kvcore import hookspecs
-from kvcore.convert import parse_bool
 from kvcore.errors import DuplicateBackendError, PluginAPIVersionError, PluginLoadError
-from kvcore.registry import (
+from kvcore.extension import hookspecs
+from kvcore.extension.convert import parse_bool
+from kvcore.extension.registry import (
     BenchBaselineRegistry,
     LayoutMapperRegistry,
     PageTableBuilderRegistry,
@@ -53,12 +53,12 @@ __all__ = [
     "reset_plugin_manager",
 ]
 
-log = logging.getLogger("kvcore.plugins")
+log = logging.getLogger("kvcore.extension.plugins")
 
 #: The plugin API this core implements. A plugin module declares the value it was written for.
 KVCORE_PLUGIN_API = 1
 ENTRY_POINT_GROUP = "kvcore"
-BUILTIN_PLUGINS = ("kvcore.builtin.plugin",)
+BUILTIN_PLUGINS = ("kvcore.transport.builtin.plugin",)
 
 LOADED, FAILED, BLOCKED, API_MISMATCH = (
     PluginStatus.LOADED,

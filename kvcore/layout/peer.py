@@ -1,7 +1,7 @@
 """Peer registrar arithmetic: which peer ranks a rank exchanges with, and who writes which bytes.
 
-Pure functions over :class:`~kvcore.topology.Topology` and
-:class:`~kvcore.page.ViewLayout`; no state, no I/O.
+Pure functions over :class:`~kvcore.layout.topology.Topology` and
+:class:`~kvcore.layout.page.ViewLayout`; no state, no I/O.
 
 Convention the transceiver follows (one request, context instance C, generation instance G):
 
@@ -13,7 +13,7 @@ Convention the transceiver follows (one request, context instance C, generation 
   generation ranks in ``peer_ranks(c, gen, peer_dp_rank=gen_dp_rank)``
   (``expected_receivers``), so a send session knows how many requests to wait for.
 * Every contacted context rank builds its plan with
-  :func:`kvcore.mapping.plan_transfer` (which applies owner election, so it may
+  :func:`kvcore.layout.mapping.plan_transfer` (which applies owner election, so it may
   own zero bytes for that receiver) and **always** reports completion, even for
   an empty plan. Hence a receive session completes after
   ``expected_writers(ctx, g, ctx_dp_rank) == len(peer_ranks(g, ctx, ctx_dp_rank))``
@@ -28,8 +28,8 @@ Convention the transceiver follows (one request, context instance C, generation 
 from __future__ import annotations
 
 from kvcore.errors import TopologyError
-from kvcore.page import ViewLayout
-from kvcore.topology import Topology, require_no_cp
+from kvcore.layout.page import ViewLayout
+from kvcore.layout.topology import Topology, require_no_cp
 
 __all__ = [
     "aux_writer",

@@ -1,7 +1,7 @@
 """Typed registries that plugins fill through the registration hooks; entries are imported lazily.
 
-This module sits below the loader (``kvcore.plugins``) and the hook specs
-(``kvcore.hookspecs``): both import it, it imports neither, so the three never
+This module sits below the loader (``kvcore.extension.plugins``) and the hook specs
+(``kvcore.extension.hookspecs``): both import it, it imports neither, so the three never
 form an import circle. It also holds what the registries report about plugins
 (``PluginStatus``, ``PluginRecord``), which the loader fills.
 """
@@ -19,10 +19,10 @@ from kvcore.errors import DuplicateBackendError, PluginError, UnknownBackendErro
 if TYPE_CHECKING:
     # LayoutMapper and BenchBaseline appear only in quoted base classes, which ruff does not count as uses
     # (hence the noqa); importing them for real would make the registries import the data plane.
-    from kvcore.agent import AgentCapabilities, TransferAgent
-    from kvcore.baselines import BenchBaseline  # noqa: F401
-    from kvcore.mapping import LayoutMapper  # noqa: F401
-    from kvcore.page import PageTable
+    from kvcore.layout.mapping import LayoutMapper  # noqa: F401
+    from kvcore.layout.page import PageTable
+    from kvcore.transport.agent import AgentCapabilities, TransferAgent
+    from kvcore.transport.baselines import BenchBaseline  # noqa: F401
 
 __all__ = [
     "PluginStatus",
@@ -247,7 +247,7 @@ class TransferAgentRegistry(Registry["type[TransferAgent]"]):
         importing the agent. ``auto_priority``: ``backend="auto"`` tries the agents that set one, highest first;
         ``None`` (the default) keeps the agent out of automatic selection.
         """
-        from kvcore.agent import AgentCapabilities
+        from kvcore.transport.agent import AgentCapabilities
 
         if capabilities is not None and not isinstance(capabilities, AgentCapabilities):
             raise PluginError(
@@ -337,7 +337,7 @@ class BenchBaselineRegistry(Registry["type[BenchBaseline]"]):
         install_hint: str | None = None,
         **extra: Any,
     ) -> None:
-        """Register bench mode ``name`` (a ``kvcore.baselines.BenchBaseline`` subclass) beside agent ``backend``.
+        """Register bench mode ``name`` (a ``kvcore.transport.baselines.BenchBaseline`` subclass) beside agent ``backend``.
 
         ``in_matrix``: the matrix case runs this mode too and reports it as the backend's "bare" speed (at
         most one per backend; without one the bare agent is reported).

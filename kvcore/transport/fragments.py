@@ -2,7 +2,7 @@
 
 One place for what every planner and transport needs: merging neighbours that
 continue each other on both sides, so fewer, larger fragments reach the
-transport. Used by ``kvcore.mapping`` (plans), the built-in shm agent and the
+transport. Used by ``kvcore.layout.mapping`` (plans), the built-in shm agent and the
 transport plugins; it imports nothing from kvcore.
 """
 

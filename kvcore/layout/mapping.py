@@ -15,7 +15,7 @@ Mapper-kind selection (both peers declare the same kind, independently of the pe
   layout-mapper registry; if no installed plugin provides it, a ``MappingError``
   names the kind and the distribution to install (``kvcore-mixers``).
 
-Owner election (:func:`kvcore.peer.owns`) is applied per view pair before any
+Owner election (:func:`kvcore.layout.peer.owns`) is applied per view pair before any
 mapper runs, so mappers only compute *where* bytes go, never *whether*.
 """
 
@@ -30,7 +30,6 @@ from typing import ClassVar, Protocol
 import msgspec
 import numpy as np
 
-from kvcore.blocks import BlockIds, as_id_array
 from kvcore.errors import (
     IncompatiblePeerError,
     MappingError,
@@ -38,10 +37,11 @@ from kvcore.errors import (
     TopologyError,
     UnknownBackendError,
 )
-from kvcore.fragments import merge_runs
-from kvcore.page import DEFAULT_GROUP, REPLICATED, SECTIONED, PageTable, PoolView, ViewLayout
-from kvcore.peer import owns, peer_ranks
-from kvcore.topology import AttentionGeometry, MambaGeometry, Topology, require_no_cp
+from kvcore.layout.blocks import BlockIds, as_id_array
+from kvcore.layout.page import DEFAULT_GROUP, REPLICATED, SECTIONED, PageTable, PoolView, ViewLayout
+from kvcore.layout.peer import owns, peer_ranks
+from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology, require_no_cp
+from kvcore.transport.fragments import merge_runs
 
 __all__ = [
     "MATCHING_HEADS",
@@ -371,7 +371,7 @@ _INSTANCES: dict[type, LayoutMapper] = {}
 class MapperLookup(Protocol):
     """What planning needs of the layout-mapper registry: the mapper class of a kind.
 
-    ``kvcore.registry.LayoutMapperRegistry`` is one; naming the protocol here keeps this module from importing
+    ``kvcore.extension.registry.LayoutMapperRegistry`` is one; naming the protocol here keeps this module from importing
     the registry (the registry's types refer to ``LayoutMapper``: importing back would close a circle).
     """
 
@@ -393,7 +393,7 @@ def _group_ids(ids: BlockIds | None, table: PageTable, what: str) -> dict[str, n
     """Block ids per token group of ``table``: a mapping as given, a plain list for the table's only group.
 
     Range checks happen where addresses are computed; duplicates are the
-    caller's to refuse (:func:`kvcore.blocks.normalize_block_ids`).
+    caller's to refuse (:func:`kvcore.layout.blocks.normalize_block_ids`).
     """
     if isinstance(ids, Mapping):
         return {name: as_id_array(v, f"{what}[{name!r}]") for name, v in ids.items()}
@@ -596,11 +596,11 @@ def plan_transfer(
     without state views ignores them. Views
     are matched by ``(global layer, role)``; roles or mapper kinds that differ
     raise ``PoolMismatchError``. Only bytes ``src`` owns for ``dst`` are planned
-    (:func:`kvcore.peer.owns`); the result may be empty. ``layer_range``
+    (:func:`kvcore.layout.peer.owns`); the result may be empty. ``layer_range``
     restricts to global layers ``[start, stop)`` (layer-wise slices).
     """
     if mappers is None:
-        from kvcore.plugins import get_plugin_manager
+        from kvcore.extension.plugins import get_plugin_manager
 
         mappers = get_plugin_manager().layout_mappers
     steps = _pair_plans(src, dst, mappers, layer_range)  # raises the topology errors, as before caching

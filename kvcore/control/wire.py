@@ -14,11 +14,11 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvcore.errors import MessageDecodeError, MessageTooLargeError, ProtocolError, ProtocolVersionError
-from kvcore.mapping import RankLayout
+from kvcore.layout.mapping import RankLayout
+from kvcore.layout.page import PageTable
+from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.msgbounds import MAX_CONTAINER_ENTRIES, MAX_DEPTH, MAX_ITEMS, check_msgpack_bounds
-from kvcore.page import PageTable
 from kvcore.params import BytesId
-from kvcore.topology import AttentionGeometry, MambaGeometry, Topology
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -148,7 +148,7 @@ class RequestData(_Msg, tag="request_data", frozen=True):
     timeout_ms: int = 60_000
     bounce_addr: int = 0  # nonzero: write the packed fragments here (a lease in the receiver's arena)
     bounce_bytes: int = 0
-    bounce_digest: bytes = b""  # kvcore.bounce.plan_digest of the receiver's view of the unmerged plan
+    bounce_digest: bytes = b""  # kvcore.transport.bounce.plan_digest of the receiver's view of the unmerged plan
     ctx_incarnation: Name = ""  # the context incarnation the receiver believes it asks
     nonce: Nonce = b""  # the receiver's secret for this request: every answer echoes it, its cancels carry it
     ticket: Ticket = b""  # the request's ticket from the context's TransferParams
@@ -307,7 +307,7 @@ def _validate(msg: Message) -> None:
         raise MessageDecodeError(f"{type(msg).__name__}.request_id {rid} is outside 0..2**64-1")
     if isinstance(msg, RequestData):
         if msg.group_block_ids:
-            from kvcore.blocks import decode_group_ids
+            from kvcore.layout.blocks import decode_group_ids
 
             decode_group_ids(msg.group_block_ids, max_blocks=MAX_BLOCKS_PER_REQUEST)
         if len(msg.block_ids) % 8 or len(msg.block_ids) > 8 * MAX_BLOCKS_PER_REQUEST:

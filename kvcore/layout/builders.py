@@ -1,7 +1,7 @@
 """Page-table builders (torch tensors -> ``PageTable``) and allocators for the tensors they accept.
 
 Builders declare each view's layout from the topology and geometry
-(:func:`kvcore.peer.shard_position`) and its mapper kind from the layout
+(:func:`kvcore.layout.peer.shard_position`) and its mapper kind from the layout
 alone, so two peers with different TP sizes declare the same kind:
 
 =====================  ==================  ==============================
@@ -18,7 +18,7 @@ role                   layout kind         mapper kind
 ``mamba_conv_groups`` (the B|C sections, sharded by whole groups) exists when
 ``MambaGeometry.n_groups`` is declared; ``mamba_conv`` then holds x only. A
 homogeneous pair uses the core's ``matching_heads`` mapper regardless (see
-kvcore.mapping).
+kvcore.layout.mapping).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import LayoutError
-from kvcore.page import (
+from kvcore.layout.page import (
     DEFAULT_GROUP,
     HEAD_MAJOR,
     REPLICATED,
@@ -38,13 +38,13 @@ from kvcore.page import (
     PoolView,
     ViewLayout,
 )
-from kvcore.peer import shard_position
-from kvcore.topology import AttentionGeometry, MambaGeometry, Topology, dtype_bytes
+from kvcore.layout.peer import shard_position
+from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology, dtype_bytes
 
 if TYPE_CHECKING:
     import torch
 
-    from kvcore.plugins import PluginManager
+    from kvcore.extension.plugins import PluginManager
 
 __all__ = [
     "HEAD_MAJOR_POOL",
@@ -170,7 +170,7 @@ def build_head_major_pool(
     ``layers`` lists the model's global layers this cache covers (a hybrid's
     attention layers, or one layer group's); the tensor then holds only this
     rank's share of them, in order, and a rank holding none gets an empty
-    table. ``group`` names the layer group (see :class:`kvcore.page.PoolView`).
+    table. ``group`` names the layer group (see :class:`kvcore.layout.page.PoolView`).
     """
     if geometry.layout != "head_major":
         raise LayoutError(f"layout: expected 'head_major' for build_head_major_pool, got {geometry.layout!r}")
@@ -459,7 +459,7 @@ def build_mamba_state(
 def build_page_table(name: str, *args: Any, pm: PluginManager | None = None, **kwargs: Any) -> PageTable:
     """Build a page table with the builder registered as ``name`` (``head_major_pool``, ``token_major_layers``...)."""
     if pm is None:
-        from kvcore.plugins import get_plugin_manager
+        from kvcore.extension.plugins import get_plugin_manager
 
         pm = get_plugin_manager()
     builder = pm.page_table_builders.get(name)

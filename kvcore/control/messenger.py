@@ -11,8 +11,12 @@ answered with an ``ErrorReply`` and counted; an exception from a handler, a
 monitor or a send is counted and logged (rate-limited) and the loop goes on.
 
 With authentication each messenger has its own ``zmq.Context``, so its ZAP
-handler (see ``kvcore.auth``) serves only its own ROUTER: several messengers
+handler (see ``kvcore.control.auth``) serves only its own ROUTER: several messengers
 with different allow-lists in one process never see each other's requests.
+
+Why one module of this length: every ZeroMQ socket belongs to the one I/O thread (ZeroMQ sockets are not
+thread-safe), and the ROUTER, the DEALERs, their monitors, CURVE/ZAP and the bounded dispatch are that thread's
+state; split, they would share it across modules.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvcore import wire
-from kvcore.auth import AuthConfig, is_loopback_host, z85_key
+from kvcore.control import wire
+from kvcore.control.auth import AuthConfig, is_loopback_host, z85_key
 from kvcore.errors import ConfigError, KvcoreError, ProtocolError
 
 __all__ = ["Messenger", "Source"]
@@ -39,7 +43,7 @@ _ZAP_DOMAIN = b"kvcore"
 #: Default bound on DEALER sockets (one per peer endpoint) a messenger keeps open.
 DEFAULT_MAX_PEER_SOCKETS = 1024
 
-log = logging.getLogger("kvcore.messenger")
+log = logging.getLogger("kvcore.control.messenger")
 
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH

@@ -16,7 +16,7 @@ __all__ = ["main"]
 
 def _version_text() -> str:
     from kvcore import __version__
-    from kvcore.plugins import make_plugin_manager
+    from kvcore.extension.plugins import make_plugin_manager
 
     lines = [f"kvcore {__version__}"]
     pm = make_plugin_manager()
@@ -30,7 +30,7 @@ def _version_text() -> str:
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     """List plugins, what they provide and any error."""
-    from kvcore.plugins import make_plugin_manager
+    from kvcore.extension.plugins import make_plugin_manager
 
     pm = make_plugin_manager()
     _ = pm.registries  # run the registration hooks so "provides" and register-phase failures are filled
@@ -71,7 +71,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     """Write a CurveZMQ key pair for one rank (or a whole deployment) and print the configuration that uses it."""
-    from kvcore.auth import write_key_pair
+    from kvcore.control.auth import write_key_pair
     from kvcore.errors import ConfigError
 
     try:
@@ -116,13 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_keygen)
 
     try:
-        from kvcore import demo
+        from kvcore.tools import demo
 
         demo.add_parser(sub)
     except ImportError:  # pragma: no cover - during development only
         pass
     try:
-        from kvcore import bench
+        from kvcore.tools import bench
 
         bench.add_parser(sub)
     except ImportError:  # pragma: no cover

@@ -66,7 +66,7 @@ __all__ = [
     "process_incarnation",
 ]
 
-log = logging.getLogger("kvcore.agent")
+log = logging.getLogger("kvcore.transport.agent")
 P = TypeVar("P")
 
 #: Version of the agent-descriptor envelope; bumped on an incompatible change.

@@ -15,10 +15,10 @@ function ``case(run: BackendRun) -> dict``; :data:`CASES` maps names to them.
     (ZeroMQ), ``plan_transfer``, the agent, completion report, ``poll()``;
     timed on the generation rank from ``start_receive`` to the DONE outcome;
   - ``agent``: the same backend's ``TransferAgent.submit`` of the identical
-    fragment plan (built once with :func:`kvcore.mapping.plan_transfer` from the
+    fragment plan (built once with :func:`kvcore.layout.mapping.plan_transfer` from the
     same page tables), polled without back-off: the transport without kvcore's
     control plane;
-  - the baselines the backend's plugin registers (``kvcore.baselines``; NIXL's
+  - the baselines the backend's plugin registers (``kvcore.transport.baselines``; NIXL's
     ``nixl_initialize`` / ``nixl_prepped``): the transport's own API on the
     identical descriptor list, no kvcore code in the loop;
   - ``memcpy``: numpy ``copyto`` of the same number of bytes between two
@@ -67,7 +67,7 @@ from kvcore.errors import KvcoreError
 from kvcore.params import derive_ticket
 
 if TYPE_CHECKING:
-    from kvcore.registry import BenchBaselineRegistry
+    from kvcore.extension.registry import BenchBaselineRegistry
 
 __all__ = [
     "BenchError",
@@ -116,7 +116,7 @@ class Shape:
 
     @property
     def block_bytes(self) -> int:
-        from kvcore.topology import dtype_bytes
+        from kvcore.layout.topology import dtype_bytes
 
         return self.layers * 2 * self.kv_heads * self.tokens_per_block * self.head_dim * dtype_bytes(self.dtype)
 
@@ -214,7 +214,7 @@ class BenchSpec:
 
     def matrix_block_bytes(self) -> int:
         """One block of the matrix's model (all layers, K and V): the 'whole block' fragment size."""
-        from kvcore.topology import dtype_bytes
+        from kvcore.layout.topology import dtype_bytes
 
         return self.matrix_layers * 2 * self.kv_heads * self.tokens_per_block * self.head_dim * dtype_bytes(self.dtype)
 
@@ -367,8 +367,8 @@ class _Rank:
         """
         import torch
 
-        from kvcore.builders import allocate_kv_cache, build_page_table
-        from kvcore.topology import AttentionGeometry, Topology
+        from kvcore.layout.builders import allocate_kv_cache, build_page_table
+        from kvcore.layout.topology import AttentionGeometry, Topology
         from kvcore.transceiver import Transceiver
 
         self.op_teardown()
@@ -495,14 +495,14 @@ class _Rank:
 
     def op_peer(self, rank_info: bytes) -> dict[str, Any]:
         """Learn the generation rank's layout and agent descriptor (for the bare modes' identical plan)."""
-        from kvcore import wire
+        from kvcore.control import wire
 
         self.gen_info = msgspec.msgpack.decode(rank_info, type=wire.RankInfo)
         return {}
 
     def _plan(self, region: str, count: int | None = None) -> Any:
-        from kvcore.mapping import plan_transfer
-        from kvcore.plugins import get_plugin_manager
+        from kvcore.extension.plugins import get_plugin_manager
+        from kvcore.layout.mapping import plan_transfer
 
         assert self.shape is not None
         gen_ids = _block_ids(self.shape, self.spec.seed, "generation")[region]
@@ -518,7 +518,7 @@ class _Rank:
 
     def op_prepare(self, mode: str, region: str, count: int | None = None) -> dict[str, Any]:
         """Set up one bare mode on the plan of ``region`` (first ``count`` blocks); returns setup time and plan size."""
-        from kvcore.agent import MemoryRegion
+        from kvcore.transport.agent import MemoryRegion
 
         t0 = time.perf_counter()
         plan = self._plan(region, count)
@@ -532,7 +532,7 @@ class _Rank:
             state["peer"] = ag.load_remote_agent(self.gen_info.agent_descriptor)
             state["descriptor"] = ag.descriptor()  # the generation side must load it first (see op_admit)
         elif mode in _baselines():
-            from kvcore.baselines import BaselinePlan
+            from kvcore.transport.baselines import BaselinePlan
 
             native = BaselinePlan(
                 src,
@@ -579,7 +579,7 @@ class _Rank:
         return {"seconds": times, "submit_seconds": submits}
 
     def _once_agent(self, st: dict[str, Any]) -> tuple[float, float]:
-        from kvcore.agent import TransferOp, TransferStatus
+        from kvcore.transport.agent import TransferOp, TransferStatus
 
         ag, plan = st["agent"], st["plan"]
         # An agent that copies on its own threads announces the end: wait for that instead of spinning on
@@ -1289,8 +1289,8 @@ def case_bounce(run: BackendRun) -> dict[str, Any]:
     the bounce path forced on, once off. ``--tokens`` is split over 4 requests in flight; every byte is
     verified by the demo's independent check.
     """
-    from kvcore.demo import DemoSpec, run_demo
-    from kvcore.topology import dtype_bytes
+    from kvcore.layout.topology import dtype_bytes
+    from kvcore.tools.demo import DemoSpec, run_demo
 
     spec = run.spec
     requests = 4
@@ -1620,7 +1620,7 @@ def case_matrix(run: BackendRun) -> dict[str, Any]:
     (one request) and kvcore with each in-flight count. In-flight requests cycle through request-sized slots
     (``matrix_pool_bytes`` per side), so concurrent writes to one slot carry identical bytes and stay checkable.
     """
-    from kvcore.topology import dtype_bytes
+    from kvcore.layout.topology import dtype_bytes
 
     assert run.ctx is not None and run.gen is not None
     spec = run.spec
@@ -1732,7 +1732,7 @@ def case_matrix(run: BackendRun) -> dict[str, Any]:
 
 def installed_backends() -> list[str]:
     """Every transfer agent whose plugin loads here: network agents first (by auto-selection priority), then by name."""
-    from kvcore.plugins import get_plugin_manager
+    from kvcore.extension.plugins import get_plugin_manager
 
     reg = get_plugin_manager().registries.transfer_agents
     ok = []
@@ -1747,7 +1747,7 @@ def installed_backends() -> list[str]:
 
 def _baselines() -> BenchBaselineRegistry:
     """The bench baselines the installed plugins register (a transport's own API); the core names none."""
-    from kvcore.plugins import get_plugin_manager
+    from kvcore.extension.plugins import get_plugin_manager
 
     return get_plugin_manager().registries.bench_baselines
 
@@ -1804,7 +1804,7 @@ def run_bench(
     """
     spec.validate()
     if "small_auth" in spec.cases and not spec.auth_config:
-        from kvcore.demo import instance_keys
+        from kvcore.tools.demo import instance_keys
 
         with instance_keys() as keys:  # private temporary directory, removed when the run ends
             result = run_bench(replace(spec, auth_config=keys), say=say, progress=progress)

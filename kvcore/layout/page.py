@@ -186,7 +186,7 @@ class PoolView(msgspec.Struct, frozen=True, kw_only=True):
     ``tokens_per_slot`` is the tokens one slot holds (a KV block), or ``None``
     for state views (one slot per request). ``window`` is the sliding-window
     size in tokens for windowed attention layers, else ``None``. ``mapper`` is
-    the mapper kind both peers must declare for this role (see kvcore.mapping).
+    the mapper kind both peers must declare for this role (see kvcore.layout.mapping).
 
     ``group`` names the layer group the view belongs to (vLLM's KV cache group,
     TensorRT-LLM's layer group): token views of one group share one block-id

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from kvcore.registry import (
+    from kvcore.extension.registry import (
         BenchBaselineRegistry,
         LayoutMapperRegistry,
         PageTableBuilderRegistry,
@@ -73,7 +73,7 @@ def kvcore_register_bench_baselines(registry: BenchBaselineRegistry) -> None:
     """Register ``kvcore bench`` baselines: a transport's own API timed beside its kvcore agent.
 
     Call ``registry.add(mode, "package.module:Class", backend="nixl")`` once per
-    mode; the class subclasses ``kvcore.baselines.BenchBaseline``. The bench runs
+    mode; the class subclasses ``kvcore.transport.baselines.BenchBaseline``. The bench runs
     the mode (on the identical fragment plan, bytes verified) whenever it
     measures ``backend``. ``in_matrix=True`` (one per backend) also runs it in the
     matrix and reports it there as the backend's bare speed.

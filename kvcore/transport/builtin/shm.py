@@ -64,7 +64,19 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 import msgspec
 import numpy as np
 
-from kvcore.agent import (
+from kvcore.errors import (
+    KvcoreError,
+    PeerLostError,
+    RegistrationError,
+    RemoteAgentError,
+    RemoteRangeError,
+    TransferError,
+    TransferFailedError,
+    UnsupportedOperationError,
+)
+from kvcore.hostinfo import host_identity, hostname
+from kvcore.msgbounds import check_msgpack_bounds
+from kvcore.transport.agent import (
     AgentCapabilities,
     AgentDescriptor,
     MemoryRegion,
@@ -77,21 +89,9 @@ from kvcore.agent import (
     TransferStatus,
     process_incarnation,
 )
-from kvcore.builtin.hostcheck import require_same_host
-from kvcore.builtin.plugin import SHM_CAPABILITIES
-from kvcore.errors import (
-    KvcoreError,
-    PeerLostError,
-    RegistrationError,
-    RemoteAgentError,
-    RemoteRangeError,
-    TransferError,
-    TransferFailedError,
-    UnsupportedOperationError,
-)
-from kvcore.fragments import merge_runs
-from kvcore.hostinfo import host_identity, hostname
-from kvcore.msgbounds import check_msgpack_bounds
+from kvcore.transport.builtin.hostcheck import require_same_host
+from kvcore.transport.builtin.plugin import SHM_CAPABILITIES
+from kvcore.transport.fragments import merge_runs
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,1 @@
+"""The control plane: typed messages (never pickle), the messenger, authentication, rank collectives."""

@@ -1,0 +1,1 @@
+"""The extension registry: hook specifications, the plugin loader and the typed registries."""
