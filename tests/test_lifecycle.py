@@ -216,7 +216,12 @@ def test_repeated_kill_of_the_generation_side_leaves_the_context_at_baseline(bac
             baseline = _settled_resources()
         else:
             base = baseline
-            _wait(lambda base=base: _resources() == base, 20, f"fds/threads/mappings back at {base} ({_resources()})")
+            # No growth (a leak); fewer is fine: the first round's baseline may still hold lazily released state.
+            _wait(
+                lambda base=base: all(v <= base[k] for k, v in _resources().items()),
+                20,
+                f"fds/threads/mappings back at or below {base} ({_resources()})",
+            )
         _wait(lambda pid=gp.pid: _dead_files(pid) == [], 10, "the dead process's shared-memory files to be removed")
 
 
@@ -247,7 +252,12 @@ def test_repeated_kill_of_the_context_side_leaves_the_generation_at_baseline(bac
             baseline = _settled_resources()
         else:
             base = baseline
-            _wait(lambda base=base: _resources() == base, 20, f"fds/threads/mappings back at {base} ({_resources()})")
+            # No growth (a leak); fewer is fine: the first round's baseline may still hold lazily released state.
+            _wait(
+                lambda base=base: all(v <= base[k] for k, v in _resources().items()),
+                20,
+                f"fds/threads/mappings back at or below {base} ({_resources()})",
+            )
         _wait(lambda pid=ctx.pid: _dead_files(pid) == [], 10, "the dead process's shared-memory files to be removed")
 
 

@@ -129,7 +129,7 @@ def test_vram_is_refused_without_cuda(ucp: Any) -> None:
         if a._memory_types & (1 << _ucp.UCS_MEMORY_TYPE_CUDA):
             pytest.skip("this UCX sees CUDA; VRAM registration is exercised by the contract suite")
         with pytest.raises(UnsupportedOperationError, match="CUDA"):
-            a.register_memory(MemoryRegion(0x10000, 4096, kind=__import__("kvcore").agent.MemoryKind.VRAM))
+            a.register_memory(MemoryRegion(0x10000, 4096, kind=__import__("kvcore").MemoryKind.VRAM))
         assert a.resources()["registrations"] == 0
 
 
