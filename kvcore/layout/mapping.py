@@ -17,6 +17,10 @@ Mapper-kind selection (both peers declare the same kind, independently of the pe
 
 Owner election (:func:`kvcore.layout.peer.owns`) is applied per view pair before any
 mapper runs, so mappers only compute *where* bytes go, never *whether*.
+
+Why one module of this length: ``plan_transfer`` and the pieces it is built from (owner election, the matching-
+heads mapper, per-group planning, the block-independent plan cache, ``validate_compatible``) must agree on one
+notion of a pool's shape; mappers registered by plugins subclass the base defined here.
 """
 
 from __future__ import annotations

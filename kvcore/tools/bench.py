@@ -39,6 +39,9 @@ afterwards, byte for byte, against an expectation the generation rank computes
 from the seed and the block ids alone (no kvcore arithmetic). Destination
 memory is touched before anything is timed; the first transfer of each mode
 (and the first contact between the instances) is reported separately.
+
+Why one module of this length: the orchestrator, the rank processes' commands and every case of one CLI
+command share the same rank protocol and result format; the cases register themselves with ``register_case``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ quiescent when every task has its final answer. A terminal session never keeps
 an idle task: a receiver that asks after the outcome is answered at once, and
 after release a tombstone answers for it. Pages go back to the engine only
 when the session is quiescent: no transfer can still read them.
+
+Why one module of this length: the context role's handlers (registration, push requests, pull reports,
+renewals, cancels), its transfers and its timers all move the same send sessions and tasks under one lock; the
+state machines themselves are in :mod:`.sessions` and :mod:`.peers`.
 """
 
 from __future__ import annotations

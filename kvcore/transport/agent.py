@@ -17,6 +17,10 @@ Example (two processes, the receiver exported its descriptor ``d``)::
     h = agent.submit(TransferOp.WRITE, peer, src_addrs, dst_addrs, sizes, notification=b"req-7")
     agent.wait(h, timeout=5.0)
     agent.release(h)
+
+Why one module of this length: it is the whole contract a transport author implements (capabilities,
+registration, descriptors, range checks, handles, completion listeners) and the validation every agent inherits;
+splitting it would make authors read several modules for one class.
 """
 
 from __future__ import annotations

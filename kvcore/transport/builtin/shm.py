@@ -38,6 +38,10 @@ loaded peer but another incarnation replaces it only once the loaded one is
 provably gone (its process or socket); while it lives, ``RemoteAgentError``.
 A refresh (same incarnation) must name the same pid and sockets. The agent
 refuses a descriptor of itself.
+
+Why one module of this length: the memfd segments, the fd-passing server with its peer checks, the
+notification socket and the copy threads are one agent whose safety rules (who may map what, when a segment may
+go) only hold together.
 """
 
 from __future__ import annotations
