@@ -714,6 +714,21 @@ class _Rank:
                 bad += int(self.pool[a:b].count_nonzero())
         return {"ok": bad == 0, "bad_bytes": bad, "written": sorted(self.written)}
 
+    def _poll_once(
+        self, done: dict[int, float], released: set[int], not_done: list[str], deadline: float, what: str
+    ) -> None:
+        """One poll of the generation transceiver: note outcomes (when) and releases; bounded by ``deadline``."""
+        r = self.tx.poll()
+        now = time.perf_counter()
+        for o in r.outcomes:
+            done[o.request_id] = now
+            if o.state.value != "DONE" and len(not_done) < 5:
+                not_done.append(f"request {o.request_id}: {o.state.value} {o.error}")
+        released.update(r.released)
+        if time.monotonic() > deadline:
+            raise BenchTimeoutError(f"generation rank: {what} not released")
+        time.sleep(self.spec.poll_interval_s)
+
     def op_receive(
         self,
         endpoint: str,
@@ -740,16 +755,7 @@ class _Rank:
             done: dict[int, float] = {}
             released: set[int] = set()
             while not (ids <= released and ids <= set(done)):
-                r = self.tx.poll()
-                now = time.perf_counter()
-                for o in r.outcomes:
-                    done[o.request_id] = now
-                    if o.state.value != "DONE" and len(not_done) < 5:
-                        not_done.append(f"request {o.request_id}: {o.state.value} {o.error}")
-                released.update(r.released)
-                if time.monotonic() > deadline:
-                    raise BenchTimeoutError(f"generation rank: {len(ids - released)} request(s) not released")
-                time.sleep(self.spec.poll_interval_s)
+                self._poll_once(done, released, not_done, deadline, f"{len(ids - released)} request(s)")
             return done
 
         def start(i: int, blocks: Any) -> None:
@@ -792,16 +798,7 @@ class _Rank:
 
         def until(rid: int) -> None:
             while rid not in done or rid not in released:
-                r = self.tx.poll()
-                now = time.perf_counter()
-                for o in r.outcomes:
-                    done[o.request_id] = now
-                    if o.state.value != "DONE" and len(not_done) < 5:
-                        not_done.append(f"request {o.request_id}: {o.state.value} {o.error}")
-                released.update(r.released)
-                if time.monotonic() > deadline:
-                    raise BenchTimeoutError(f"generation rank: request {rid} not released (hol case)")
-                time.sleep(self.spec.poll_interval_s)
+                self._poll_once(done, released, not_done, deadline, f"request {rid} (hol case)")
 
         big = self._blocks("big", 0)
         t_big = time.perf_counter()
