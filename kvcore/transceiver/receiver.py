@@ -15,6 +15,7 @@ fencing all move the same sessions and writers under one lock; the state machine
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import os
@@ -824,7 +825,15 @@ class Receiver(Role):
                 t1 = time.monotonic()
                 handle = None
                 if plan.count:
-                    handle = link.agent.submit(TransferOp.READ, inst.agents[r], plan.dst, plan.src, plan.sizes)
+                    # Through the link: chunked like a WRITE, and an asynchronous agent's completion wakes us.
+                    handle = link.submit_transfer(
+                        TransferOp.READ,
+                        inst.agents[r],
+                        plan.dst,
+                        plan.src,
+                        plan.sizes,
+                        on_done=functools.partial(self._read_ended, s, r),
+                    )
                 link.metrics.transfer_posted(inst.name, plan.nbytes, plan.count, t1 - t0, time.monotonic() - t1)
             except E.KvcoreError as exc:
                 log.warning("request %s: reading from context rank %d: %s", rid, r, exc)
@@ -845,14 +854,20 @@ class Receiver(Role):
             posted.append(r)
             self._check_read(s, r, time.monotonic())
 
+    def _read_ended(self, s: RxSession, r: int) -> None:
+        """The link saw our READ from rank ``r`` end (worker thread)."""
+        self._check_read(s, r, time.monotonic())
+
     def _check_read(self, s: RxSession, r: int, now: float) -> None:
         """Poll our READ from context rank ``r``; when it ends, tell that rank (worker thread)."""
         handle = s.reads.get(r)
-        status = TransferStatus.DONE if handle is None else self.link.agent.poll(handle)
+        status = TransferStatus.DONE if handle is None else self.link.poll_transfer(handle)
         inst = s.instance
         assert inst is not None
         if status is TransferStatus.PENDING:
             if now - s.asked_at.get(r, now) > self.config.transfer_timeout_s and not s.terminal:
+                assert handle is not None
+                self.link.stop_transfer(handle, "read timed out")  # no further chunk; the one in flight may land
                 with self.link.lock:
                     s.transition(
                         SessionState.TIMED_OUT,
@@ -866,7 +881,7 @@ class Receiver(Role):
         err = handle.error if handle is not None else None
         if handle is not None:
             self.link.metrics.transfer_finished(inst.name, status is TransferStatus.DONE, now - s.asked_at.get(r, now))
-            self.link.agent.release(handle)
+            self.link.release_transfer(handle)
         with self.link.lock:
             self.reads.pop((id(s), r), None)
             s.reads.pop(r, None)
