@@ -48,9 +48,11 @@ BACKENDS = _backends()
 class Gen:
     """An in-process one-rank generation instance."""
 
-    def __init__(self, backend: str = "shm", num_blocks: int = 64, timeout: float = 30.0, **config: Any) -> None:
+    def __init__(
+        self, backend: str = "shm", num_blocks: int = 64, timeout: float = 30.0, name: str = "", **config: Any
+    ) -> None:
         self.agent, self.cache, self.tx = make_rank(
-            "generation", f"gen-{os.getpid()}", backend, num_blocks, timeout, config
+            "generation", name or f"gen-{os.getpid()}", backend, num_blocks, timeout, config, instance_name=name or None
         )
         self.flat = self.cache.view(num_blocks, -1).view(torch.uint8)
 
@@ -355,7 +357,8 @@ def test_late_receiver_after_a_cancelled_send_gets_the_outcome_at_once(closing: 
 def test_late_receiver_after_a_failed_send_gets_the_failure_at_once(closing: list[Any]) -> None:
     agent, _, ctx = make_rank("context", f"ctx-{os.getpid()}", timeout=30)
     closing.extend([agent, ctx])
-    early, late = Gen(timeout=30), Gen(timeout=30)
+    # Two instances in one process: two names (the same name would be refused as a takeover of a live agent).
+    early, late = Gen(timeout=30, name="gen-early"), Gen(timeout=30, name="gen-late")
     closing.extend([early, late])
     ctx.start_send(6, [1, 2], prompt_len=16, ticket=ticket_for(6))
     early.tx.start_receive(
