@@ -4,7 +4,16 @@ ZeroMQ sockets must stay on the thread that uses them, so one I/O thread owns
 every socket of a messenger: it polls the ROUTER, the DEALERs, their monitors,
 the ZAP socket and a wake-up pipe, decodes frames and hands messages to the
 handler. Handlers only mutate state and enqueue work; they never block on a
-transfer. Other threads send by enqueueing (``send``/``reply`` are thread-safe).
+transfer. Other threads send by enqueueing (``send``/``reply`` are thread-safe)
+and waking the I/O thread; a send from the I/O thread itself (a handler, the
+driver) is written to its socket at the end of the same loop turn, with no
+wake-up.
+
+A *driver* (``set_driver``) runs on the I/O thread once per loop turn, after the
+sockets were served, and says how long the next poll may wait: the transceiver
+runs its whole worker there, so the thread that reads a control message also
+does the work and writes the answer. Other threads hand it work and call
+``wake``.
 
 Nothing a peer sends can stop the I/O thread: a frame that fails to decode is
 answered with an ``ErrorReply`` and counted; an exception from a handler, a
@@ -69,6 +78,11 @@ ErrorHandler = Callable[[Source, KvcoreError], None]
 DisconnectHandler = Callable[[str], None]
 ConnectHandler = Callable[[str], None]
 AuthFailedHandler = Callable[[str, str], None]
+#: Runs once per I/O-loop turn on the I/O thread; returns how long (seconds) the next poll may wait for traffic.
+Driver = Callable[[], float]
+
+#: Poll period of a messenger without a driver (seconds): only ``close`` needs the loop to come round.
+_IDLE_POLL_S = 0.1
 
 
 class _RateLimitedLog:
@@ -256,6 +270,7 @@ class Messenger:
                 self._ctx.term()
             raise
         self._wake_lock = threading.Lock()
+        self._wake_closed = False  # under _wake_lock: the wake socket is closed (no thread may touch it)
         self._keys_lock = threading.Lock()
         self._peer_keys: dict[str, bytes] = {}  # endpoint -> Z85 server key (set_peer_key)
         self._outbox: collections.deque[tuple[str, object, bytes]] = collections.deque()
@@ -263,12 +278,32 @@ class Messenger:
         self._by_sock: dict[zmq.Socket[bytes], _Dealer] = {}
         self._by_monitor: dict[zmq.Socket[bytes], _Dealer] = {}
         self._stop = threading.Event()
+        self._driver: Driver | None = None
+        self._next_wait_s = _IDLE_POLL_S
         self._thread = threading.Thread(target=self._run, name=f"{name}-messenger", daemon=True)
 
     # --- public, thread-safe ----------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
+
+    def set_driver(self, driver: Driver) -> None:
+        """Run ``driver`` on the I/O thread once per loop turn (before ``start``); it returns the next poll's wait.
+
+        The driver must never block for long: while it runs, no socket is read. An exception from it is counted
+        (``driver_errors``) and logged, and the loop goes on.
+        """
+        if self._thread.is_alive():
+            raise ProtocolError(f"messenger {self.name}: set_driver after start")
+        self._driver = driver
+
+    def in_io_thread(self) -> bool:
+        """True when called from this messenger's I/O thread (a handler or the driver)."""
+        return threading.get_ident() == self._thread.ident
+
+    def wake(self) -> None:
+        """Make the I/O thread come round at once (another thread handed its driver work). Thread-safe."""
+        self._wake()
 
     @property
     def public_key(self) -> bytes | None:
@@ -343,10 +378,13 @@ class Messenger:
         if self._stop.is_set():
             raise ProtocolError(f"messenger {self.name} is closed")
         self._outbox.append(item)
-        self._wake()
+        if threading.get_ident() != self._thread.ident:
+            self._wake()  # the I/O thread itself flushes the outbox at the end of its turn: no wake-up needed
 
     def _wake(self) -> None:
         with self._wake_lock:
+            if self._wake_closed:
+                return
             try:
                 self._wake_tx.send(b"", zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -437,8 +475,11 @@ class Messenger:
                 time.sleep(0.001)  # never spin hot on a persistent failure
 
     def _turn(self) -> None:
+        wait_s = self._next_wait_s
+        # zmq_poll counts whole milliseconds: a wait under 1 ms (but not 0) is rounded up, never down to a busy spin.
+        timeout_ms = 0 if wait_s <= 0 else max(1, int(wait_s * 1000))
         try:
-            events = dict(self._poller.poll(100))
+            events = dict(self._poller.poll(timeout_ms))
         except zmq.ZMQError as exc:
             if exc.errno == zmq.ETERM:  # pragma: no cover - the context is gone
                 self._stop.set()
@@ -463,6 +504,17 @@ class Messenger:
             d = self._by_sock.get(sock)
             if d is not None:
                 self._guarded("dealer", self._drain_dealer, d)
+        if self._driver is not None:
+            self._flush_outbox()  # answers the handlers wrote go out before the driver's work
+            self._next_wait_s = _IDLE_POLL_S
+            try:
+                self._next_wait_s = self._driver()
+            except Exception:
+                self.counters["driver_errors"] += 1
+                self._rlog(
+                    logging.ERROR, "driver", "messenger %s: driver error (kept serving)", self.name, exc_info=True
+                )
+        self._flush_outbox()  # what this turn's handlers and driver sent, without a wake-up
 
     def _guarded(self, what: str, fn: Callable[..., None], *args: object) -> None:
         try:
@@ -681,7 +733,9 @@ class Messenger:
         self._by_monitor.clear()
         self._router.close(0)
         self._wake_rx.close(0)
-        self._wake_tx.close(0)
+        with self._wake_lock:  # another thread may be waking us right now: it sees the flag, not a closed socket
+            self._wake_closed = True
+            self._wake_tx.close(0)
         if self._zap is not None:
             self._zap.close(0)
         if self._own_ctx:

@@ -1,11 +1,16 @@
 """What both roles share: the control-plane messenger, the transfer agent, the worker thread and this rank's identity.
 
-Threads: the engine's thread calls the facade; the messenger's I/O thread
-decodes control messages and runs the role's handler for that message type
-(handlers only mutate state and post work); one worker thread owns the
-transfer agent (submits, polls, progresses, loads peers) and runs the role's
-timers. All shared state is guarded by ``link.lock``; nothing blocks while
-holding it except short agent calls on the worker.
+Threads: the engine's thread calls the facade; one thread per rank, the
+messenger's I/O thread, does everything else. It decodes control messages and
+runs the role's handler for that message type, and it is also the *worker*:
+once per loop turn (``Messenger.set_driver``) it runs the work handlers and the
+engine posted, drives the transfer agent (submits, polls, progresses, loads
+peers) and runs the role's timers, then writes what they sent to the sockets.
+So the thread that reads a request also plans, posts and answers it, with no
+queue and no wake-up between them. Engine threads (``start_send``,
+``start_receive``, ``cancel``...) and an agent's completion listener post work
+and wake the loop. All shared state is guarded by ``link.lock``; nothing blocks
+while holding it except short agent calls on the worker.
 
 Data plane: a role moves a plan with ``submit_transfer`` and learns the end
 through the returned ``Transfer`` (``poll_transfer``, and an ``on_done``
@@ -23,9 +28,9 @@ rest of the plan follows as one chunk.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
@@ -71,6 +76,8 @@ Handler = Callable[[Source, Any], None]
 #: Largest chunk of one plan posted to an agent whose submit moves the bytes itself (16 MiB: about 3-4 ms of
 #: CMA copy on a small box, well under 1 ms over RDMA; 32 chunks for a 512 MiB request).
 CHUNK_BYTES = 16 * 1024 * 1024
+#: Work items the worker runs per I/O-loop turn before it serves the sockets again.
+_MAX_WORK_PER_TURN = 4096
 
 
 def chunk_plan(
@@ -163,7 +170,8 @@ class Link:
         self.lock = threading.RLock()
         self.incarnation = process_incarnation()
         self.counters: Counter[str] = Counter()
-        self._work: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue()
+        # Work for the worker (the messenger's I/O thread); appended by any thread, taken by the worker alone.
+        self._work: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
         self._stop = threading.Event()
         self._handlers: dict[type, Handler] = {}
         self._tick: Callable[[float], None] = lambda now: None
@@ -231,7 +239,8 @@ class Link:
         self.metrics = TransceiverMetrics(
             backend=agent.backend, role=role, rank=topology.rank, instance=self.instance_name
         )
-        self._worker = threading.Thread(target=self._work_loop, name=f"{role}{topology.rank}-worker", daemon=True)
+        self._last_tick = 0.0
+        self.messenger.set_driver(self._turn)
         # The data plane (worker thread only): transfers not yet terminal, and the one behind each agent handle.
         self._xfers: dict[int, Transfer] = {}
         self._by_handle: dict[int, Transfer] = {}
@@ -250,11 +259,16 @@ class Link:
 
     def start(self) -> None:
         self.messenger.start()
-        self._worker.start()
 
     def post(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` on the worker thread (the only thread that drives the agent)."""
-        self._work.put((fn, args))
+        """Run ``fn(*args)`` on the worker (the messenger's I/O thread, the only thread that drives the agent).
+
+        From the worker itself (a handler, a timer, other work) it runs later in the same loop turn, after
+        the caller returned; from any other thread it wakes the loop.
+        """
+        self._work.append((fn, args))
+        if not self.messenger.in_io_thread():
+            self.messenger.wake()
 
     # --- messages ----------------------------------------------------------------------------
 
@@ -309,36 +323,40 @@ class Link:
 
     # --- worker ------------------------------------------------------------------------------
 
-    def _work_loop(self) -> None:
-        last_tick = 0.0
-        while not self._stop.is_set():
-            try:
-                if self._chunk_ready:
-                    item = self._work.get_nowait()  # the next chunk waits only for work already queued
-                else:
-                    item = self._work.get(timeout=0.0005 if self._polling() else 0.02)
-            except queue.Empty:
-                item = None
-            try:
-                while item is not None:
-                    fn, args = item
-                    fn(*args)
-                    try:
-                        item = self._work.get_nowait()
-                    except queue.Empty:
-                        item = None
+    def _turn(self) -> float:
+        """One worker turn on the I/O thread: queued work, chunks, agent progress, timers; returns the next wait.
+
+        The wait (seconds) bounds how long the messenger's poll waits for traffic: 0 while work or a chunk is
+        ready, the fast period while transfers must be polled, else until the next timer.
+        """
+        if self._stop.is_set():
+            return 0.02
+        try:
+            # Bounded per turn: work that keeps posting more (or an engine thread flooding us) cannot keep the
+            # sockets unread; the rest runs next turn, without waiting.
+            for _ in range(_MAX_WORK_PER_TURN):
+                if not self._work:
+                    break
+                fn, args = self._work.popleft()
+                fn(*args)
                 if self._stop.is_set():
-                    return
-                self._chunk_ready = self._pump() if self._chunked else False
-                self.agent.progress()
-                now = time.monotonic()
-                busy = self._polling()
-                if busy or now - last_tick > 0.02:
-                    last_tick = now
-                    self._tick(now)
-            except Exception:
-                self.counters["worker_errors"] += 1
-                log.exception("transceiver worker: unexpected error")
+                    return 0.02
+            self._chunk_ready = self._pump() if self._chunked else False
+            self.agent.progress()
+            now = time.monotonic()
+            busy = self._polling()
+            if busy or now - self._last_tick > 0.02:
+                self._last_tick = now
+                self._tick(now)
+        except Exception:
+            self.counters["worker_errors"] += 1
+            log.exception("transceiver worker: unexpected error")
+            return 0.001  # what was left queued runs next turn; never spin hot on a persistent failure
+        if self._work or self._chunk_ready:
+            return 0.0  # the next chunk waits only for traffic already there
+        if self._polling():
+            return 0.0005
+        return max(0.0, 0.02 - (time.monotonic() - self._last_tick))
 
     def _polling(self) -> bool:
         """Whether the worker must poll transfers at its fast period (0.5 ms) rather than every 20 ms.
@@ -457,7 +475,7 @@ class Link:
 
     def _agent_event(self, handle_id: int) -> None:
         """The agent says a transfer may have ended (any thread): look at it on the worker at once."""
-        self._work.put((self._agent_done, (handle_id,)))
+        self.post(self._agent_done, handle_id)
 
     def _agent_done(self, handle_id: int) -> None:
         x = self._by_handle.get(handle_id)
@@ -486,12 +504,12 @@ class Link:
         return bounce.Arena(t.data_ptr(), t.numel())
 
     def close(self, timeout: float) -> None:
+        """Stop the worker and the messenger (joins the I/O thread) and detach from the agent."""
         self._stop.set()
-        self._work.put(None)
-        self._worker.join(timeout)
-        if self.agent.capabilities.async_submit:
-            self.agent.set_completion_listener(None)
         self.messenger.close(timeout)
+        if self.agent.capabilities.async_submit:
+            self.agent.set_completion_listener(None)  # a late completion now wakes nothing (the loop is gone)
+        self._work.clear()
 
     def deregister(self) -> None:
         for reg in self.registrations:

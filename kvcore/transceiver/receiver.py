@@ -29,12 +29,13 @@ from kvcore import errors as E
 from kvcore.control import wire
 from kvcore.control.messenger import Source
 from kvcore.layout.blocks import as_id_array, encode_group_ids, normalize_block_ids, normalize_state_slot
-from kvcore.layout.mapping import plan_transfer, validate_compatible
+from kvcore.layout.mapping import validate_compatible
 from kvcore.layout.peer import peer_ranks
 from kvcore.metrics import FenceReason
 from kvcore.params import InternalId
 from kvcore.transceiver.link import Handler, Link, error_from
 from kvcore.transceiver.peers import CtxInstance, PeerState, writer_fenced
+from kvcore.transceiver.planning import plan_request
 from kvcore.transceiver.role import Role
 from kvcore.transceiver.sender import blocks_digest
 from kvcore.transceiver.sessions import RxSession, SessionState, WriterState
@@ -753,15 +754,15 @@ class Receiver(Role):
             try:
                 # The destination side of the unmerged plan does not depend on the source's block ids,
                 # only on how many there are: the context rank computes the same order with its real ids.
-                plan = plan_transfer(
+                plan = plan_request(
                     inst.ranks[r].layout,
                     link.layout,
                     src_ids,
                     s.block_ids,
                     mappers=link.mappers,
-                    src_state_slot=0 if s.state_slot >= 0 else None,
-                    dst_state_slot=s.state_slot if s.state_slot >= 0 else None,
-                    prompt_len=s.prompt_len if s.prompt_len >= 0 else None,
+                    src_state_slot=0 if s.state_slot >= 0 else -1,
+                    dst_state_slot=s.state_slot,
+                    prompt_len=s.prompt_len,
                     merge=False,
                 )
             except E.KvcoreError as exc:
@@ -811,15 +812,15 @@ class Receiver(Role):
                     s.ctx_block_ids, info.page_table, f"request {rid} context block_ids (parameters)"
                 )
                 t0 = time.monotonic()
-                plan = plan_transfer(
+                plan = plan_request(
                     info.layout,
                     link.layout,
                     src_blocks,
                     s.block_ids,
                     mappers=link.mappers,
-                    src_state_slot=s.ctx_state_slot if s.ctx_state_slot >= 0 else None,
-                    dst_state_slot=s.state_slot if s.state_slot >= 0 else None,
-                    prompt_len=s.prompt_len if s.prompt_len >= 0 else None,
+                    src_state_slot=s.ctx_state_slot,
+                    dst_state_slot=s.state_slot,
+                    prompt_len=s.prompt_len,
                     merge=True,
                 )
                 t1 = time.monotonic()

@@ -28,11 +28,12 @@ from kvcore import errors as E
 from kvcore.control import wire
 from kvcore.control.messenger import Source
 from kvcore.layout.blocks import decode_group_ids, normalize_block_ids, normalize_state_slot
-from kvcore.layout.mapping import plan_transfer, validate_compatible
+from kvcore.layout.mapping import validate_compatible
 from kvcore.layout.peer import peer_ranks
 from kvcore.params import InternalId, TransferParams, api_id, check_ticket, new_ticket
 from kvcore.transceiver.link import Handler, Link
 from kvcore.transceiver.peers import GenPeer, PeerState, writer_fenced
+from kvcore.transceiver.planning import plan_request
 from kvcore.transceiver.role import Role
 from kvcore.transceiver.sessions import (
     IDLE_TASK_STATES,
@@ -977,15 +978,15 @@ class Sender(Role):
 
     def _plan(self, s: TxSession, t: ReceiverTask, *, layers: tuple[int, int] | None, merge: bool) -> Any:
         assert t.peer.info is not None
-        return plan_transfer(
+        return plan_request(
             self.link.layout,
             t.peer.info.layout,
             s.block_ids,
             t.block_ids,
             mappers=self.link.mappers,
-            src_state_slot=s.state_slot if s.state_slot >= 0 else None,
-            dst_state_slot=t.state_slot if t.state_slot >= 0 else None,
-            prompt_len=s.prompt_len if s.prompt_len >= 0 else (t.prompt_len if t.prompt_len >= 0 else None),
+            src_state_slot=s.state_slot,
+            dst_state_slot=t.state_slot,
+            prompt_len=s.prompt_len if s.prompt_len >= 0 else t.prompt_len,
             layer_range=layers,
             merge=merge,
         )
