@@ -33,6 +33,7 @@ from kvcore.transport.builtin.shm import ShmAgent
 __all__ = [
     "HeldShmAgent",
     "FailingShmAgent",
+    "RaisingShmAgent",
     "OtherBackendShmAgent",
     "fault_plugin_manager",
     "halves_plugin_manager",
@@ -113,6 +114,34 @@ class FailingShmAgent(ShmAgent):
         return super()._submit(handle, remote, local, remote_addrs, sizes)
 
 
+class RaisingShmAgent(ShmAgent):
+    """The shm agent with bugs: its first ``raise_writes`` submits and ``raise_progress`` progress calls raise.
+
+    They raise RuntimeError straight out of the public methods (not the TransferError the contract names),
+    as a transport plugin with a bug would: the transceiver's loop must survive both.
+    """
+
+    def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
+        super().__init__(name, None)
+        self.raise_writes = int((options or {}).get("raise_writes", 0))
+        self.raise_progress = int((options or {}).get("raise_progress", 0))
+        self.raised = 0
+
+    def submit(self, *args: Any, **kwargs: Any) -> TransferHandle:
+        if self.raise_writes > 0:
+            self.raise_writes -= 1
+            self.raised += 1
+            raise RuntimeError("injected: a bug in the transport's submit")
+        return super().submit(*args, **kwargs)
+
+    def progress(self) -> None:
+        if self.raise_progress > 0:
+            self.raise_progress -= 1
+            self.raised += 1
+            raise RuntimeError("injected: a bug in the transport's progress")
+        super().progress()
+
+
 class OtherBackendShmAgent(ShmAgent):
     """The shm agent under another backend name: a peer configured with a different transport."""
 
@@ -127,6 +156,7 @@ class _FaultPlugin:
         caps = ShmAgent.capabilities
         registry.add("held-shm", "_faults:HeldShmAgent", capabilities=caps, description="shm, writes held by a gate")
         registry.add("failing-shm", "_faults:FailingShmAgent", capabilities=caps, description="shm, writes refused")
+        registry.add("raising-shm", "_faults:RaisingShmAgent", capabilities=caps, description="shm, submit raises")
         registry.add("other-shm", "_faults:OtherBackendShmAgent", capabilities=caps, description="shm, other name")
 
 

@@ -403,7 +403,20 @@ class Link:
 
     def _post_chunk(self, x: Transfer) -> None:
         a, b = x.bounds[x.chunk], x.bounds[x.chunk + 1]
-        h = self.agent.submit(x.op, x.remote, x.src[a:b], x.dst[a:b], x.sizes[a:b])
+        try:
+            h = self.agent.submit(x.op, x.remote, x.src[a:b], x.dst[a:b], x.sizes[a:b])
+        except E.KvcoreError:
+            raise
+        except Exception as exc:
+            # An agent bug (its contract says TransferError): it fails this transfer, never the worker's loop,
+            # and no handle exists to poll, so the request ends FAILED instead of waiting for its deadline.
+            self.counters["agent_errors"] += 1
+            log.error(
+                "agent %s: submit to %r raised %s", self.agent.backend, x.remote, type(exc).__name__, exc_info=True
+            )
+            raise E.TransferFailedError(
+                f"the {self.agent.backend} agent's submit to {x.remote!r} raised {type(exc).__name__}: {exc}"
+            ) from exc
         x.handle = h
         self._by_handle[h.id] = x
 
