@@ -121,6 +121,11 @@ class _Dealer:
 _WILDCARDS = {"0.0.0.0", "::", "*", "[::]"}
 
 
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a message waits on ``sock`` (its ZMQ_EVENTS): draining stops without raising zmq.Again."""
+    return bool(int(sock.get(zmq.EVENTS)) & zmq.POLLIN)
+
+
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
@@ -593,6 +598,8 @@ class Messenger:
                 self._bad_multipart(len(raw))
                 continue
             self._dispatch(Source(identity=raw[0]), raw[1])
+            if not _readable(self._router):
+                return  # drained: no zmq.Again raised (and built) per message
 
     def _drain_router_authenticated(self) -> None:
         # Frames (copy=False) carry the "User-Id" ZAP set: the client key the handshake proved.
@@ -607,6 +614,8 @@ class Messenger:
             user = parts[1].get("User-Id")
             key = user.encode() if isinstance(user, str) and user else None
             self._dispatch(Source(identity=parts[0].bytes, peer_key=key), parts[1].bytes)
+            if not _readable(self._router):
+                return
 
     def _bad_multipart(self, parts: int) -> None:
         self.counters["bad_frames"] += 1
@@ -625,6 +634,8 @@ class Messenger:
             except zmq.Again:
                 return
             self._dispatch(Source(endpoint=d.endpoint, peer_key=d.server_key), frame)
+            if d.sock.closed or not _readable(d.sock):
+                return  # drained (or a handler dropped this socket)
 
     def _drain_monitor(self, d: _Dealer) -> None:
         from zmq.utils.monitor import recv_monitor_message

@@ -61,6 +61,11 @@ def as_id_array(value: object, what: str) -> np.ndarray:
 def _check_ids(ids: np.ndarray, num_slots: int, what: str) -> None:
     if not ids.size:
         return
+    if ids.size <= 64:  # a short request (the common one-block case): plain Python is faster than np.unique's sort
+        small = ids.tolist()
+        lo, hi = min(small), max(small)
+        if lo >= 0 and hi < num_slots and len(set(small)) == len(small):
+            return  # the errors below are found (and worded) the same way as for long lists
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= num_slots:
         raise LayoutError(f"{what}: block ids must be in 0..{num_slots - 1}, got {lo if lo < 0 else hi}")
