@@ -491,10 +491,12 @@ class Messenger:
                 return
             raise
         if self._wake_rx in events:
-            while True:
+            for _ in range(10_000):  # bounded; the wake-ups carry nothing, they only end the poll
                 try:
                     self._wake_rx.recv(zmq.NOBLOCK)
                 except zmq.Again:
+                    break
+                if not _readable(self._wake_rx):
                     break
         if self._zap is not None and self._zap in events:
             self._guarded("zap", self._drain_zap)
