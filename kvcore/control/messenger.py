@@ -83,6 +83,8 @@ Driver = Callable[[], float]
 
 #: Poll period of a messenger without a driver (seconds): only ``close`` needs the loop to come round.
 _IDLE_POLL_S = 0.1
+#: How long messages to a peer whose socket queue is full are kept for a retry before they are dropped (seconds).
+_SEND_GIVE_UP_S = 5.0
 
 
 class _RateLimitedLog:
@@ -285,6 +287,7 @@ class Messenger:
         self._stop = threading.Event()
         self._driver: Driver | None = None
         self._next_wait_s = _IDLE_POLL_S
+        self._full_since: dict[tuple[bool, object], float] = {}  # (router?, dest) -> when its queue was first full
         self._thread = threading.Thread(target=self._run, name=f"{name}-messenger", daemon=True)
 
     # --- public, thread-safe ----------------------------------------------------------------
@@ -511,7 +514,9 @@ class Messenger:
             d = self._by_sock.get(sock)
             if d is not None:
                 self._guarded("dealer", self._drain_dealer, d)
-        if self._driver is not None:
+        if self._driver is None:
+            self._next_wait_s = _IDLE_POLL_S
+        else:
             self._flush_outbox()  # answers the handlers wrote go out before the driver's work
             self._next_wait_s = _IDLE_POLL_S
             try:
@@ -522,6 +527,8 @@ class Messenger:
                     logging.ERROR, "driver", "messenger %s: driver error (kept serving)", self.name, exc_info=True
                 )
         self._flush_outbox()  # what this turn's handlers and driver sent, without a wake-up
+        if self._outbox:
+            self._next_wait_s = min(self._next_wait_s, 0.001)  # a full queue: try again soon, without spinning
 
     def _guarded(self, what: str, fn: Callable[..., None], *args: object) -> None:
         try:
@@ -531,8 +538,25 @@ class Messenger:
             self._rlog(logging.ERROR, what, "messenger %s: %s error (kept serving)", self.name, what, exc_info=True)
 
     def _flush_outbox(self) -> None:
+        """Write queued messages; one that meets a full queue (HWM) waits for a later turn, in order per peer.
+
+        A burst (a thousand results written in one loop turn) can fill a socket's queue before ZeroMQ's own
+        I/O thread drains it: those messages are kept, with everything after them to the same peer, and sent
+        when the queue has room. A peer whose queue stays full for ``_SEND_GIVE_UP_S`` is not reading (it is
+        gone or stuck): its messages are then dropped and counted, as any failed send.
+        """
+        if not self._outbox:
+            return
+        blocked: set[tuple[bool, object]] = set()
+        deferred: list[tuple[str, object, bytes]] = []
+        now = time.monotonic()
         while self._outbox:
-            kind, dest, frame = self._outbox.popleft()
+            item = self._outbox.popleft()
+            kind, dest, frame = item
+            key = (kind == "router", dest)
+            if key in blocked:
+                deferred.append(item)  # keeps this peer's order behind the message that waits
+                continue
             try:
                 if kind == "router":
                     self._router.send_multipart([dest, frame], zmq.NOBLOCK)  # type: ignore[list-item]
@@ -544,12 +568,26 @@ class Messenger:
                 else:
                     self._dealer(str(dest)).sock.send(frame, zmq.NOBLOCK)
                 self.counters["sent"] += 1
+                self._full_since.pop(key, None)
+            except zmq.Again as exc:
+                since = self._full_since.setdefault(key, now)
+                if now - since < _SEND_GIVE_UP_S:
+                    self.counters["send_deferred"] += 1
+                    blocked.add(key)
+                    deferred.append(item)
+                    continue
+                self.counters["send_failed"] += 1
+                self._rlog(logging.WARNING, "send", "messenger %s: could not send to %r: %s", self.name, dest, exc)
             except zmq.ZMQError as exc:
                 self.counters["send_failed"] += 1
                 self._rlog(logging.WARNING, "send", "messenger %s: could not send to %r: %s", self.name, dest, exc)
             except Exception:
                 self.counters["send_failed"] += 1
                 self._rlog(logging.ERROR, "send-bug", "messenger %s: send to %r failed", self.name, dest, exc_info=True)
+        if deferred:
+            self._outbox.extendleft(reversed(deferred))  # ahead of whatever other threads queued meanwhile
+        if len(self._full_since) > 4 * self._max_dealers:
+            self._full_since.clear()  # bounded: a peer that was full long ago starts afresh
 
     def _drain_zap(self) -> None:
         """Answer ZAP requests (RFC 27): admit CURVE clients whose public key is allow-listed, refuse the rest."""
