@@ -305,6 +305,11 @@ class Messenger:
             raise ProtocolError(f"messenger {self.name}: set_driver after start")
         self._driver = driver
 
+    def flush(self) -> None:
+        """Write what this thread queued so far (I/O thread only: a driver about to take long, e.g. a chunk copy)."""
+        if self.in_io_thread():
+            self._flush_outbox()
+
     def in_io_thread(self) -> bool:
         """True when called from this messenger's I/O thread (a handler or the driver)."""
         return threading.get_ident() == self._thread.ident
@@ -484,8 +489,9 @@ class Messenger:
 
     def _turn(self) -> None:
         wait_s = self._next_wait_s
-        # zmq_poll counts whole milliseconds: a wait under 1 ms (but not 0) is rounded up, never down to a busy spin.
-        timeout_ms = 0 if wait_s <= 0 else max(1, int(wait_s * 1000))
+        # zmq_poll counts whole milliseconds: a shorter wait (the driver polling transfers every 0.5 ms) is a
+        # look at the sockets and a sleep, so traffic waits at most that long and the loop never spins hot.
+        timeout_ms = 0 if wait_s < 0.001 else int(wait_s * 1000)
         try:
             events = dict(self._poller.poll(timeout_ms))
         except zmq.ZMQError as exc:
@@ -493,6 +499,8 @@ class Messenger:
                 self._stop.set()
                 return
             raise
+        if not events and 0 < wait_s < 0.001:
+            time.sleep(wait_s)
         if self._wake_rx in events:
             for _ in range(10_000):  # bounded; the wake-ups carry nothing, they only end the poll
                 try:

@@ -341,7 +341,13 @@ class Link:
                 fn(*args)
                 if self._stop.is_set():
                     return 0.02
-            self._chunk_ready = self._pump() if self._chunked else False
+            if self._chunked:
+                # Answers this turn's work produced (a small request's result) leave before the next chunk's
+                # copy holds this thread for a few ms.
+                self.messenger.flush()
+                self._chunk_ready = self._pump()
+            else:
+                self._chunk_ready = False
             self.agent.progress()
             now = time.monotonic()
             busy = self._polling()
