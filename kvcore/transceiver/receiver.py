@@ -189,6 +189,8 @@ class Receiver(Role):
                         pending.append((rid, s.ctx_dp_rank, s.ticket))
             elif s.mode == "pull":
                 self._pull_unread(s, "cancelled", reason)
+            else:
+                self._decline_unsent(s, reason)
             self._query_writers(s, reason)
             self._note_quarantine(s)
         return True
@@ -283,6 +285,7 @@ class Receiver(Role):
         link = self.link
         for r in ranks:
             addr, nbytes, digest = bounce_args.get(r, (0, 0, b""))
+            s.sent.add(r)
             link.send(
                 inst.ranks[r].endpoint,
                 wire.RequestData(
@@ -327,6 +330,34 @@ class Receiver(Role):
                         nonce=s.nonces[r],
                     ),
                 )
+
+    def _decline_unsent(self, s: RxSession, reason: str) -> None:
+        """Writers we marked ASKED whose RequestData never left (bounce planning pending): decline with the ticket.
+
+        Such a writer cannot write (it was never asked), so it is settled at once. A Cancel with a nonce would
+        not do: the context rank has no task to match it and would keep waiting for this receiver until its
+        timeout, holding the request's blocks. The ticket-bearing decline ends the context's wait (or, before its
+        ``start_send``, leaves the cancel for it).
+        """
+        inst = s.instance
+        unsent = [r for r, w in s.writers.items() if w is WriterState.ASKED and r not in s.sent]
+        if inst is None or not unsent:
+            return
+        for r in unsent:
+            s.writers[r] = WriterState.NOT_ASKED
+            if inst.gone:
+                continue
+            self.link.send(
+                inst.ranks[r].endpoint,
+                wire.Cancel(
+                    v=wire.PROTOCOL_VERSION,
+                    request_id=s.request_id,
+                    instance=self.link.instance_name,
+                    rank=self.link.topology.rank,
+                    reason=f"cancelled before it was asked for: {reason}",
+                    ticket=s.ticket,
+                ),
+            )
 
     def _note_quarantine(self, s: RxSession) -> None:
         if s.terminal and not s.quiescent and s.request_id not in self.quarantined:
