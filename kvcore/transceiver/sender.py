@@ -420,7 +420,7 @@ class Sender(Role):
         try:
             if info.incarnation == link.incarnation and info.instance_name == link.instance_name:
                 raise E.IncompatiblePeerError("a rank cannot register this rank's own identity with it")
-            validate_compatible(link.layout, info.layout)
+            validate_compatible(link.placement, info.placement)
             if info.backend != link.agent.backend:
                 raise E.IncompatiblePeerError(
                     f"transfer backend: generation rank uses {info.backend!r}, this context rank uses {link.agent.backend!r}"
@@ -978,8 +978,8 @@ class Sender(Role):
     def _plan(self, s: TxSession, t: ReceiverTask, *, layers: tuple[int, int] | None, merge: bool) -> Any:
         assert t.peer.info is not None
         return plan_transfer(
-            self.link.layout,
-            t.peer.info.layout,
+            self.link.placement,
+            t.peer.info.placement,
             s.block_ids,
             t.block_ids,
             mappers=self.link.mappers,
