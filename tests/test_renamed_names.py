@@ -105,4 +105,4 @@ def test_old_module_names_import_with_a_warning(module: str, old: str, new: str)
     with pytest.warns(DeprecationWarning, match=rf"{module}\.{old} is deprecated; use {module}\.{new}"):
         assert getattr(mod, old) is getattr(mod, new)
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
-        getattr(mod, "NoSuchName")
+        _ = mod.NoSuchName
