@@ -108,3 +108,28 @@ def test_shm_copy_threads_reach_the_agent(options: dict[str, int], threads: int)
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize(
+    ("backend", "doc"),
+    [
+        ("shm", "README.md"),
+        ("nixl", "plugins/nixl/README.md"),
+        ("ucx", "plugins/ucx/README.md"),
+        ("cma", "docs/examples/kvcore-cma/README.md"),
+    ],
+)
+def test_every_option_is_documented(backend: str, doc: str) -> None:
+    """Each agent's options struct is the one statement of its options; its page names every field."""
+    from pathlib import Path
+
+    from kvcore.extension.plugins import get_plugin_manager
+
+    agents = get_plugin_manager().registries.transfer_agents
+    if backend not in agents.names():
+        pytest.skip(f"the {backend} plugin is not installed")
+    options_type = agents.entry(backend).load().options_type
+    assert options_type is not None, f"{backend}: no typed options"
+    text = (Path(__file__).resolve().parent.parent / doc).read_text()
+    missing = [f.name for f in msgspec.structs.fields(options_type) if f"`{f.name}`" not in text]
+    assert missing == [], f"{doc} does not document {backend} options {missing}"
