@@ -97,7 +97,9 @@ class RankInfo(msgspec.Struct, frozen=True):
 
     @property
     def placement(self) -> RankPlacement:
-        return RankPlacement(topology=self.topology, geometry=self.geometry, page_table=self.page_table, mamba=self.mamba)
+        return RankPlacement(
+            topology=self.topology, geometry=self.geometry, page_table=self.page_table, mamba=self.mamba
+        )
 
 
 class _Msg(msgspec.Struct, tag_field="t", frozen=True):

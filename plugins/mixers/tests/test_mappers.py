@@ -141,8 +141,12 @@ def test_registered_through_the_entry_point():
     topo_c, topo_g = Topology.create(1, 1, 0, 2), Topology.create(2, 1, 1, 2)
     geom = AttentionGeometry(num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=2, dtype="float16")
     kc, kg = allocate_kv_cache(topo_c, geom, 2), allocate_kv_cache(topo_g, geom, 2)
-    c = RankPlacement(topology=topo_c, geometry=geom, page_table=build_kv_page_table(kc, topology=topo_c, geometry=geom))
-    g = RankPlacement(topology=topo_g, geometry=geom, page_table=build_kv_page_table(kg, topology=topo_g, geometry=geom))
+    c = RankPlacement(
+        topology=topo_c, geometry=geom, page_table=build_kv_page_table(kc, topology=topo_c, geometry=geom)
+    )
+    g = RankPlacement(
+        topology=topo_g, geometry=geom, page_table=build_kv_page_table(kg, topology=topo_g, geometry=geom)
+    )
     plan = plan_transfer(c, g, [0], [1], mappers=pm.layout_mappers)
     assert plan.count == 4 and set(plan.sizes.tolist()) == {16}
     assert msgspec.structs.asdict(g.page_table.views[0].sharding)["num_shards"] == 2

@@ -50,7 +50,9 @@ def hetero_case(draw):
         kv_factor=1 if kind == "mla" else 2,
         block_order="token_major" if kind == "token_major" else "head_major",
     )
-    arrangements = ["token_major_layers", "token_major_layers_kv_first"] if kind == "token_major" else ["head_major_pool"]
+    arrangements = (
+        ["token_major_layers", "token_major_layers_kv_first"] if kind == "token_major" else ["head_major_pool"]
+    )
     ctx, gen = draw(side(num_layers, arrangements)), draw(side(num_layers, arrangements))
     prompt_len = draw(st.integers(1, 5 * tpb))
     total = -(-prompt_len // tpb)

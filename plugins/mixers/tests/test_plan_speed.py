@@ -31,7 +31,9 @@ def _placement(tp: int, rank: int, geom: AttentionGeometry, arrangement: str) ->
     topo = Topology.create(tp, 1, rank, geom.num_layers)
     kv = allocate_kv_cache(topo, geom, BLOCKS + 32, arrangement=arrangement, allocator=_meta)
     return RankPlacement(
-        topology=topo, geometry=geom, page_table=build_kv_page_table(kv, topology=topo, geometry=geom, arrangement=arrangement)
+        topology=topo,
+        geometry=geom,
+        page_table=build_kv_page_table(kv, topology=topo, geometry=geom, arrangement=arrangement),
     )
 
 
