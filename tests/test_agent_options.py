@@ -57,6 +57,7 @@ def test_convert_options_names_the_agent_the_key_expected_and_actual(raw: object
 def test_describe_type_reads_like_the_docs() -> None:
     assert describe_type(Annotated[float, msgspec.Meta(gt=0)]) == "float > 0"
     assert describe_type(Literal["auto", "none", "peer"]) == "'auto' or 'none' or 'peer'"
+    assert describe_type(dict[str, str | int | bool]) == "a mapping of str to str or int or bool"
 
 
 def test_shm_options_defaults() -> None:

@@ -80,7 +80,9 @@ def describe_type(tp: Any) -> str:
     if origin is typing.Literal:
         return " or ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(describe_type(a) for a in args)
+        # "true or false or 'auto'" reads well; among other types a bool is just "bool"
+        words = all(a is bool or typing.get_origin(a) is typing.Literal for a in args)
+        return " or ".join("bool" if a is bool and not words else describe_type(a) for a in args)
     if origin in (dict, Mapping) or tp is dict:
         key, value = args or (str, Any)
         return f"a mapping of {describe_type(key)} to {describe_type(value)}"
