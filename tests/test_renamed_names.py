@@ -106,3 +106,22 @@ def test_old_module_names_import_with_a_warning(module: str, old: str, new: str)
         assert getattr(mod, old) is getattr(mod, new)
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         _ = mod.NoSuchName
+
+
+def test_transceiver_layout_is_placement_with_a_warning() -> None:
+    from kvcore import TransceiverConfig, create_agent
+    from kvcore.transceiver import Transceiver
+
+    geom, topo = AttentionGeometry(**GEOM), Topology.create(1, 1, 0, 2)
+    cfg = TransceiverConfig(backend="shm")
+    agent = create_agent(cfg, "renamed-ctx")
+    kv = allocate_kv_cache(topo, geom, 4, allocator=agent.allocate_tensor)
+    table = build_kv_page_table(kv, topology=topo, geometry=geom)
+    tx = Transceiver(cfg, role="context", agent=agent, topology=topo, geometry=geom, page_table=table)
+    try:
+        assert tx.placement.page_table == table and tx.placement == tx.rank_info.placement
+        with pytest.warns(DeprecationWarning, match=r"Transceiver\.layout is deprecated; use Transceiver\.placement"):
+            assert tx.layout is tx.placement
+    finally:
+        tx.close()
+        agent.close()
