@@ -72,12 +72,12 @@ def _rank(role: str, name: str) -> dict[str, Any]:
     agent = create_agent(cfg, name)
     full = allocate_kv_cache(topo, geo, 16, allocator=agent.allocate_tensor, layers=FULL)
     swa = allocate_kv_cache(topo, geo, 8, allocator=agent.allocate_tensor, layers=SWA)
-    conv, ssm = allocate_mamba_state(topo, mg, 4, allocator=agent.allocate_tensor, layout="vllm")
+    conv, ssm = allocate_mamba_state(topo, mg, 4, allocator=agent.allocate_tensor, arrangement="vllm")
     table = PageTable.combine(
         [
             build_kv_page_table(full, topology=topo, geometry=geo, layers=FULL, group="full"),
             build_kv_page_table(swa, topology=topo, geometry=geo, layers=SWA, group="swa", window=WINDOW),
-            build_mamba_state(conv, ssm, topology=topo, geometry=mg, layout="vllm"),
+            build_mamba_state(conv, ssm, topology=topo, geometry=mg, arrangement="vllm"),
         ]
     )
     tx = Transceiver(cfg, role=role, agent=agent, topology=topo, geometry=geo, page_table=table, mamba=mg)

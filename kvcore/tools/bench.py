@@ -383,7 +383,7 @@ class _Rank:
             head_dim=sh.head_dim,
             tokens_per_block=sh.tokens_per_block,
             dtype=sh.dtype,
-            layout="head_major",
+            block_order="head_major",
         )
         num_blocks = sh.blocks + SMALL_SLOTS + 1
         self.caches = allocate_kv_cache(topology, geometry, num_blocks, allocator=self.agent.allocate_tensor)
@@ -497,7 +497,7 @@ class _Rank:
     # --- context: bare transport and memcpy ----------------------------------------------------
 
     def op_peer(self, rank_info: bytes) -> dict[str, Any]:
-        """Learn the generation rank's layout and agent descriptor (for the bare modes' identical plan)."""
+        """Learn the generation rank's placement and agent descriptor (for the bare modes' identical plan)."""
         from kvcore.control import wire
 
         self.gen_info = msgspec.msgpack.decode(rank_info, type=wire.RankInfo)
@@ -511,8 +511,8 @@ class _Rank:
         gen_ids = _block_ids(self.shape, self.spec.seed, "generation")[region]
         src, dst = self.ids[region][:count], gen_ids[:count]
         return plan_transfer(
-            self.tx.layout,
-            self.gen_info.layout,
+            self.tx.placement,
+            self.gen_info.placement,
             src,
             dst,
             mappers=get_plugin_manager().registries.layout_mappers,

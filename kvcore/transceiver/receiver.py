@@ -460,7 +460,7 @@ class Receiver(Role):
         for r in sorted({p for d in range(ctx_topo.dp_size) for p in peer_ranks(link.topology, ctx_topo, d)}):
             if ranks[r].incarnation == link.incarnation and ranks[r].instance_name == link.instance_name:
                 raise E.IncompatiblePeerError("the context instance names this rank's own identity")
-            validate_compatible(ranks[r].layout, link.layout)
+            validate_compatible(ranks[r].placement, link.placement)
             if ranks[r].backend != link.agent.backend:
                 raise E.IncompatiblePeerError(
                     f"transfer backend: context rank {r} uses {ranks[r].backend!r}, this rank uses {link.agent.backend!r}"
@@ -779,14 +779,14 @@ class Receiver(Role):
         for r in writers:
             src_ids = {
                 g: np.zeros(-(-s.prompt_len // tpb) if s.prompt_len >= 0 else len(s.block_ids.get(g, ())), np.int64)
-                for g in inst.ranks[r].layout.page_table.groups()
+                for g in inst.ranks[r].placement.page_table.groups()
             }
             try:
                 # The destination side of the unmerged plan does not depend on the source's block ids,
                 # only on how many there are: the context rank computes the same order with its real ids.
                 plan = plan_transfer(
-                    inst.ranks[r].layout,
-                    link.layout,
+                    inst.ranks[r].placement,
+                    link.placement,
                     src_ids,
                     s.block_ids,
                     mappers=link.mappers,
@@ -843,8 +843,8 @@ class Receiver(Role):
                 )
                 t0 = time.monotonic()
                 plan = plan_transfer(
-                    info.layout,
-                    link.layout,
+                    info.placement,
+                    link.placement,
                     src_blocks,
                     s.block_ids,
                     mappers=link.mappers,

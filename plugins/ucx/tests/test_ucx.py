@@ -21,7 +21,7 @@ except PackageNotFoundError:  # only an absent plugin skips; a broken UCX instal
     pytest.skip("kvcore-ucx is not installed (pip install ./plugins/ucx)", allow_module_level=True)
 
 from kvcore_ucx import _ucp
-from kvcore_ucx.agent import UcxAgent, merge_runs
+from kvcore_ucx.agent import UcxAgent, UcxOptions, merge_runs
 
 from kvcore.errors import PeerLostError, RemoteAgentError, RemoteRangeError
 from kvcore.testing.harness import PeerProcess, pattern
@@ -97,13 +97,37 @@ def test_status_pointer_decoding() -> None:
 
 
 def test_options_are_checked(ucp: Any) -> None:
-    from kvcore.errors import TransferError
+    from kvcore.errors import ConfigError
 
-    with pytest.raises(TransferError, match="error_handling"):
+    with pytest.raises(
+        ConfigError, match=r"ucx agent option 'error_handling': expected 'auto' or 'none' or 'peer', got 'sometimes'"
+    ):
         UcxAgent("x", {"error_handling": "sometimes"})
-    with pytest.raises(TransferError, match="unknown ucx agent option"):
+    with pytest.raises(ConfigError, match=r"ucx agent option\(s\) 'progress_threads': unknown; expected one of"):
         UcxAgent("x", {"progress_threads": 2})
+    with pytest.raises(ConfigError, match=r"ucx agent option 'close_timeout_s': expected float > 0, got '2' \(str\)"):
+        UcxAgent("x", {"close_timeout_s": "2"})
+    with pytest.raises(ConfigError, match=r"ucx agent option 'max_notification_bytes': expected int > 0, got 0"):
+        UcxAgent("x", {"max_notification_bytes": 0})
     assert not _progress_threads()
+
+
+def test_options_are_typed_with_defaults_and_reach_the_agent(ucp: Any) -> None:
+    assert UcxAgent.options_type is UcxOptions
+    assert UcxOptions() == UcxOptions(
+        error_handling="auto",
+        ucx_config={},
+        progress_thread=True,
+        progress_interval_s=0.05,
+        close_timeout_s=2.0,
+        max_notification_bytes=64 * 1024,
+    )
+    before = len(_progress_threads())
+    quiet = UcxAgent("quiet", {"progress_thread": False, "error_handling": "peer"})
+    try:
+        assert quiet.opts.error_handling == "peer" and len(_progress_threads()) == before  # no thread started
+    finally:
+        quiet.close()
 
 
 def test_close_joins_the_progress_thread_within_its_bound(ucp: Any) -> None:
