@@ -82,7 +82,7 @@ def test_a_command_that_raises_is_a_typed_error_naming_op_type_and_message() -> 
         assert "op_boom" in e.trace and "rank 'rank-7' failed in 'boom': ValueError: bad value 'x1'" in str(e)
         # The rank keeps serving after a failed command.
         assert r.call("echo", ok=True)["args"] == {"ok": True}
-        with pytest.raises(RankFailedError, match="unknown command 'nope'.*boom, chatty, echo"):
+        with pytest.raises(RankFailedError, match=r"unknown command 'nope'.*boom, chatty, echo"):
             r.call("nope")
         # A command told without a reply that fails surfaces on the next read.
         r.tell("boom", what="later")
