@@ -582,7 +582,7 @@ class RankProcess:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self._join(10.0)
+        self.join(10.0)
         self._release()
 
     def close(self, timeout: float = 20.0) -> int | None:
@@ -592,13 +592,13 @@ class RankProcess:
         """
         if not self._closed:
             self.channel.close_write()
-            if not self._join(timeout):
+            if not self.join(timeout):
                 for sig in (signal.SIGTERM, signal.SIGKILL):
                     try:
                         os.kill(self.pid, sig)
                     except ProcessLookupError:
                         pass
-                    if self._join(5.0):
+                    if self.join(5.0):
                         break
             self._release()
         return self.exitcode
@@ -638,10 +638,11 @@ class RankProcess:
 
     def _exit_status(self) -> int | None:
         """The exit status, waiting briefly: the pipe closes a moment before the process is reaped."""
-        self._join(2.0)
+        self.join(2.0)
         return self.exitcode
 
-    def _join(self, timeout: float) -> bool:
+    def join(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s for the child to exit (reaping it); True once it has."""
         if self.popen is not None:
             try:
                 self.popen.wait(timeout=timeout)
