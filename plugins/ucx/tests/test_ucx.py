@@ -266,3 +266,41 @@ def test_ucx_config_is_applied_and_a_bad_key_is_named(ucp: Any) -> None:
         assert agent.worker_address
     with pytest.raises(TransferError, match="NO_SUCH_SETTING"):
         UcxAgent("bad", {"ucx_config": {"NO_SUCH_SETTING": "1"}})
+
+
+# --- the bench baseline: bare UCX on the identical plan ----------------------------------------------
+
+
+def test_bare_ucx_baseline_is_registered_and_moves_the_plan_byte_for_byte(ucp: Any) -> None:
+    """``ucx_put`` (registered through the hook) writes a scattered plan into another process's kvcore agent."""
+    from kvcore.extension.plugins import make_plugin_manager
+    from kvcore.testing.harness import digest
+    from kvcore.transport.baselines import BaselinePlan
+
+    reg = make_plugin_manager().registries.bench_baselines
+    assert reg.for_backend("ucx") == ["ucx_put"] and reg.matrix_mode("ucx") == "ucx_put"
+    frag, n = 4096, 64
+    src_pool = pattern(21, frag * n)
+    perm = np.random.default_rng(22).permutation(n)
+    with PeerProcess("ucx", {}, name=f"bare-target-{uuid.uuid4().hex[:6]}") as peer:
+        base = peer.call("alloc", key="dst", nbytes=frag * n)["address"]
+        plan = BaselinePlan(
+            src=np.uint64(src_pool.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(frag),
+            dst=np.uint64(base) + perm.astype(np.uint64) * np.uint64(frag),
+            sizes=np.full(n, frag, dtype=np.uint64),
+            pool_base=src_pool.ctypes.data,
+            pool_bytes=src_pool.nbytes,
+            peer_descriptor=peer.call("descriptor")["descriptor"],
+            agent_options={},
+            timeout_s=30.0,
+        )
+        bare = reg.get("ucx_put")(plan)
+        try:
+            seconds, submit = bare.once()
+            assert seconds >= submit > 0
+            bare.once()  # re-posted: the setup is reused
+        finally:
+            bare.close()
+        expected = np.empty((n, frag), dtype=np.uint8)
+        expected[perm] = src_pool.reshape(n, frag)  # fragment i lands in slot perm[i]
+        assert peer.call("digest", key="dst")["digest"] == digest(expected)
