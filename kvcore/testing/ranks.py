@@ -575,6 +575,18 @@ class RankProcess:
 
     # --- ending --------------------------------------------------------------------------------------
 
+    def join(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s for the child to exit (reaping it); True once it has."""
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        assert self.process is not None
+        self.process.join(timeout)
+        return self.process.exitcode is not None
+
     def kill(self) -> None:
         """SIGKILL the child (a crash: nothing of its cleanup runs) and reap it."""
         if self.alive():
@@ -640,18 +652,6 @@ class RankProcess:
         """The exit status, waiting briefly: the pipe closes a moment before the process is reaped."""
         self.join(2.0)
         return self.exitcode
-
-    def join(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` s for the child to exit (reaping it); True once it has."""
-        if self.popen is not None:
-            try:
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                return False
-            return True
-        assert self.process is not None
-        self.process.join(timeout)
-        return self.process.exitcode is not None
 
     def _release(self) -> None:
         self._closed = True
