@@ -14,7 +14,7 @@ from kvcore.errors import KvcoreError, ProtocolError
 __all__ = ["check_msgpack_bounds", "MAX_DEPTH", "MAX_CONTAINER_ENTRIES", "MAX_ITEMS"]
 
 #: Bounds on peer-supplied msgpack. The deepest legitimate control message (InstanceInfo -> RankInfo ->
-#: PageTable -> PoolView -> ViewLayout -> section_bytes) nests 9 deep.
+#: PageTable -> PoolView -> ViewSharding -> section_bytes) nests 9 deep.
 MAX_DEPTH = 24
 #: Entries in one array or map: a page-table view holds at most 65536 entries (page.MAX_ENTRIES_PER_VIEW).
 MAX_CONTAINER_ENTRIES = 1 << 17

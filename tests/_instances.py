@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from typing import Any
 
-import msgspec
+from kvcore.testing.ranks import Channel, RankProcess, ready, serve
 
 #: The secret the tests derive every request's ticket from (both sides of a test know it, as a router would).
 TEST_TICKET_SECRET = b"kvcore-tests-ticket-secret-0001"
@@ -87,77 +86,89 @@ def make_rank(
     return agent, cache, tx
 
 
-def _report(conn: Any, r: Any) -> None:
-    for o in r.outcomes:
-        conn.send_bytes(
-            msgspec.msgpack.encode(
-                {
-                    "outcome": o.request_id,
-                    "state": o.state.value,
-                    "error": f"{type(o.error).__name__}: {o.error}" if o.error else None,
-                }
-            )
+class _Instance:
+    """A one-rank instance inside a rank process: commands from the test, its outcomes reported as messages."""
+
+    def __init__(self, channel: Channel, role: str, backend: str, geo: dict[str, Any], num_blocks: int,
+                 timeout: float, opts: dict[str, Any]) -> None:  # fmt: skip
+        import torch
+
+        self.channel = channel
+        self.agent, cache, self.tx = make_rank(
+            role,
+            f"{'ctx' if role == 'context' else 'gen'}-{os.getpid()}",
+            backend,
+            num_blocks,
+            timeout,
+            opts.get("config"),
+            opts.get("instance_name"),
+            **geo,
         )
-    for rid in r.released:
-        conn.send_bytes(msgspec.msgpack.encode({"released": rid}))
+        self.flat = cache.view(num_blocks, -1).view(torch.uint8)
+        endpoint = self.tx.info_endpoint if role == "context" else self.tx.endpoint
+        channel.send({"endpoint": endpoint, "pid": os.getpid()})
+
+    def report(self) -> None:
+        """One engine-loop step: poll, and report every outcome and release to the test."""
+        r = self.tx.poll()
+        for o in r.outcomes:
+            error = f"{type(o.error).__name__}: {o.error}" if o.error else None
+            self.channel.send({"outcome": o.request_id, "state": o.state.value, "error": error})
+        for rid in r.released:
+            self.channel.send({"released": rid})
+
+    def op_send(self, rid: Any, blocks: list[int], mode: str | None = None, aux: bytes | None = None) -> dict[str, Any]:
+        """``start_send`` of ``rid`` after filling its blocks; a refusal is answered, not raised (the test checks it)."""
+        import torch
+
+        self.flat[blocks] = torch.from_numpy(fill_value(_pattern_id(rid), blocks, self.flat.shape[1]))
+        try:
+            params = self.tx.start_send(rid, blocks, ticket=ticket_for(rid), mode=mode, aux=aux)
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"params": params.to_dict()}
+
+    def op_receive(self, rid: Any, endpoint: str, blocks: list[int], ticket: bytes | None = None) -> dict[str, Any]:
+        self.tx.start_receive(rid, endpoint, blocks, ticket=ticket or ticket_for(rid))
+        return {}
+
+    def op_cancel(self, rid: Any) -> dict[str, Any]:
+        self.tx.cancel(rid)
+        return {}
+
+    def op_stats(self) -> dict[str, Any]:
+        return {"stats": self.tx.stats()}
+
+    def op_read(self, blocks: list[int]) -> dict[str, Any]:
+        return {"bytes": self.flat[blocks].numpy().tobytes()}
+
+    def close(self) -> None:
+        self.tx.close()
+        self.agent.close()
 
 
-def _context_main(
-    conn: Any, backend: str, geo: dict[str, Any], num_blocks: int, timeout: float, opts: dict[str, Any]
+def instance_main(
+    channel: Channel,
+    role: str,
+    backend: str,
+    geo: dict[str, Any],
+    num_blocks: int,
+    timeout: float,
+    opts: dict[str, Any],
 ) -> None:
-    import torch
-
-    os.environ.update(opts.get("env") or {})
-    agent, cache, tx = make_rank(
-        "context",
-        f"ctx-{os.getpid()}",
-        backend,
-        num_blocks,
-        timeout,
-        opts.get("config"),
-        opts.get("instance_name"),
-        **geo,
-    )
-    flat = cache.view(num_blocks, -1).view(torch.uint8)
-    conn.send_bytes(msgspec.msgpack.encode({"endpoint": tx.info_endpoint, "pid": os.getpid()}))
+    """The rank function of ``ContextProcess``/``GenerationProcess``: serve commands, poll between them."""
+    inst = _Instance(channel, role, backend, geo, num_blocks, timeout, opts)
     try:
-        while True:
-            if conn.poll(0.002):
-                cmd = msgspec.msgpack.decode(conn.recv_bytes())
-                if cmd["op"] == "exit":
-                    break
-                if cmd["op"] == "send":
-                    blocks = cmd["blocks"]
-                    flat[blocks] = torch.from_numpy(fill_value(_pattern_id(cmd["rid"]), blocks, flat.shape[1]))
-                    try:
-                        params = tx.start_send(
-                            cmd["rid"],
-                            blocks,
-                            ticket=ticket_for(cmd["rid"]),
-                            mode=cmd.get("mode"),
-                            aux=cmd.get("aux"),
-                        )
-                    except Exception as exc:
-                        if cmd.get("reply"):
-                            conn.send_bytes(msgspec.msgpack.encode({"error": f"{type(exc).__name__}: {exc}"}))
-                        continue
-                    if cmd.get("reply"):
-                        conn.send_bytes(msgspec.msgpack.encode({"params": params.to_dict()}))
-                elif cmd["op"] == "cancel":
-                    tx.cancel(cmd["rid"])
-                elif cmd["op"] == "stats":
-                    conn.send_bytes(msgspec.msgpack.encode({"stats": tx.stats()}))
-            _report(conn, tx.poll())
+        serve(channel, inst, idle=inst.report, idle_wait=0.002)
     finally:
-        tx.close()
-        agent.close()
+        inst.close()
 
 
-class ContextProcess:
+class ContextProcess(RankProcess):
     """Start a one-rank context instance; ``send``/``cancel``/``stats`` drive it; ``kill`` SIGKILLs it."""
 
-    #: The function the child process runs (the generation subclass runs its own).
-    _main: Any = None
+    #: The role the child process plays (the generation subclass plays its own).
+    role = "context"
 
     def __init__(
         self,
@@ -172,61 +183,51 @@ class ContextProcess:
     ) -> None:
         self.geo = geometry_kwargs(**geo)
         self.num_blocks = num_blocks
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        opts = {"config": config, "env": env, "instance_name": instance_name}
-        main = type(self)._main or _context_main
-        self.proc = ctx.Process(target=main, args=(child, backend, self.geo, num_blocks, timeout, opts), daemon=True)
-        self.proc.start()
-        hello = self._recv(60)
+        opts = {"config": config, "instance_name": instance_name}
+        super().__init__(
+            "_instances:instance_main",
+            name=f"{self.role} instance",
+            kwargs={"role": self.role, "backend": backend, "geo": self.geo, "num_blocks": num_blocks,
+                    "timeout": timeout, "opts": opts},
+            env=env,
+            path=[os.path.dirname(os.path.abspath(__file__))],
+        )  # fmt: skip
+        try:
+            hello = self.recv(60, op="start")
+        except BaseException:
+            self.kill()
+            raise
         self.endpoint: str = hello["endpoint"]
-        self.pid: int = hello["pid"]
         self.events: list[dict[str, Any]] = []
 
-    def _recv(self, timeout: float) -> dict[str, Any]:
-        if not self.conn.poll(timeout):
-            raise TimeoutError("context process did not answer")
-        return msgspec.msgpack.decode(self.conn.recv_bytes())
+    def _drain(self, wait: float = 0.0) -> None:
+        """Read the child's pending reports (waiting up to ``wait`` s for one), so no pipe ever fills up."""
+        if wait and not ready([self], wait):
+            return
+        while (m := self.try_recv()) is not None:
+            self.events.append(m)
 
-    def _drain(self) -> None:
-        """Read the child's pending reports, so that neither side ever blocks on a full pipe."""
-        while self.conn.poll(0):
-            self.events.append(msgspec.msgpack.decode(self.conn.recv_bytes()))
-
-    def send(self, rid: Any, blocks: list[int]) -> None:
+    def send(self, rid: Any, blocks: list[int]) -> None:  # type: ignore[override]
         self._drain()
-        self.conn.send_bytes(msgspec.msgpack.encode({"op": "send", "rid": rid, "blocks": blocks}))
+        self.tell("send", rid=rid, blocks=blocks)
 
     def start_send(
         self, rid: Any, blocks: list[int], *, mode: str | None = None, aux: bytes | None = None, timeout: float = 20
     ) -> dict[str, Any]:
         """``start_send`` in the child; returns the transfer parameters' ``to_dict()`` (or raises with its error)."""
         self._drain()
-        cmd = {"op": "send", "rid": rid, "blocks": blocks, "mode": mode, "aux": aux, "reply": True}
-        self.conn.send_bytes(msgspec.msgpack.encode(cmd))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = self._recv(timeout)
-            if "params" in m:
-                return dict(m["params"])
-            if "error" in m and "outcome" not in m:  # outcome reports carry an "error" too
-                raise RuntimeError(m["error"])
-            self.events.append(m)
-        raise TimeoutError("no transfer parameters")
+        m = self.call("send", rid=rid, blocks=blocks, mode=mode, aux=aux, timeout=timeout)
+        if "error" in m:
+            raise RuntimeError(m["error"])
+        return dict(m["params"])
 
     def cancel(self, rid: int) -> None:
         self._drain()
-        self.conn.send_bytes(msgspec.msgpack.encode({"op": "cancel", "rid": rid}))
+        self.tell("cancel", rid=rid)
 
     def stats(self, timeout: float = 10) -> dict[str, int]:
-        self.conn.send_bytes(msgspec.msgpack.encode({"op": "stats"}))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = self._recv(timeout)
-            if "stats" in m:
-                return m["stats"]
-            self.events.append(m)
-        raise TimeoutError("no stats")
+        stats: dict[str, int] = self.call("stats", timeout=timeout)["stats"]
+        return stats
 
     def wait_released(self, rid: int, timeout: float = 20) -> dict[str, Any]:
         """This side's outcome of ``rid`` once it is released."""
@@ -238,85 +239,24 @@ class ContextProcess:
                     outcome = m
                 if m.get("released") == rid and outcome is not None:
                     return outcome
-            if self.conn.poll(0.05):
-                self.events.append(msgspec.msgpack.decode(self.conn.recv_bytes()))
-        raise TimeoutError(f"context never released request {rid}")
+            self._drain(0.05)
+        raise TimeoutError(f"{self.role} never released request {rid}")
 
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join(10)
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send_bytes(msgspec.msgpack.encode({"op": "exit"}))
-            except OSError:
-                pass
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.kill()
-
-
-def _generation_main(
-    conn: Any, backend: str, geo: dict[str, Any], num_blocks: int, timeout: float, opts: dict[str, Any]
-) -> None:
-    import torch
-
-    os.environ.update(opts.get("env") or {})
-    agent, cache, tx = make_rank(
-        "generation",
-        f"gen-{os.getpid()}",
-        backend,
-        num_blocks,
-        timeout,
-        opts.get("config"),
-        opts.get("instance_name"),
-        **geo,
-    )
-    flat = cache.view(num_blocks, -1).view(torch.uint8)
-    conn.send_bytes(msgspec.msgpack.encode({"endpoint": tx.endpoint, "pid": os.getpid()}))
-    try:
-        while True:
-            if conn.poll(0.002):
-                cmd = msgspec.msgpack.decode(conn.recv_bytes())
-                if cmd["op"] == "exit":
-                    break
-                if cmd["op"] == "receive":
-                    ticket = cmd.get("ticket") or ticket_for(cmd["rid"])
-                    tx.start_receive(cmd["rid"], cmd["endpoint"], cmd["blocks"], ticket=ticket)
-                elif cmd["op"] == "cancel":
-                    tx.cancel(cmd["rid"])
-                elif cmd["op"] == "stats":
-                    conn.send_bytes(msgspec.msgpack.encode({"stats": tx.stats()}))
-                elif cmd["op"] == "read":
-                    conn.send_bytes(msgspec.msgpack.encode({"bytes": flat[cmd["blocks"]].numpy().tobytes()}))
-            _report(conn, tx.poll())
-    finally:
-        tx.close()
-        agent.close()
+    def close(self, timeout: float = 10.0) -> int | None:
+        """EOF to the instance (it closes its transceiver and agent and exits); killed past ``timeout``."""
+        return super().close(timeout)
 
 
 class GenerationProcess(ContextProcess):
     """A one-rank generation instance in its own process; ``receive`` asks a context instance for a request."""
 
-    _main = staticmethod(_generation_main)
+    role = "generation"
 
     def receive(self, rid: Any, endpoint: str, blocks: list[int], ticket: bytes | None = None) -> None:
         """Start receiving ``rid``; ``ticket`` defaults to the test ticket every side derives (``ticket_for``)."""
         self._drain()
-        self.conn.send_bytes(
-            msgspec.msgpack.encode(
-                {"op": "receive", "rid": rid, "endpoint": endpoint, "blocks": blocks, "ticket": ticket}
-            )
-        )
+        self.tell("receive", rid=rid, endpoint=endpoint, blocks=blocks, ticket=ticket)
 
     def read(self, blocks: list[int], timeout: float = 10) -> bytes:
         """The bytes of these destination blocks, as the generation process sees them."""
-        self.conn.send_bytes(msgspec.msgpack.encode({"op": "read", "blocks": blocks}))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = self._recv(timeout)
-            if "bytes" in m:
-                return bytes(m["bytes"])
-            self.events.append(m)
-        raise TimeoutError("no bytes")
+        return bytes(self.call("read", blocks=blocks, timeout=timeout)["bytes"])

@@ -1,7 +1,7 @@
 """A hostile local process for the shm security tests (``test_security_shm.py``).
 
-Run as ``python tests/_shm_attacker.py``: it answers msgpack-framed commands on
-stdin/stdout like ``kvcore.testing.harness`` (``Attacker`` below drives it).
+A rank process (``kvcore.testing.ranks``) serving ``_Attacker``'s commands;
+``Attacker`` below starts and drives it.
 ``steal`` and ``forge_notification`` are plain functions too, so a test can run
 them in a forked child that dropped to another uid (the interpreter of this
 machine is not readable by ``nobody``, so that child cannot exec one).
@@ -13,15 +13,14 @@ import fcntl
 import mmap
 import os
 import socket
-import subprocess
-import sys
 import threading
 import uuid
 from typing import Any
 
 import msgspec
 
-from kvcore.testing.harness import _read_frame, _write_frame, pattern
+from kvcore.testing.harness import pattern
+from kvcore.testing.ranks import Channel, RankProcess, serve
 from kvcore.transport.agent import AgentDescriptor, RegionInfo, process_incarnation
 from kvcore.transport.builtin import shm
 
@@ -168,57 +167,26 @@ class _Attacker:
         return {}
 
 
-class Attacker:
-    """Drives ``_shm_attacker.py`` in its own process (the harness's framing, deadlines on every read)."""
+class Attacker(RankProcess):
+    """Drives ``_Attacker`` in its own rank process (msgpack frames, deadlines on every read, always reaped)."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
-        self.info = self.call("hello")
-        self.pid = int(self.info["pid"])
+        super().__init__("_shm_attacker:attacker_main", name="shm-attacker", path=[os.path.dirname(__file__)])
+        try:
+            self.info = self.call("hello")
+        except BaseException:
+            self.kill()
+            raise
 
-    def call(self, op: str, timeout: float = 60.0, **args: Any) -> dict[str, Any]:
-        import time
-
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        _write_frame(self.proc.stdin, {"op": op, **args})  # type: ignore[arg-type]
-        reply = _read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout)
-        if not reply.get("ok"):
-            raise RuntimeError(f"attacker op {op!r} failed: {reply.get('error')}: {reply.get('message')}")
-        return reply
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
+    def close(self, timeout: float = 20.0) -> int | None:
+        if self.alive():
             try:
-                self.call("exit", timeout=20)
+                self.call("exit", timeout=timeout)
             except Exception:
-                self.proc.kill()
-            self.proc.wait(timeout=20)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                pipe.close()
+                pass
+        return super().close(timeout)
 
 
-def _main() -> int:
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    inp = sys.stdin.buffer.fileno()
-    attacker = _Attacker()
-    while True:
-        try:
-            req = _read_frame(inp, None)
-        except EOFError:
-            return 0
-        op = str(req.pop("op", ""))
-        try:
-            reply = {"ok": True, **getattr(attacker, f"op_{op}")(**req)}
-        except Exception as exc:
-            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
-        _write_frame(out, reply)
-        if op == "exit":
-            return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
+def attacker_main(channel: Channel) -> None:
+    """The attacker's rank function: serve ``_Attacker``'s commands until ``exit`` or EOF."""
+    serve(channel, _Attacker())

@@ -29,6 +29,8 @@ def _check_transfer_case(case: dict[str, Any], backend: str) -> None:
     if backend == "nixl":
         assert {"nixl_initialize", "nixl_prepped"} <= modes
         assert case["bare_mode"] in ("nixl_initialize", "nixl_prepped")
+    elif backend == "ucx":  # kvcore-ucx registers bare UCX (ucp_put_nbx per fragment + one flush)
+        assert "ucx_put" in modes and case["bare_mode"] == "ucx_put"
     else:
         assert case["bare_mode"] == "agent"
     for name, mode in case["modes"].items():

@@ -59,7 +59,7 @@ def test_threshold_rule_and_digest() -> None:
     assert plan_digest(d, s) != plan_digest(d[::-1].copy(), s)
 
 
-def _pair(layout: str, gen_tp: int, **cfg: object) -> tuple[list, list, list, list]:
+def _pair(block_order: str, gen_tp: int, **cfg: object) -> tuple[list, list, list, list]:
     """A TP1 context rank and ``gen_tp`` generation ranks in this process (one-rank instances each)."""
     from kvcore.config import TransceiverConfig, create_agent
     from kvcore.layout.builders import allocate_kv_cache, build_page_table
@@ -67,9 +67,9 @@ def _pair(layout: str, gen_tp: int, **cfg: object) -> tuple[list, list, list, li
     from kvcore.transceiver import Transceiver
 
     geo = AttentionGeometry(
-        num_layers=2, num_kv_heads=4, head_dim=16, tokens_per_block=4, dtype="bfloat16", layout=layout
+        num_layers=2, num_kv_heads=4, head_dim=16, tokens_per_block=4, dtype="bfloat16", block_order=block_order
     )
-    builder = "head_major_pool" if layout == "head_major" else "token_major_layers"
+    builder = "head_major_pool" if block_order == "head_major" else "token_major_layers"
     config = TransceiverConfig(backend="shm", request_timeout_s=20, bounce_buffer_bytes=1 << 20, **cfg)  # type: ignore[arg-type]
     agents, caches, txs, topos = [], [], [], []
     for role, tp, rank in [("context", 1, 0)] + [("generation", gen_tp, r) for r in range(gen_tp)]:

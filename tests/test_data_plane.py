@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.errors import TransferError
+from kvcore.errors import ConfigError, TransferError
 from kvcore.tools.bench import installed_backends
 from kvcore.transceiver.link import CHUNK_BYTES, chunk_plan
 from kvcore.transport.agent import TransferOp, TransferStatus
@@ -143,7 +143,7 @@ def test_shm_unload_waits_for_a_copy_in_flight(shm_pair: Any) -> None:
 
 
 def test_shm_copy_threads_option_is_checked() -> None:
-    with pytest.raises(TransferError, match="copy_threads"):
+    with pytest.raises(ConfigError, match=r"shm agent option 'copy_threads': expected int in 1\.\.64, got 0"):
         ShmAgent("dp-bad", {"copy_threads": 0})
 
 

@@ -7,14 +7,14 @@ is computed from a seeded logical request by plain indexing, in both processes.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from typing import Any
 
-import msgspec
 import numpy as np
 import pytest
 import torch
+
+from kvcore.testing.ranks import Channel, RankProcess
 
 TPB, PROMPT, WINDOW = 4, 30, 16
 TOTAL = -(-PROMPT // TPB)  # 8 blocks
@@ -72,12 +72,12 @@ def _rank(role: str, name: str) -> dict[str, Any]:
     agent = create_agent(cfg, name)
     full = allocate_kv_cache(topo, geo, 16, allocator=agent.allocate_tensor, layers=FULL)
     swa = allocate_kv_cache(topo, geo, 8, allocator=agent.allocate_tensor, layers=SWA)
-    conv, ssm = allocate_mamba_state(topo, mg, 4, allocator=agent.allocate_tensor, layout="vllm")
+    conv, ssm = allocate_mamba_state(topo, mg, 4, allocator=agent.allocate_tensor, arrangement="vllm")
     table = PageTable.combine(
         [
             build_kv_page_table(full, topology=topo, geometry=geo, layers=FULL, group="full"),
             build_kv_page_table(swa, topology=topo, geometry=geo, layers=SWA, group="swa", window=WINDOW),
-            build_mamba_state(conv, ssm, topology=topo, geometry=mg, layout="vllm"),
+            build_mamba_state(conv, ssm, topology=topo, geometry=mg, arrangement="vllm"),
         ]
     )
     tx = Transceiver(cfg, role=role, agent=agent, topology=topo, geometry=geo, page_table=table, mamba=mg)
@@ -89,18 +89,16 @@ GEN_IDS = {"full": [1, 8, 3, 12, 15, 0, 6, 10], "swa": [2, 5, 0, 7, 3]}
 CTX_SLOT, GEN_SLOT = 3, 1
 
 
-def _context_main(conn: Any, seed: int, mode: str) -> None:
+def context_main(channel: Channel, seed: int, mode: str) -> None:
+    """The context rank process: send request 1, report its parameters, then its outcome (a raise is reported)."""
     rank = _rank("context", f"ctx-hybrid-{os.getpid()}")
     tx = rank["tx"]
     try:
         _fill(rank, _logical(seed), CTX_IDS, CTX_SLOT)
-        try:
-            params = tx.start_send(1, CTX_IDS, prompt_len=PROMPT, state_slot=CTX_SLOT, mode=mode)
-            conn.send_bytes(msgspec.msgpack.encode({"params": params.to_dict()}))
-            out = tx.wait_all([1], 60)[1]
-            conn.send_bytes(msgspec.msgpack.encode({"state": out.state.value, "error": str(out.error or "")}))
-        except Exception as exc:  # report instead of leaving the parent waiting
-            conn.send_bytes(msgspec.msgpack.encode({"state": "raised", "error": f"{type(exc).__name__}: {exc}"}))
+        params = tx.start_send(1, CTX_IDS, prompt_len=PROMPT, state_slot=CTX_SLOT, mode=mode)
+        channel.send({"params": params.to_dict()})
+        out = tx.wait_all([1], 60)[1]
+        channel.send({"state": out.state.value, "error": str(out.error or "")})
     finally:
         tx.close()
         rank["agent"].close()
@@ -111,15 +109,16 @@ def test_hybrid_request_with_two_groups_and_state_moves_exactly(mode: str) -> No
     from kvcore.transceiver import SessionState
 
     seed = 11
-    spawn = mp.get_context("spawn")
-    conn, child = spawn.Pipe()
-    proc = spawn.Process(target=_context_main, args=(child, seed, mode), daemon=True)
-    proc.start()
+    ctx = RankProcess(
+        "test_hybrid_e2e:context_main",
+        name="hybrid context",
+        kwargs={"seed": seed, "mode": mode},
+        path=[os.path.dirname(__file__)],
+    )
     gen = None
     try:
-        assert conn.poll(120), "context process did not start"
-        hello = msgspec.msgpack.decode(conn.recv_bytes())
-        assert "params" in hello, hello  # start_send refused: the context reported why
+        hello = ctx.recv(120, op="start_send")  # a refused start_send raises here, naming the context's error
+        assert "params" in hello, hello
         gen = _rank("generation", f"gen-hybrid-{os.getpid()}")
         tensors = {key: gen[key] for key in ("full", "swa")}
         for t in [*tensors.values(), *gen["conv"], *gen["ssm"]]:
@@ -127,8 +126,7 @@ def test_hybrid_request_with_two_groups_and_state_moves_exactly(mode: str) -> No
         gen["tx"].start_receive(params=hello["params"], block_ids=GEN_IDS, prompt_len=PROMPT, state_slot=GEN_SLOT)
         out = gen["tx"].wait_all([1], 60)[1]
         assert out.state is SessionState.DONE, out
-        assert conn.poll(60), "context process did not report"
-        ctx_out = msgspec.msgpack.decode(conn.recv_bytes())
+        ctx_out = ctx.recv(60, op="outcome")
         assert ctx_out["state"] == SessionState.DONE.value, ctx_out
 
         expected = {key: t.clone() for key, t in tensors.items()}
@@ -148,7 +146,4 @@ def test_hybrid_request_with_two_groups_and_state_moves_exactly(mode: str) -> No
         if gen is not None:
             gen["tx"].close()
             gen["agent"].close()
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
+        ctx.close(30.0)

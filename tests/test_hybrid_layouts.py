@@ -1,4 +1,4 @@
-"""Hybrid models (Mamba2 + attention): attention-only KV, n_groups sharding, vLLM's state layout, PP stages.
+"""Hybrid models (Mamba2 + attention): attention-only KV, n_groups sharding, vLLM's state arrangement, PP stages.
 
 The expectation is computed independently of kvcore's mappers: the request's
 logical KV and state are random bytes, each rank's tensors are filled by plain
@@ -26,7 +26,7 @@ from kvcore.layout.builders import (
     build_mamba_state,
     build_page_table,
 )
-from kvcore.layout.mapping import RankLayout, plan_transfer, validate_compatible
+from kvcore.layout.mapping import RankPlacement, plan_transfer, validate_compatible
 from kvcore.layout.page import PageTable
 from kvcore.layout.peer import peer_ranks
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
@@ -152,7 +152,7 @@ class Rank:
     conv: Any
     ssm: Any
     alloc: Recorder
-    layout: RankLayout
+    placement: RankPlacement
 
 
 def build_rank(
@@ -161,18 +161,18 @@ def build_rank(
     attn_layers: tuple[int, ...],
     mg: MambaGeometry,
     *,
-    kv_layout: str,
-    mamba_layout: str,
+    kv_arrangement: str,
+    mamba_arrangement: str,
     num_blocks: int,
     num_slots: int,
 ) -> Rank:
     alloc = Recorder()
-    kv = allocate_kv_cache(topo, geom, num_blocks, layout=kv_layout, allocator=alloc, layers=attn_layers)
-    kv_table = build_kv_page_table(kv, topology=topo, geometry=geom, layout=kv_layout, layers=attn_layers)
-    conv, ssm = allocate_mamba_state(topo, mg, num_slots, allocator=alloc, layout=mamba_layout)
-    state_table = build_mamba_state(conv, ssm, topology=topo, geometry=mg, layout=mamba_layout)
+    kv = allocate_kv_cache(topo, geom, num_blocks, arrangement=kv_arrangement, allocator=alloc, layers=attn_layers)
+    kv_table = build_kv_page_table(kv, topology=topo, geometry=geom, arrangement=kv_arrangement, layers=attn_layers)
+    conv, ssm = allocate_mamba_state(topo, mg, num_slots, allocator=alloc, arrangement=mamba_arrangement)
+    state_table = build_mamba_state(conv, ssm, topology=topo, geometry=mg, arrangement=mamba_arrangement)
     table = PageTable.combine([kv_table, state_table])
-    return Rank(topo, kv, conv, ssm, alloc, RankLayout(topology=topo, geometry=geom, page_table=table, mamba=mg))
+    return Rank(topo, kv, conv, ssm, alloc, RankPlacement(topology=topo, geometry=geom, page_table=table, mamba=mg))
 
 
 def fill_rank(
@@ -180,8 +180,8 @@ def fill_rank(
     geom: AttentionGeometry,
     attn_layers: tuple[int, ...],
     mg: MambaGeometry,
-    kv_layout: str,
-    mamba_layout: str,
+    kv_arrangement: str,
+    mamba_arrangement: str,
     logical: dict[str, np.ndarray],
     blocks: np.ndarray,
     first_block: int,
@@ -213,7 +213,7 @@ def fill_rank(
         for li, layer in enumerate(local_attn):
             for k in range(geom.kv_factor):
                 part = logical["kv"][layer, k][heads][:, toks]  # [heads, tpb, D*eb]
-                if kv_layout == "head_major_pool":
+                if kv_arrangement == "head_major_pool":
                     put(v(rank.kv)[blk, li, k], part)
                 else:  # token_major_layers_kv_first: [kv, blocks, tokens, heads, dim]
                     put(v(rank.kv[li])[k, blk], part.transpose(1, 0, 2))
@@ -223,7 +223,7 @@ def fill_rank(
     for li, layer in enumerate(mg.local_layers(topo)):
         gi = mg.layers.index(layer)
         rows = logical["conv"][gi][:, chans]  # [d_conv-1, channels, eb]: vLLM's orientation
-        if mamba_layout == "vllm":
+        if mamba_arrangement == "vllm":
             put(v(rank.conv[li])[slot], rows)
             put(v(rank.ssm[li])[slot], logical["ssm"][gi][sheads])
         else:
@@ -238,8 +238,8 @@ def run_hybrid(
     attn_layers: tuple[int, ...],
     mg: MambaGeometry,
     *,
-    kv_layout: str = "head_major_pool",
-    mamba_layout: str = "layer_major",
+    kv_arrangement: str = "head_major_pool",
+    mamba_arrangement: str = "layer_major",
     prompt_len: int = 10,
     seed: int = 0,
 ) -> dict[int, int]:
@@ -267,8 +267,8 @@ def run_hybrid(
                 geom,
                 attn_layers,
                 mg,
-                kv_layout=kv_layout,
-                mamba_layout=mamba_layout,
+                kv_arrangement=kv_arrangement,
+                mamba_arrangement=mamba_arrangement,
                 num_blocks=num_blocks,
                 num_slots=num_slots,
             )
@@ -281,15 +281,15 @@ def run_hybrid(
         for buf in rank.alloc.buffers:
             mem.add(buf)
     for rank in ctx_ranks:
-        fill_rank(rank, geom, attn_layers, mg, kv_layout, mamba_layout, logical, ctx_ids, 0, ctx_slot)
+        fill_rank(rank, geom, attn_layers, mg, kv_arrangement, mamba_arrangement, logical, ctx_ids, 0, ctx_slot)
     planned: dict[int, int] = {}
     for g in gen_ranks:
         planned[g.topo.rank] = 0
         for c in peer_ranks(g.topo, ctx_ranks[0].topo):
             # every rank gets the same arguments: stages without KV or Mamba layers ignore what they lack
             plan = plan_transfer(
-                ctx_ranks[c].layout,
-                g.layout,
+                ctx_ranks[c].placement,
+                g.placement,
                 ctx_ids,
                 gen_ids,
                 src_state_slot=ctx_slot,
@@ -304,8 +304,8 @@ def run_hybrid(
         mask = {buf.data_ptr(): torch.zeros_like(buf) for buf in g.alloc.buffers}
         for t in exp.values():
             raw_bytes(t)[:] = SENTINEL
-        fill_rank(g, geom, attn_layers, mg, kv_layout, mamba_layout, logical, gen_ids, 0, gen_slot, twin=exp)
-        fill_rank(g, geom, attn_layers, mg, kv_layout, mamba_layout, ones, gen_ids, 0, gen_slot, twin=mask)
+        fill_rank(g, geom, attn_layers, mg, kv_arrangement, mamba_arrangement, logical, gen_ids, 0, gen_slot, twin=exp)
+        fill_rank(g, geom, attn_layers, mg, kv_arrangement, mamba_arrangement, ones, gen_ids, 0, gen_slot, twin=mask)
         for buf in g.alloc.buffers:
             key = buf.data_ptr()
             if not buf.numel():
@@ -348,15 +348,15 @@ HYBRID = mamba_geometry((0, 2), n_groups=1)
     ],
     ids=str,
 )
-@pytest.mark.parametrize("kv_layout", ["head_major_pool", "token_major_layers_kv_first"])
-@pytest.mark.parametrize("mamba_layout", ["layer_major", "vllm"])
-def test_hybrid_moves_attention_kv_and_state_and_nothing_else(ctx, gen, kv_layout, mamba_layout):
+@pytest.mark.parametrize("kv_arrangement", ["head_major_pool", "token_major_layers_kv_first"])
+@pytest.mark.parametrize("mamba_arrangement", ["layer_major", "vllm"])
+def test_hybrid_moves_attention_kv_and_state_and_nothing_else(ctx, gen, kv_arrangement, mamba_arrangement):
     geom = GEOM
-    if kv_layout != "head_major_pool":
+    if kv_arrangement != "head_major_pool":
         geom = AttentionGeometry(
-            num_layers=4, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16", layout="token_major"
+            num_layers=4, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16", block_order="token_major"
         )
-    planned = run_hybrid(ctx, gen, geom, ATTN, HYBRID, kv_layout=kv_layout, mamba_layout=mamba_layout)
+    planned = run_hybrid(ctx, gen, geom, ATTN, HYBRID, kv_arrangement=kv_arrangement, mamba_arrangement=mamba_arrangement)
     for r, nbytes in planned.items():
         topo = Topology.create(gen[0], gen[1], r, 4, gen[2])
         assert nbytes == expected_bytes(topo, geom, ATTN, HYBRID, blocks=3)
@@ -381,7 +381,7 @@ def test_attention_only_cache_holds_no_mamba_layers():
         allocate_kv_cache(topo, GEOM, 8, layers=(1, 4))
     with pytest.raises(LayoutError, match=r"kv_caches: expected 1 tensors \(local layers \[3\]\), got 2"):
         tm = AttentionGeometry(
-            num_layers=4, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16", layout="token_major"
+            num_layers=4, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16", block_order="token_major"
         )
         stage1 = Topology.create(1, 2, 1, 4, [2, 2])
         build_kv_page_table(allocate_kv_cache(stage1, tm, 4), topology=stage1, geometry=tm, layers=ATTN)
@@ -424,11 +424,11 @@ def test_pp_stage_without_mamba_layers_ignores_the_state_slot():
         (4, 1, 2),
     ],
 )
-@pytest.mark.parametrize("mamba_layout", ["layer_major", "vllm"])
-def test_n_groups_state_moves_exactly_between_tp_sizes(n_groups, ctx_tp, gen_tp, mamba_layout):
+@pytest.mark.parametrize("mamba_arrangement", ["layer_major", "vllm"])
+def test_n_groups_state_moves_exactly_between_tp_sizes(n_groups, ctx_tp, gen_tp, mamba_arrangement):
     mg = mamba_geometry((0, 1), n_groups=n_groups)
     geom = AttentionGeometry(num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16")
-    planned = run_hybrid((ctx_tp, 1, None), (gen_tp, 1, None), geom, (), mg, mamba_layout=mamba_layout)
+    planned = run_hybrid((ctx_tp, 1, None), (gen_tp, 1, None), geom, (), mg, mamba_arrangement=mamba_arrangement)
     for r, nbytes in planned.items():
         topo = Topology.create(gen_tp, 1, r, 2)
         assert nbytes == expected_bytes(topo, geom, (), mg, blocks=0)
@@ -464,16 +464,16 @@ def test_n_groups_below_tp_replicates_groups_like_vllm():
         )
 
 
-def test_vllm_state_layout_addresses_are_the_tensors_own():
+def test_vllm_state_arrangement_addresses_are_the_tensors_own():
     topo = Topology.create(2, 1, 1, 2)
     mg = mamba_geometry((0, 1), n_groups=1)
-    convs, ssms = allocate_mamba_state(topo, mg, 5, layout="vllm", page_bytes=512)
+    convs, ssms = allocate_mamba_state(topo, mg, 5, arrangement="vllm", page_bytes=512)
     assert tuple(convs[0].shape) == (5, 3, mg.conv_dim(topo)) and tuple(ssms[1].shape) == (5, 4, 2, 3)
-    table = build_page_table("mamba_state", convs, ssms, topology=topo, geometry=mg, layout="vllm")
+    table = build_page_table("mamba_state", convs, ssms, topology=topo, geometry=mg, arrangement="vllm")
     roles = [v.role for v in table.views]
     assert roles == ["mamba_conv", "mamba_conv_groups", "mamba_ssm"]
     x_view, bc_view, _ = table.views
-    assert x_view.buffers_per_layer == 3 and bc_view.layout.num_replicas == 2 and bc_view.layout.num_shards == 1
+    assert x_view.buffers_per_layer == 3 and bc_view.sharding.num_replicas == 2 and bc_view.sharding.num_shards == 1
     for li in range(2):
         for slot in (0, 4):
             x_addr = table.entry_addresses(0, np.array([li * 3 + 2]), np.array([slot]))[0, 0]
@@ -487,29 +487,29 @@ def test_vllm_state_layout_addresses_are_the_tensors_own():
     with pytest.raises(
         LayoutError, match=r"conv_state\[0\] \(layer 0\): expected shape \[5, 3, 14\], got \[5, 14, 3\]"
     ):
-        build_mamba_state([c.transpose(1, 2) for c in convs], ssms, topology=topo, geometry=mg, layout="vllm")
+        build_mamba_state([c.transpose(1, 2) for c in convs], ssms, topology=topo, geometry=mg, arrangement="vllm")
     gappy = [convs[0], torch.zeros(5, 3, 28, dtype=torch.float16)[..., ::2]]
     with pytest.raises(LayoutError, match=r"conv_state\[1\] \(layer 1\): expected each slot contiguous"):
-        build_mamba_state(gappy, ssms, topology=topo, geometry=mg, layout="vllm")
+        build_mamba_state(gappy, ssms, topology=topo, geometry=mg, arrangement="vllm")
     with pytest.raises(LayoutError, match=r"page_bytes: expected >= "):
-        allocate_mamba_state(topo, mg, 5, layout="vllm", page_bytes=8)
-    with pytest.raises(LayoutError, match=r"layout: expected one of \['layer_major', 'vllm'\], got 'dim_first'"):
-        build_mamba_state(convs, ssms, topology=topo, geometry=mg, layout="dim_first")
+        allocate_mamba_state(topo, mg, 5, arrangement="vllm", page_bytes=8)
+    with pytest.raises(LayoutError, match=r"arrangement: expected one of \['layer_major', 'vllm'\], got 'dim_first'"):
+        build_mamba_state(convs, ssms, topology=topo, geometry=mg, arrangement="dim_first")
 
 
-def test_layouts_of_the_two_sides_must_agree():
+def test_arrangements_of_the_two_sides_must_agree():
     mg = mamba_geometry((0, 1), n_groups=1)
     geom = AttentionGeometry(num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16")
     topo = Topology.create(1, 1, 0, 2)
-    a = build_rank(topo, geom, (), mg, kv_layout="head_major_pool", mamba_layout="vllm", num_blocks=2, num_slots=2)
+    a = build_rank(topo, geom, (), mg, kv_arrangement="head_major_pool", mamba_arrangement="vllm", num_blocks=2, num_slots=2)
     b = build_rank(
-        topo, geom, (), mg, kv_layout="head_major_pool", mamba_layout="layer_major", num_blocks=2, num_slots=2
+        topo, geom, (), mg, kv_arrangement="head_major_pool", mamba_arrangement="layer_major", num_blocks=2, num_slots=2
     )
     with pytest.raises(IncompatiblePeerError, match="view 'mamba_conv' buffers_per_layer: context 3, generation 1"):
-        validate_compatible(a.layout, b.layout)
-    other = RankLayout(topology=topo, geometry=geom, page_table=b.layout.page_table, mamba=mamba_geometry((0, 1), 2))
+        validate_compatible(a.placement, b.placement)
+    other = RankPlacement(topology=topo, geometry=geom, page_table=b.placement.page_table, mamba=mamba_geometry((0, 1), 2))
     with pytest.raises(IncompatiblePeerError, match="mamba geometry"):
-        validate_compatible(a.layout, other)
+        validate_compatible(a.placement, other)
 
 
 def test_a_vllm_state_page_moves_as_one_fragment_between_equal_ranks():
@@ -518,10 +518,10 @@ def test_a_vllm_state_page_moves_as_one_fragment_between_equal_ranks():
     geom = AttentionGeometry(num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16")
     topo = Topology.create(2, 1, 1, 2)
     a, b = (
-        build_rank(topo, geom, (), mg, kv_layout="head_major_pool", mamba_layout="vllm", num_blocks=2, num_slots=3)
+        build_rank(topo, geom, (), mg, kv_arrangement="head_major_pool", mamba_arrangement="vllm", num_blocks=2, num_slots=3)
         for _ in range(2)
     )
-    plan = plan_transfer(a.layout, b.layout, [], [], src_state_slot=2, dst_state_slot=0)
+    plan = plan_transfer(a.placement, b.placement, [], [], src_state_slot=2, dst_state_slot=0)
     page_used = mg.conv_dim(topo) * 3 * 2 + 4 * 2 * 3 * 4
     assert plan.sizes.tolist() == [page_used, page_used]
     assert sorted(plan.src.tolist()) == sorted(c[2].data_ptr() for c in a.conv)

@@ -15,8 +15,8 @@ import torch
 from kvcore.errors import IncompatiblePeerError, LayoutError, MappingError, PoolMismatchError
 from kvcore.layout.blocks import normalize_block_ids
 from kvcore.layout.builders import allocate_kv_cache, build_kv_page_table
-from kvcore.layout.mapping import RankLayout, plan_transfer, validate_compatible
-from kvcore.layout.page import DEFAULT_GROUP, HEAD_MAJOR, PageTable, Pool, PoolView, ViewLayout, check_group_name
+from kvcore.layout.mapping import RankPlacement, plan_transfer, validate_compatible
+from kvcore.layout.page import DEFAULT_GROUP, HEAD_MAJOR, PageTable, Pool, PoolView, ViewSharding, check_group_name
 from kvcore.layout.peer import peer_ranks
 from kvcore.layout.topology import AttentionGeometry, Topology
 from kvcore.testing.oracle import Memory
@@ -37,7 +37,7 @@ def heads_of(topo: Topology) -> list[int]:
     return list(range(topo.tp_rank * per, (topo.tp_rank + 1) * per))
 
 
-def build(topo: Topology, swa_group: str = "swa") -> tuple[dict[str, torch.Tensor], RankLayout]:
+def build(topo: Topology, swa_group: str = "swa") -> tuple[dict[str, torch.Tensor], RankPlacement]:
     """A rank with a "full" pool for layers 0, 2 and a sliding-window pool for layers 1, 3."""
     tensors, tables = {}, []
     for name, layers, window in (("full", FULL, None), (swa_group, SWA, WINDOW)):
@@ -45,7 +45,7 @@ def build(topo: Topology, swa_group: str = "swa") -> tuple[dict[str, torch.Tenso
         raw(kv)[:] = SENTINEL
         tensors[name] = kv
         tables.append(build_kv_page_table(kv, topology=topo, geometry=GEOM, layers=layers, group=name, window=window))
-    return tensors, RankLayout(topology=topo, geometry=GEOM, page_table=PageTable.combine(tables))
+    return tensors, RankPlacement(topology=topo, geometry=GEOM, page_table=PageTable.combine(tables))
 
 
 def fill(kv: torch.Tensor, topo: Topology, layers, logical: np.ndarray, ids, first_block: int) -> None:
@@ -124,7 +124,7 @@ def test_group_errors_name_the_group():
         validate_compatible(a, b)
     # every layer in one group on one side, two groups on the other: also refused, naming both
     kv = allocate_kv_cache(topo, GEOM, 12)
-    one = RankLayout(topology=topo, geometry=GEOM, page_table=build_kv_page_table(kv, topology=topo, geometry=GEOM))
+    one = RankPlacement(topology=topo, geometry=GEOM, page_table=build_kv_page_table(kv, topology=topo, geometry=GEOM))
     with pytest.raises(PoolMismatchError, match=r"layer group differs: source 'default', destination '(full|swa)'"):
         plan_transfer(one, a, [0, 1], ids, prompt_len=8)
 
@@ -133,7 +133,7 @@ def test_a_plain_list_means_the_only_group():
     topo = Topology.create(1, 1, 0, 4)
     kv = allocate_kv_cache(topo, GEOM, 8, layers=FULL)
     table = build_kv_page_table(kv, topology=topo, geometry=GEOM, layers=FULL, group="full")
-    lay = RankLayout(topology=topo, geometry=GEOM, page_table=table)
+    lay = RankPlacement(topology=topo, geometry=GEOM, page_table=table)
     as_list = plan_transfer(lay, lay, [1, 2], [3, 4])
     as_map = plan_transfer(lay, lay, {"full": [1, 2]}, {"full": np.array([3, 4])})
     assert as_list.count == as_map.count == 1 and as_list.nbytes == as_map.nbytes == 2 * kv[0].numel() * 2
@@ -172,7 +172,7 @@ def test_normalize_block_ids_checks_each_group_against_its_own_pools():
 def test_groups_sharing_memory_may_not_share_a_block_id():
     """vLLM's hybrid allocator: layers of two groups share one buffer, and block ids come from one pool."""
     buf = 2 * 2 * 2 * 4 * 4 * 2  # kv * heads * tokens... of one layer in one block
-    layout = ViewLayout(kind=HEAD_MAJOR, num_shards=1, unit_bytes=buf // 4)
+    sharding = ViewSharding(kind=HEAD_MAJOR, num_shards=1, unit_bytes=buf // 4)
     pool = Pool(base=4096, slot_bytes=2 * buf, slot_stride=2 * buf, num_slots=8)
 
     def view(layer: int, group: str) -> PoolView:
@@ -184,7 +184,7 @@ def test_groups_sharing_memory_may_not_share_a_block_id():
             buffer_bytes=buf,
             pools=(0, 0),
             offsets=(0, buf),
-            layout=layout,
+            sharding=sharding,
             tokens_per_slot=4,
             group=group,
         )

@@ -333,6 +333,10 @@ def test_soak_with_cancels_from_both_sides_every_request_terminal_and_released(
     ctx_rel = [e["released"] for e in ctx.events if "released" in e]
     assert len(ctx_out) == len(set(ctx_out)) == total
     assert len(ctx_rel) == len(set(ctx_rel)) == total
+    # A receiver's cancel reaches the context side whatever the moment: none of its requests waits out its timeout.
+    odd = {e["outcome"]: (e["state"], e["error"]) for e in ctx.events if "outcome" in e}
+    odd = {r: v for r, v in odd.items() if v[0] not in ("DONE", "CANCELLED")}
+    assert not odd, f"context-side outcomes other than DONE/CANCELLED: {dict(list(odd.items())[:5])}"
 
 
 # --- late receivers ----------------------------------------------------------------------------------

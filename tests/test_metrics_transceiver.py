@@ -6,13 +6,11 @@ runs here. After four two-block requests, both sides' counts must match what hap
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 import urllib.request
 from typing import Any
 
-import msgspec
 import pytest
 import torch
 from _instances import fill_value, make_rank, ticket_for
@@ -20,29 +18,34 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore.metrics import register_metrics, serve_metrics
+from kvcore.testing.ranks import Channel, RankProcess, serve
 
 NUM_BLOCKS = 32
 
 
-def _context_main(conn: Any) -> None:
-    agent, cache, tx = make_rank("context", f"ctx-metrics-{os.getpid()}", "shm", NUM_BLOCKS)
-    flat = cache.view(NUM_BLOCKS, -1).view(torch.uint8)
+class _Context:
+    """The context rank: fills and sends what it is told, polls between commands, serves its metrics over HTTP."""
+
+    def __init__(self) -> None:
+        self.agent, cache, self.tx = make_rank("context", f"ctx-metrics-{os.getpid()}", "shm", NUM_BLOCKS)
+        self.flat = cache.view(NUM_BLOCKS, -1).view(torch.uint8)
+
+    def op_send(self, rid: int, blocks: list[int]) -> dict[str, Any]:
+        self.flat[blocks] = torch.from_numpy(fill_value(rid, blocks, self.flat.shape[1]))
+        self.tx.start_send(rid, blocks, ticket=ticket_for(rid))
+        return {}
+
+
+def context_main(channel: Channel) -> None:
+    ctx = _Context()
     server = serve_metrics(0)
-    conn.send_bytes(msgspec.msgpack.encode({"endpoint": tx.info_endpoint, "port": server.server_port}))
     try:
-        while True:
-            if conn.poll(0.002):
-                cmd = msgspec.msgpack.decode(conn.recv_bytes())
-                if cmd["op"] == "exit":
-                    break
-                blocks = cmd["blocks"]
-                flat[blocks] = torch.from_numpy(fill_value(cmd["rid"], blocks, flat.shape[1]))
-                tx.start_send(cmd["rid"], blocks, ticket=ticket_for(cmd["rid"]))
-            tx.poll()
+        channel.send({"endpoint": ctx.tx.info_endpoint, "port": server.server_port})
+        serve(channel, ctx, idle=ctx.tx.poll, idle_wait=0.002)
     finally:
         server.shutdown()
-        tx.close()
-        agent.close()
+        ctx.tx.close()
+        ctx.agent.close()
 
 
 def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -60,19 +63,15 @@ def _scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
 
 @pytest.mark.timeout(120)
 def test_scraped_metrics_of_a_transceiver_pair_count_real_transfers() -> None:
-    spawn = mp.get_context("spawn")
-    conn, child = spawn.Pipe()
-    proc = spawn.Process(target=_context_main, args=(child,), daemon=True)
-    proc.start()
+    ctx = RankProcess("test_metrics_transceiver:context_main", name="metrics context", path=[os.path.dirname(__file__)])
     agent, cache, gen = make_rank("generation", "gen-metrics", "shm", NUM_BLOCKS)
     try:
-        assert conn.poll(60), "context process did not start"
-        hello = msgspec.msgpack.decode(conn.recv_bytes())
+        hello = ctx.recv(60, op="start")
         block_bytes = cache.view(NUM_BLOCKS, -1).view(torch.uint8).shape[1]
         rids = [11, 12, 13, 14]
         for i, rid in enumerate(rids):
             src, dst = [2 * i, 2 * i + 1], [20 + 2 * i, 21 + 2 * i]
-            conn.send_bytes(msgspec.msgpack.encode({"op": "send", "rid": rid, "blocks": src}))
+            ctx.tell("send", rid=rid, blocks=src)
             gen.start_receive(rid, hello["endpoint"], dst, ticket=ticket_for(rid))
         outcomes = gen.wait_all(rids, timeout=60)
         assert all(o.state.value == "DONE" for o in outcomes.values())
@@ -113,12 +112,6 @@ def test_scraped_metrics_of_a_transceiver_pair_count_real_transfers() -> None:
         assert _sum(c, "kvcore_first_contact_duration_seconds_count", **lab) == 1
         assert _sum(c, "kvcore_live_objects", kind="tx_sessions", **lab) == 0
     finally:
-        try:
-            conn.send_bytes(msgspec.msgpack.encode({"op": "exit"}))
-        except OSError:
-            pass
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
+        ctx.close(20.0)
         gen.close()
         agent.close()

@@ -15,12 +15,12 @@ from kvcore.layout.builders import (
     build_page_table,
     build_token_major_layers,
 )
-from kvcore.layout.page import PageTable, Pool, PoolView, ViewLayout
+from kvcore.layout.page import PageTable, Pool, PoolView, ViewSharding
 from kvcore.layout.topology import AttentionGeometry, Topology
 
 HM = AttentionGeometry(num_layers=4, num_kv_heads=4, head_dim=8, tokens_per_block=4, dtype="float16")
 TM = AttentionGeometry(
-    num_layers=4, num_kv_heads=4, head_dim=8, tokens_per_block=4, dtype="float16", layout="token_major"
+    num_layers=4, num_kv_heads=4, head_dim=8, tokens_per_block=4, dtype="float16", block_order="token_major"
 )
 
 
@@ -45,7 +45,7 @@ def test_head_major_pool_table():
     buf = 2 * 4 * 8 * 2
     assert view.role == "kv" and view.mapper == "head_mismatch_head_major" and view.layers == (2, 3)
     assert view.offsets == (0, buf, 2 * buf, 3 * buf) and view.buffer_bytes == buf
-    lay = view.layout
+    lay = view.sharding
     assert (lay.kind, lay.num_shards, lay.shard_index, lay.unit_bytes) == ("head_major_sharded", 2, 1, 4 * 8 * 2)
     assert pt.block_addresses(0, [2]).tolist() == [kv.data_ptr() + 2 * 4 * buf]
     assert pt.regions() == [(kv.data_ptr(), kv.numel() * 2)]
@@ -59,11 +59,11 @@ def test_head_major_pool_table():
 @pytest.mark.parametrize("kv_first", [True, False])
 def test_token_major_layers_table(kv_first):
     t = Topology.create(1, 1, 0, 4)
-    kv = allocate_kv_cache(t, TM, 3, layout="token_major_layers_kv_first" if kv_first else "token_major_layers")
+    kv = allocate_kv_cache(t, TM, 3, arrangement="token_major_layers_kv_first" if kv_first else "token_major_layers")
     pt = build_token_major_layers(kv, topology=t, geometry=TM)  # order detected from the shape
     (view,) = pt.views
     buf = 4 * 4 * 8 * 2
-    assert view.mapper == "head_mismatch_token_major" and view.layout.rows == 4 and view.layout.unit_bytes == 16
+    assert view.mapper == "head_mismatch_token_major" and view.sharding.rows == 4 and view.sharding.unit_bytes == 16
     assert len(pt.pools) == (8 if kv_first else 4)
     v_addr = pt.entry_addresses(0, np.array([1]), np.array([2]))[0, 0]
     expected = kv[0][1, 2].data_ptr() if kv_first else kv[0][2, 1].data_ptr()
@@ -117,14 +117,14 @@ def test_custom_allocator_is_used():
         return torch.zeros(shape, dtype=dtype)
 
     t = Topology.create(2, 1, 0, 4)
-    allocate_kv_cache(t, TM, 3, layout="token_major_layers", allocator=alloc)
+    allocate_kv_cache(t, TM, 3, arrangement="token_major_layers", allocator=alloc)
     assert calls == [((3, 2, 4, 2, 8), torch.float16)] * 4
-    with pytest.raises(LayoutError, match=r"expected geometry\.layout"):
-        allocate_kv_cache(t, TM, 3, layout="head_major_pool")
+    with pytest.raises(LayoutError, match=r"expected geometry\.block_order"):
+        allocate_kv_cache(t, TM, 3, arrangement="head_major_pool")
 
 
 def test_view_and_table_validation():
-    lay = ViewLayout(kind="head_major_sharded", unit_bytes=4)
+    lay = ViewSharding(kind="head_major_sharded", unit_bytes=4)
     pool = Pool(base=0, slot_bytes=16, slot_stride=16, num_slots=2)
     good = dict(
         role="kv",
@@ -134,7 +134,7 @@ def test_view_and_table_validation():
         buffer_bytes=8,
         pools=(0, 0),
         offsets=(0, 8),
-        layout=lay,
+        sharding=lay,
     )
     PageTable(pools=(pool,), views=(PoolView(**good),))
     with pytest.raises(LayoutError, match="inside slot_bytes 16"):
@@ -145,10 +145,10 @@ def test_view_and_table_validation():
         PoolView(**{**good, "buffer_bytes": 6, "offsets": (0, 6)})
     with pytest.raises(LayoutError, match="in one view"):
         PageTable(pools=(pool,), views=(PoolView(**good), PoolView(**good)))
-    with pytest.raises(LayoutError, match="layout kind"):
-        ViewLayout(kind="diagonal")
+    with pytest.raises(LayoutError, match="sharding kind"):
+        ViewSharding(kind="diagonal")
     with pytest.raises(LayoutError, match="num_shards: expected 1"):
-        ViewLayout(kind="replicated", num_shards=2)
+        ViewSharding(kind="replicated", num_shards=2)
 
 
 def test_decode_is_bounded_and_typed():
@@ -173,7 +173,7 @@ def test_mamba_state_builder_through_registry():
     )
     cv, sv = pt.views
     assert (cv.role, cv.mapper, cv.layers, cv.is_state) == ("mamba_conv", "mamba_conv", (2, 3), True)
-    assert cv.layout.section_bytes == (4 * 3 * 4, 2 * 3 * 4, 2 * 3 * 4) and cv.buffer_bytes == 8 * 3 * 4
-    assert (sv.role, sv.layout.unit_bytes, sv.buffer_bytes) == ("mamba_ssm", 2 * 3 * 2, 2 * 2 * 3 * 2)
+    assert cv.sharding.section_bytes == (4 * 3 * 4, 2 * 3 * 4, 2 * 3 * 4) and cv.buffer_bytes == 8 * 3 * 4
+    assert (sv.role, sv.sharding.unit_bytes, sv.buffer_bytes) == ("mamba_ssm", 2 * 3 * 2, 2 * 2 * 3 * 2)
     assert pt.entry_addresses(1, np.array([1]), np.array([4]))[0, 0] == ssm[1, 4].data_ptr()
     assert pt.entry_addresses(0, np.array([0]), np.array([3]))[0, 0] == conv[0, 3].data_ptr()

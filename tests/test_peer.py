@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.errors import TopologyError
-from kvcore.layout.page import ViewLayout
+from kvcore.layout.page import ViewSharding
 from kvcore.layout.peer import (
     aux_writer,
     expected_receivers,
@@ -161,7 +161,7 @@ def test_shard_position_gqa_and_replicated():
 
 def L(tp, rank, units):
     n, i, r, j = shard_position(tp, rank, units)
-    return ViewLayout(
+    return ViewSharding(
         kind="head_major_sharded", num_shards=n, shard_index=i, num_replicas=r, replica_index=j, unit_bytes=1
     )
 

@@ -1,6 +1,6 @@
 """The plan cache (issue 16): a cached peer pair plans exactly what an uncached one does, for any block ids.
 
-The request-independent part of ``plan_transfer`` is cached per (source, destination) layout parts; only the
+The request-independent part of ``plan_transfer`` is cached per (source, destination) placement parts; only the
 block ids change between requests. These tests compare a cache hit with a fresh computation (cache emptied)
 and with an independent expectation computed from the pools' base addresses and strides.
 """
@@ -15,30 +15,30 @@ from kvcore.errors import LayoutError
 from kvcore.extension.plugins import make_plugin_manager
 from kvcore.layout import mapping
 from kvcore.layout.builders import allocate_kv_cache, build_page_table
-from kvcore.layout.mapping import RankLayout, plan_transfer
+from kvcore.layout.mapping import RankPlacement, plan_transfer
 from kvcore.layout.topology import AttentionGeometry, Topology
 
 CORE = make_plugin_manager(load_entry_points=False).layout_mappers
 LAYERS, BLOCKS = 3, 16
 
 
-def _layout() -> tuple[RankLayout, torch.Tensor]:
+def _placement() -> tuple[RankPlacement, torch.Tensor]:
     topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=LAYERS)
     geo = AttentionGeometry(
-        num_layers=LAYERS, num_kv_heads=2, head_dim=4, tokens_per_block=2, dtype="float16", layout="head_major"
+        num_layers=LAYERS, num_kv_heads=2, head_dim=4, tokens_per_block=2, dtype="float16", block_order="head_major"
     )
     caches = allocate_kv_cache(topo, geo, BLOCKS)
     table = build_page_table("head_major_pool", caches, topology=topo, geometry=geo)
-    return RankLayout(topology=topo, geometry=geo, page_table=table), caches
+    return RankPlacement(topology=topo, geometry=geo, page_table=table), caches
 
 
-def _plan(src: RankLayout, dst: RankLayout, s: np.ndarray, d: np.ndarray, **kw: object) -> tuple[list[int], ...]:
+def _plan(src: RankPlacement, dst: RankPlacement, s: np.ndarray, d: np.ndarray, **kw: object) -> tuple[list[int], ...]:
     p = plan_transfer(src, dst, s, d, mappers=CORE, prompt_len=2 * len(s), **kw)  # type: ignore[arg-type]
     return p.src.tolist(), p.dst.tolist(), p.sizes.tolist()
 
 
 def test_a_cache_hit_plans_what_a_fresh_computation_plans() -> None:
-    (a, _ka), (b, _kb) = _layout(), _layout()
+    (a, _ka), (b, _kb) = _placement(), _placement()
     rng = np.random.default_rng(7)
     for i in range(40):
         n = int(rng.integers(1, BLOCKS + 1))
@@ -48,13 +48,13 @@ def test_a_cache_hit_plans_what_a_fresh_computation_plans() -> None:
         mapping._plan_cache.clear()
         fresh = _plan(a, b, s, d, **kw)
         assert hit == fresh
-        # the same parts in new RankLayout objects (as RankInfo.layout builds them) plan the same bytes
-        again = RankLayout(topology=b.topology, geometry=b.geometry, page_table=b.page_table)
+        # the same parts in new RankPlacement objects (as RankInfo.placement builds them) plan the same bytes
+        again = RankPlacement(topology=b.topology, geometry=b.geometry, page_table=b.page_table)
         assert _plan(a, again, s, d, **kw) == fresh
 
 
 def test_a_whole_request_matches_the_pools_addresses() -> None:
-    (a, ka), (b, kb) = _layout(), _layout()
+    (a, ka), (b, kb) = _placement(), _placement()
     s, d = np.array([3, 0, 7]), np.array([5, 9, 1])
     _plan(a, b, s, d)  # warm the cache: the next call is a hit
     src, dst, sizes = _plan(a, b, s, d)
@@ -67,7 +67,7 @@ def test_a_whole_request_matches_the_pools_addresses() -> None:
 
 
 def test_another_page_table_is_never_served_a_stale_plan() -> None:
-    (a, _ka), (b, _kb), (c, _kc) = _layout(), _layout(), _layout()
+    (a, _ka), (b, _kb), (c, _kc) = _placement(), _placement(), _placement()
     s, d = np.array([1, 2]), np.array([3, 4])
     to_b, to_c = _plan(a, b, s, d), _plan(a, c, s, d)
     assert to_b[1] != to_c[1]  # different destination memory
@@ -75,7 +75,7 @@ def test_another_page_table_is_never_served_a_stale_plan() -> None:
 
 
 def test_bad_block_ids_still_raise_on_a_cache_hit() -> None:
-    (a, _ka), (b, _kb) = _layout(), _layout()
+    (a, _ka), (b, _kb) = _placement(), _placement()
     _plan(a, b, np.array([0]), np.array([0]))
     with pytest.raises(LayoutError):
         _plan(a, b, np.array([BLOCKS]), np.array([0]))
@@ -84,7 +84,7 @@ def test_bad_block_ids_still_raise_on_a_cache_hit() -> None:
 
 
 def test_the_cache_is_bounded() -> None:
-    (a, _ka), (b, _kb) = _layout(), _layout()
+    (a, _ka), (b, _kb) = _placement(), _placement()
     for lo in range(2 * mapping._PLAN_CACHE_ENTRIES // LAYERS + 10):
         for start in range(LAYERS):
             _plan(a, b, np.array([0]), np.array([0]), layer_range=(start, LAYERS + lo))

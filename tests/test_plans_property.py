@@ -1,6 +1,6 @@
 """Property tests (core only): random homogeneous-TP pairs with any PP split, move every byte exactly once.
 
-Homogeneous = the same attention TP layout on both sides (PP, uneven splits,
+Homogeneous = the same attention TP size on both sides (PP, uneven splits,
 block ids, prefix cache and sliding window vary freely). These need no plugin:
 the core's matching_heads mapper must handle all of them. Heterogeneous pairs
 are covered in plugins/mixers/tests.
@@ -44,13 +44,13 @@ def homogeneous_case(draw):
         tokens_per_block=tpb,
         dtype=draw(st.sampled_from(["float16", "float32", "int8"])),
         kv_factor=1 if kind == "mla" else 2,
-        layout="token_major" if kind == "token_major" else "head_major",
+        block_order="token_major" if kind == "token_major" else "head_major",
     )
-    layouts = ["token_major_layers", "token_major_layers_kv_first"] if kind == "token_major" else ["head_major_pool"]
+    arrangements = ["token_major_layers", "token_major_layers_kv_first"] if kind == "token_major" else ["head_major_pool"]
     ctx_pp, ctx_split = draw(pp_split(num_layers))
     gen_pp, gen_split = draw(pp_split(num_layers))
-    ctx = Side(tp, ctx_pp, ctx_split, adp, draw(st.sampled_from(layouts)))
-    gen = Side(tp, gen_pp, gen_split, adp, draw(st.sampled_from(layouts)))
+    ctx = Side(tp, ctx_pp, ctx_split, adp, draw(st.sampled_from(arrangements)))
+    gen = Side(tp, gen_pp, gen_split, adp, draw(st.sampled_from(arrangements)))
     prompt_len = draw(st.integers(1, 6 * tpb))
     total = -(-prompt_len // tpb)
     mamba = None

@@ -188,8 +188,8 @@ def test_resolve_refuses_non_agent(pm: PluginManager) -> None:
 
 
 def test_create_agent_passes_options(pm: PluginManager) -> None:
-    agent = create_agent(TransceiverConfig(backend="shm", agent_options={"opt": 1}), "a0", pm)
+    agent = create_agent(TransceiverConfig(backend="shm", agent_options={"copy_threads": 3}), "a0", pm)
     try:
-        assert agent.name == "a0" and agent.options == {"opt": 1}
+        assert agent.name == "a0" and agent.options == {"copy_threads": 3}
     finally:
         agent.close()

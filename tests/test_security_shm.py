@@ -278,8 +278,7 @@ def test_a_dead_owner_is_peer_lost_not_a_crash(writer: ShmAgent, attacker: Attac
     attacker.call("load", descriptor=writer.descriptor())
     peer = writer.load_remote_agent(attacker.call("descriptor")["descriptor"])
     _write(writer, peer, src, dst, MiB)
-    attacker.proc.kill()
-    attacker.proc.wait()
+    attacker.kill()  # SIGKILL and reap: a crash, no cleanup runs
     with pytest.raises(PeerLostError):
         _write(writer, peer, src, dst, MiB)
 

@@ -82,7 +82,7 @@ def test_geometry_heads_per_rank_gqa_mla_adp():
     [
         ("dtype", "float4", "dtype: expected one of"),
         ("kv_factor", 3, "kv_factor"),
-        ("layout", "sideways", "layout"),
+        ("block_order", "sideways", "block_order"),
         ("head_dim", 0, "head_dim"),
     ],
 )

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvcore.errors import MessageDecodeError, MessageTooLargeError, ProtocolError, ProtocolVersionError
-from kvcore.layout.mapping import RankLayout
+from kvcore.layout.mapping import RankPlacement
 from kvcore.layout.page import PageTable
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.msgbounds import MAX_CONTAINER_ENTRIES, MAX_DEPTH, MAX_ITEMS, check_msgpack_bounds
@@ -96,8 +96,10 @@ class RankInfo(msgspec.Struct, frozen=True):
     curve_public_key: Annotated[bytes, msgspec.Meta(max_length=CURVE_KEY_BYTES)] = b""
 
     @property
-    def layout(self) -> RankLayout:
-        return RankLayout(topology=self.topology, geometry=self.geometry, page_table=self.page_table, mamba=self.mamba)
+    def placement(self) -> RankPlacement:
+        return RankPlacement(
+            topology=self.topology, geometry=self.geometry, page_table=self.page_table, mamba=self.mamba
+        )
 
 
 class _Msg(msgspec.Struct, tag_field="t", frozen=True):

@@ -1,11 +1,11 @@
 """Page-table builders (torch tensors -> ``PageTable``) and allocators for the tensors they accept.
 
-Builders declare each view's layout from the topology and geometry
-(:func:`kvcore.layout.peer.shard_position`) and its mapper kind from the layout
+Builders declare each view's sharding from the topology and geometry
+(:func:`kvcore.layout.peer.shard_position`) and its mapper kind from the sharding
 alone, so two peers with different TP sizes declare the same kind:
 
 =====================  ==================  ==============================
-role                   layout kind         mapper kind
+role                   sharding kind       mapper kind
 =====================  ==================  ==============================
 ``kv`` head-major      head_major_sharded  ``head_mismatch_head_major``
 ``kv`` token-major     token_major_sharded ``head_mismatch_token_major``
@@ -19,6 +19,11 @@ role                   layout kind         mapper kind
 ``MambaGeometry.n_groups`` is declared; ``mamba_conv`` then holds x only. A
 homogeneous pair uses the core's ``matching_heads`` mapper regardless (see
 kvcore.layout.mapping).
+
+The *arrangement* (``arrangement=``) names how an engine's tensors hold the cache: for KV
+``head_major_pool`` (one tensor), ``token_major_layers`` or ``token_major_layers_kv_first`` (one
+tensor per layer); for Mamba state ``layer_major`` or ``vllm``. It was the keyword ``layout=``
+before, which still works with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvcore._deprecation import module_getattr, renamed_keyword
 from kvcore.errors import LayoutError
 from kvcore.layout.page import (
     DEFAULT_GROUP,
@@ -36,7 +42,7 @@ from kvcore.layout.page import (
     PageTable,
     Pool,
     PoolView,
-    ViewLayout,
+    ViewSharding,
 )
 from kvcore.layout.peer import shard_position
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology, dtype_bytes
@@ -48,8 +54,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HEAD_MAJOR_POOL",
+    "KV_ARRANGEMENTS",
+    "MAMBA_ARRANGEMENTS",
     "MAMBA_LAYER_MAJOR",
-    "MAMBA_LAYOUTS",
     "MAMBA_VLLM",
     "TOKEN_MAJOR_LAYERS",
     "TOKEN_MAJOR_LAYERS_KV_FIRST",
@@ -62,17 +69,19 @@ __all__ = [
     "build_mamba_state",
     "build_page_table",
     "build_token_major_layers",
-    "kv_view_layout",
+    "kv_view_sharding",
     "torch_dtype",
 ]
 
 HEAD_MAJOR_POOL = "head_major_pool"
-#: Mamba state layouts :func:`build_mamba_state` accepts.
+#: Mamba state arrangements :func:`build_mamba_state` accepts.
 MAMBA_LAYER_MAJOR = "layer_major"
 MAMBA_VLLM = "vllm"
-MAMBA_LAYOUTS = (MAMBA_LAYER_MAJOR, MAMBA_VLLM)
+MAMBA_ARRANGEMENTS = (MAMBA_LAYER_MAJOR, MAMBA_VLLM)
 TOKEN_MAJOR_LAYERS = "token_major_layers"
 TOKEN_MAJOR_LAYERS_KV_FIRST = "token_major_layers_kv_first"
+#: KV arrangements :func:`allocate_kv_cache` and :func:`build_kv_page_table` accept.
+KV_ARRANGEMENTS = (HEAD_MAJOR_POOL, TOKEN_MAJOR_LAYERS, TOKEN_MAJOR_LAYERS_KV_FIRST)
 
 #: ``allocator(shape, dtype) -> tensor``; e.g. a shared-memory agent's ``allocate_tensor``.
 Allocator = Callable[[tuple[int, ...], "torch.dtype"], "torch.Tensor"]
@@ -92,8 +101,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype)
 
 
-def kv_view_layout(topology: Topology, geometry: AttentionGeometry) -> tuple[str, str, ViewLayout]:
-    """``(role, mapper kind, layout)`` of the attention KV view of a rank."""
+def kv_view_sharding(topology: Topology, geometry: AttentionGeometry) -> tuple[str, str, ViewSharding]:
+    """``(role, mapper kind, sharding)`` of the attention KV view of a rank."""
     size, rank = topology.attention_tp
     eb = geometry.element_bytes
     if geometry.is_mla:
@@ -101,11 +110,11 @@ def kv_view_layout(topology: Topology, geometry: AttentionGeometry) -> tuple[str
         return (
             "mla",
             "replicated",
-            ViewLayout(kind=REPLICATED, num_shards=n, shard_index=i, num_replicas=r, replica_index=j),
+            ViewSharding(kind=REPLICATED, num_shards=n, shard_index=i, num_replicas=r, replica_index=j),
         )
     n, i, r, j = shard_position(size, rank, geometry.num_kv_heads)
-    if geometry.layout == "head_major":
-        layout = ViewLayout(
+    if geometry.block_order == "head_major":
+        sharding = ViewSharding(
             kind=HEAD_MAJOR,
             num_shards=n,
             shard_index=i,
@@ -113,8 +122,8 @@ def kv_view_layout(topology: Topology, geometry: AttentionGeometry) -> tuple[str
             replica_index=j,
             unit_bytes=geometry.head_bytes(),
         )
-        return "kv", "head_mismatch_head_major", layout
-    layout = ViewLayout(
+        return "kv", "head_mismatch_head_major", sharding
+    sharding = ViewSharding(
         kind=TOKEN_MAJOR,
         num_shards=n,
         shard_index=i,
@@ -123,7 +132,7 @@ def kv_view_layout(topology: Topology, geometry: AttentionGeometry) -> tuple[str
         unit_bytes=geometry.head_dim * eb,
         rows=geometry.tokens_per_block,
     )
-    return "kv", "head_mismatch_token_major", layout
+    return "kv", "head_mismatch_token_major", sharding
 
 
 def _check_tensor(t: Any, expected: tuple[int, ...], dtype: str, what: str) -> None:
@@ -172,8 +181,8 @@ def build_head_major_pool(
     rank's share of them, in order, and a rank holding none gets an empty
     table. ``group`` names the layer group (see :class:`kvcore.layout.page.PoolView`).
     """
-    if geometry.layout != "head_major":
-        raise LayoutError(f"layout: expected 'head_major' for build_head_major_pool, got {geometry.layout!r}")
+    if geometry.block_order != "head_major":
+        raise LayoutError(f"block_order: expected 'head_major' for build_head_major_pool, got {geometry.block_order!r}")
     heads = geometry.kv_heads_per_rank(topology)
     local = covered_layers(topology, geometry, layers)
     nl, kv = len(local), geometry.kv_factor
@@ -192,7 +201,7 @@ def build_head_major_pool(
     buf = geometry.buffer_bytes(topology)
     slot = nl * kv * buf
     pool = Pool(base=kv_cache.data_ptr(), slot_bytes=slot, slot_stride=slot, num_slots=blocks)
-    view_role, mapper, layout = kv_view_layout(topology, geometry)
+    view_role, mapper, sharding = kv_view_sharding(topology, geometry)
     view = PoolView(
         role=role or view_role,
         mapper=mapper,
@@ -201,7 +210,7 @@ def build_head_major_pool(
         buffer_bytes=buf,
         pools=(0,) * (nl * kv),
         offsets=tuple(e * buf for e in range(nl * kv)),
-        layout=layout,
+        sharding=sharding,
         tokens_per_slot=geometry.tokens_per_block,
         window=window,
         dtype=geometry.dtype,
@@ -226,12 +235,14 @@ def build_token_major_layers(
     ``kv_first=None`` detects the order from the shape (``LayoutError`` when both
     orders fit, i.e. ``blocks == kv_factor``). Blocks-first gives one pool per
     layer (K and V in one slot); kv-first gives one pool per layer and buffer
-    (vLLM's FlashAttention layout). ``layers`` and ``group`` as in
+    (vLLM's FlashAttention arrangement). ``layers`` and ``group`` as in
     :func:`build_head_major_pool`: with ``layers``, ``kv_caches`` holds one
     tensor per local layer of that list.
     """
-    if geometry.layout != "token_major":
-        raise LayoutError(f"layout: expected 'token_major' for build_token_major_layers, got {geometry.layout!r}")
+    if geometry.block_order != "token_major":
+        raise LayoutError(
+            f"block_order: expected 'token_major' for build_token_major_layers, got {geometry.block_order!r}"
+        )
     heads = geometry.kv_heads_per_rank(topology)
     local = covered_layers(topology, geometry, layers)
     nl, kv, tpb, d = len(local), geometry.kv_factor, geometry.tokens_per_block, geometry.head_dim
@@ -271,7 +282,7 @@ def build_token_major_layers(
             for k in range(kv):
                 pool_ids.append(pool_idx)
                 offsets.append(k * buf)
-    view_role, mapper, layout = kv_view_layout(topology, geometry)
+    view_role, mapper, sharding = kv_view_sharding(topology, geometry)
     view = PoolView(
         role=role or view_role,
         mapper=mapper,
@@ -280,7 +291,7 @@ def build_token_major_layers(
         buffer_bytes=buf,
         pools=tuple(pool_ids),
         offsets=tuple(offsets),
-        layout=layout,
+        sharding=sharding,
         tokens_per_slot=tpb,
         window=window,
         dtype=geometry.dtype,
@@ -346,7 +357,7 @@ def _conv_views(
                 buffer_bytes=sum(sections),
                 pools=tuple(p for p in pools for _ in range(rows)),
                 offsets=tuple(row * row_bytes + start for _ in pools for row in range(rows)),
-                layout=ViewLayout(
+                sharding=ViewSharding(
                     kind=SECTIONED, num_shards=n, shard_index=i, num_replicas=r, replica_index=j, section_bytes=sections
                 ),
                 dtype=geometry.conv_dtype,
@@ -361,25 +372,29 @@ def build_mamba_state(
     *,
     topology: Topology,
     geometry: MambaGeometry,
-    layout: str = MAMBA_LAYER_MAJOR,
+    arrangement: str | None = None,
+    layout: str | None = None,
 ) -> PageTable:
     """Page table of this rank's Mamba state (``geometry.local_layers``), one slot per request.
 
-    ``layout="layer_major"`` (default): one conv tensor ``[layers, slots,
+    ``arrangement="layer_major"`` (default): one conv tensor ``[layers, slots,
     conv_dim, d_conv-1]`` (channel-major) and one SSM tensor ``[layers, slots,
     heads, head_dim, d_state]``, both contiguous.
 
-    ``layout="vllm"``: vLLM's layout, one tensor per layer: ``conv_state`` is a
+    ``arrangement="vllm"``: vLLM's arrangement, one tensor per layer: ``conv_state`` is a
     list of ``[slots, d_conv-1, conv_dim]`` and ``ssm_state`` a list of
     ``[slots, heads, head_dim, d_state]``; each slot contiguous, slots strided
     as vLLM's page views are (conv and SSM interleaved in one page buffer).
     Its rows of ``x|B|C`` make ``d_conv-1`` conv fragments per layer and section.
 
-    Both peers must use the same layout. A rank without Mamba layers gets an
-    empty table (``[]`` tensors or tensors with 0 layers).
+    Both peers must use the same arrangement. A rank without Mamba layers gets an
+    empty table (``[]`` tensors or tensors with 0 layers). ``layout=`` is the deprecated
+    name of ``arrangement=``.
     """
-    if layout not in MAMBA_LAYOUTS:
-        raise LayoutError(f"layout: expected one of {list(MAMBA_LAYOUTS)}, got {layout!r}")
+    arrangement = renamed_keyword("build_mamba_state", "layout", layout, "arrangement", arrangement)
+    arrangement = MAMBA_LAYER_MAJOR if arrangement is None else arrangement
+    if arrangement not in MAMBA_ARRANGEMENTS:
+        raise LayoutError(f"arrangement: expected one of {list(MAMBA_ARRANGEMENTS)}, got {arrangement!r}")
     local = geometry.local_layers(topology)
     nl = len(local)
     conv_dim, rows = geometry.conv_dim(topology), geometry.d_conv - 1
@@ -388,7 +403,7 @@ def build_mamba_state(
     conv_bytes = conv_dim * rows * ceb
     ssm_bytes = ssm_shape[0] * geometry.ssm_head_bytes()
     pools: list[Pool] = []
-    if layout == MAMBA_LAYER_MAJOR:
+    if arrangement == MAMBA_LAYER_MAJOR:
         if conv_state.dim() != 4 or ssm_state.dim() != 5:
             raise LayoutError(
                 f"mamba state: expected conv [{nl}, slots, {conv_dim}, {rows}] and ssm "
@@ -442,7 +457,7 @@ def build_mamba_state(
             buffer_bytes=ssm_bytes,
             pools=tuple(range(nl, 2 * nl)),
             offsets=(0,) * nl,
-            layout=ViewLayout(
+            sharding=ViewSharding(
                 kind=HEAD_MAJOR,
                 num_shards=n,
                 shard_index=i,
@@ -473,40 +488,45 @@ def allocate_kv_cache(
     topology: Topology,
     geometry: AttentionGeometry,
     num_blocks: int,
-    layout: str | None = None,
+    arrangement: str | None = None,
     allocator: Allocator | None = None,
     layers: Sequence[int] | None = None,
+    *,
+    layout: str | None = None,
 ) -> Any:
-    """Tensors a builder accepts for this rank: one tensor (``head_major_pool``) or a list (token-major layouts).
+    """Tensors a builder accepts for this rank: one tensor (``head_major_pool``) or a list (token-major arrangements).
 
-    ``layout`` is ``head_major_pool`` (default for head-major geometry),
+    ``arrangement`` is ``head_major_pool`` (default for head-major geometry),
     ``token_major_layers`` (``[blocks, kv, tokens, heads, dim]``, default for
     token-major) or ``token_major_layers_kv_first``. ``allocator(shape, dtype)``
     defaults to ``torch.zeros``; receivers pass their agent's ``allocate_tensor``.
     ``layers`` restricts the cache to those global layers (a hybrid's attention
     layers); a rank holding none of them gets a tensor with 0 layers (or ``[]``).
+    ``layout=`` is the deprecated name of ``arrangement=``.
     """
+    arrangement = renamed_keyword("allocate_kv_cache", "layout", layout, "arrangement", arrangement)
     if num_blocks < 1:
         raise LayoutError(f"num_blocks: expected >= 1, got {num_blocks}")
     alloc = allocator or _zeros
     dtype = torch_dtype(geometry.dtype)
-    if layout is None:
-        layout = HEAD_MAJOR_POOL if geometry.layout == "head_major" else TOKEN_MAJOR_LAYERS
+    if arrangement is None:
+        arrangement = HEAD_MAJOR_POOL if geometry.block_order == "head_major" else TOKEN_MAJOR_LAYERS
     heads = geometry.kv_heads_per_rank(topology)
     nl = len(covered_layers(topology, geometry, layers))
     kv, tpb, d = geometry.kv_factor, geometry.tokens_per_block, geometry.head_dim
-    expected_layout = "head_major" if layout == HEAD_MAJOR_POOL else "token_major"
-    if geometry.layout != expected_layout:
-        raise LayoutError(f"layout: {layout!r} expected geometry.layout {expected_layout!r}, got {geometry.layout!r}")
-    if layout == HEAD_MAJOR_POOL:
+    expected_order = "head_major" if arrangement == HEAD_MAJOR_POOL else "token_major"
+    if geometry.block_order != expected_order:
+        raise LayoutError(
+            f"arrangement: {arrangement!r} expected geometry.block_order {expected_order!r}, "
+            f"got {geometry.block_order!r}"
+        )
+    if arrangement == HEAD_MAJOR_POOL:
         return alloc((num_blocks, nl, kv, heads, tpb, d), dtype)
-    if layout == TOKEN_MAJOR_LAYERS:
+    if arrangement == TOKEN_MAJOR_LAYERS:
         return [alloc((num_blocks, kv, tpb, heads, d), dtype) for _ in range(nl)]
-    if layout == TOKEN_MAJOR_LAYERS_KV_FIRST:
+    if arrangement == TOKEN_MAJOR_LAYERS_KV_FIRST:
         return [alloc((kv, num_blocks, tpb, heads, d), dtype) for _ in range(nl)]
-    raise LayoutError(
-        f"layout: expected one of {[HEAD_MAJOR_POOL, TOKEN_MAJOR_LAYERS, TOKEN_MAJOR_LAYERS_KV_FIRST]}, got {layout!r}"
-    )
+    raise LayoutError(f"arrangement: expected one of {list(KV_ARRANGEMENTS)}, got {arrangement!r}")
 
 
 def build_kv_page_table(
@@ -514,15 +534,22 @@ def build_kv_page_table(
     *,
     topology: Topology,
     geometry: AttentionGeometry,
-    layout: str | None = None,
+    arrangement: str | None = None,
     layers: Sequence[int] | None = None,
     group: str = DEFAULT_GROUP,
     window: int | None = None,
+    layout: str | None = None,
 ) -> PageTable:
-    """Page table of tensors made by :func:`allocate_kv_cache` with the same ``layout`` and ``layers``."""
-    if layout is None:
-        layout = HEAD_MAJOR_POOL if geometry.layout == "head_major" else TOKEN_MAJOR_LAYERS
-    if layout == HEAD_MAJOR_POOL:
+    """Page table of tensors made by :func:`allocate_kv_cache` with the same ``arrangement`` and ``layers``.
+
+    ``layout=`` is the deprecated name of ``arrangement=``.
+    """
+    arrangement = renamed_keyword("build_kv_page_table", "layout", layout, "arrangement", arrangement)
+    if arrangement is None:
+        arrangement = HEAD_MAJOR_POOL if geometry.block_order == "head_major" else TOKEN_MAJOR_LAYERS
+    if arrangement not in KV_ARRANGEMENTS:
+        raise LayoutError(f"arrangement: expected one of {list(KV_ARRANGEMENTS)}, got {arrangement!r}")
+    if arrangement == HEAD_MAJOR_POOL:
         return build_head_major_pool(
             kv_cache, topology=topology, geometry=geometry, layers=layers, group=group, window=window
         )
@@ -530,7 +557,7 @@ def build_kv_page_table(
         kv_cache,
         topology=topology,
         geometry=geometry,
-        kv_first=layout == TOKEN_MAJOR_LAYERS_KV_FIRST,
+        kv_first=arrangement == TOKEN_MAJOR_LAYERS_KV_FIRST,
         layers=layers,
         group=group,
         window=window,
@@ -542,25 +569,29 @@ def allocate_mamba_state(
     geometry: MambaGeometry,
     num_slots: int,
     allocator: Allocator | None = None,
-    layout: str = MAMBA_LAYER_MAJOR,
+    arrangement: str | None = None,
     page_bytes: int | None = None,
+    *,
+    layout: str | None = None,
 ) -> tuple[Any, Any]:
-    """``(conv_state, ssm_state)`` that :func:`build_mamba_state` accepts for this rank with the same ``layout``.
+    """``(conv_state, ssm_state)`` that :func:`build_mamba_state` accepts for this rank with the same ``arrangement``.
 
-    ``layout="vllm"`` allocates as vLLM does: per local Mamba layer one buffer
+    ``arrangement="vllm"`` allocates as vLLM does: per local Mamba layer one buffer
     of ``num_slots`` pages, each page ``conv | ssm`` (``page_bytes``, default
     the two rounded up to their element sizes; vLLM pads it to the attention
-    page), returned as two lists of strided views.
+    page), returned as two lists of strided views. ``layout=`` is the deprecated name of ``arrangement=``.
     """
+    arrangement = renamed_keyword("allocate_mamba_state", "layout", layout, "arrangement", arrangement)
+    arrangement = MAMBA_LAYER_MAJOR if arrangement is None else arrangement
     if num_slots < 1:
         raise LayoutError(f"num_slots: expected >= 1, got {num_slots}")
-    if layout not in MAMBA_LAYOUTS:
-        raise LayoutError(f"layout: expected one of {list(MAMBA_LAYOUTS)}, got {layout!r}")
+    if arrangement not in MAMBA_ARRANGEMENTS:
+        raise LayoutError(f"arrangement: expected one of {list(MAMBA_ARRANGEMENTS)}, got {arrangement!r}")
     alloc = allocator or _zeros
     nl = len(geometry.local_layers(topology))
     cdt, sdt = torch_dtype(geometry.conv_dtype), torch_dtype(geometry.ssm_dtype)
     conv_shape, ssm_shape = geometry.conv_shape(topology), geometry.ssm_shape(topology)
-    if layout == MAMBA_LAYER_MAJOR:
+    if arrangement == MAMBA_LAYER_MAJOR:
         return alloc((nl, num_slots, *conv_shape), cdt), alloc((nl, num_slots, *ssm_shape), sdt)
     import torch
 
@@ -585,3 +616,8 @@ def allocate_mamba_state(
             )
         )
     return convs, ssms
+
+
+__getattr__ = module_getattr(
+    __name__, {"kv_view_layout": "kv_view_sharding", "MAMBA_LAYOUTS": "MAMBA_ARRANGEMENTS"}, globals()
+)

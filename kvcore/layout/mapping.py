@@ -2,14 +2,14 @@
 
 Mapper-kind selection (both peers declare the same kind, independently of the peer):
 
-* Every view declares ``mapper``: the kind able to re-shard its layout
+* Every view declares ``mapper``: the kind able to re-shard its sharding
   (``head_mismatch_head_major`` for head-major KV, ``head_mismatch_token_major``
   for token-major KV, ``replicated`` for MLA / index keys, ``mamba_conv``,
   ``mamba_ssm``), or ``matching_heads`` for views that may never be re-sharded.
-  The builders choose it from the layout alone, so both peers agree whatever
+  The builders choose it from the sharding alone, so both peers agree whatever
   their TP sizes. Different declared kinds raise ``PoolMismatchError``.
-* When the two views' per-buffer layouts are identical except for this rank's
-  shard/replica indices (``ViewLayout.shape_key()`` and ``buffer_bytes``
+* When the two views' per-buffer shardings are identical except for this rank's
+  shard/replica indices (``ViewSharding.shape_key()`` and ``buffer_bytes``
   equal: a homogeneous deployment), the core's ``matching_heads`` mapper is
   used whatever was declared. Otherwise the declared kind is looked up in the
   layout-mapper registry; if no installed plugin provides it, a ``MappingError``
@@ -34,6 +34,7 @@ from typing import ClassVar, Protocol
 import msgspec
 import numpy as np
 
+from kvcore._deprecation import module_getattr
 from kvcore.errors import (
     IncompatiblePeerError,
     MappingError,
@@ -42,7 +43,7 @@ from kvcore.errors import (
     UnknownBackendError,
 )
 from kvcore.layout.blocks import BlockIds, as_id_array
-from kvcore.layout.page import DEFAULT_GROUP, REPLICATED, SECTIONED, PageTable, PoolView, ViewLayout
+from kvcore.layout.page import DEFAULT_GROUP, REPLICATED, SECTIONED, PageTable, PoolView, ViewSharding
 from kvcore.layout.peer import owns, peer_ranks
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology, require_no_cp
 from kvcore.transport.fragments import merge_runs
@@ -52,7 +53,7 @@ __all__ = [
     "FragmentPlan",
     "LayoutMapper",
     "MatchingHeadsMapper",
-    "RankLayout",
+    "RankPlacement",
     "ViewPair",
     "align_blocks",
     "plan_transfer",
@@ -121,7 +122,7 @@ class FragmentPlan:
         return f"FragmentPlan(count={self.count}, nbytes={self.nbytes})"
 
 
-def shard_split(src: ViewLayout, dst: ViewLayout, src_bytes: int, dst_bytes: int) -> tuple[int, int, int]:
+def shard_split(src: ViewSharding, dst: ViewSharding, src_bytes: int, dst_bytes: int) -> tuple[int, int, int]:
     """``(src_offset, dst_offset, size)`` of the bytes two paired shards share, for one sharded run.
 
     ``src_bytes``/``dst_bytes`` are the run's per-rank sizes (a buffer, a row or a
@@ -176,7 +177,7 @@ class LayoutMapper(ABC):
         """``(src_offsets, dst_offsets, sizes)`` of the fragments inside one buffer pair; raise ``MappingError`` if unmappable.
 
         Called once per view pair (not per block): the result is broadcast over
-        every matched buffer and block. Read only ``view.layout`` and
+        every matched buffer and block. Read only ``view.sharding`` and
         ``view.buffer_bytes``.
         """
 
@@ -196,21 +197,24 @@ class LayoutMapper(ABC):
 
 
 class MatchingHeadsMapper(LayoutMapper):
-    """Identical per-buffer layout on both sides: copy each buffer whole; contiguous layers/blocks merge."""
+    """Identical per-buffer sharding on both sides: copy each buffer whole; contiguous layers/blocks merge."""
 
     kind = MATCHING_HEADS
 
     def buffer_fragments(self, src: PoolView, dst: PoolView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if src.layout.shape_key() != dst.layout.shape_key() or src.buffer_bytes != dst.buffer_bytes:
+        if src.sharding.shape_key() != dst.sharding.shape_key() or src.buffer_bytes != dst.buffer_bytes:
             raise MappingError(
-                f"view {src.role!r}: matching_heads expected identical layouts, got "
-                f"{src.layout.shape_key()} / {src.buffer_bytes} B and {dst.layout.shape_key()} / {dst.buffer_bytes} B"
+                f"view {src.role!r}: matching_heads expected identical shardings, got "
+                f"{src.sharding.shape_key()} / {src.buffer_bytes} B and {dst.sharding.shape_key()} / {dst.buffer_bytes} B"
             )
         return np.zeros(1, _U64), np.zeros(1, _U64), np.array([src.buffer_bytes], _U64)
 
 
-class RankLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything a peer needs to plan transfers with a rank: topology, geometry, page table."""
+class RankPlacement(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a peer needs to plan transfers with a rank: topology, geometry, page table.
+
+    (Called ``RankLayout`` before; that name still imports, with a ``DeprecationWarning``.)
+    """
 
     topology: Topology
     geometry: AttentionGeometry
@@ -245,8 +249,8 @@ def _view_diffs(role: str, cv: PoolView, gv: PoolView) -> list[str]:
     cmp("layer group", cv.group, gv.group)
     if cv.dtype or gv.dtype:
         cmp("dtype", cv.dtype or "(not declared)", gv.dtype or "(not declared)")
-    cl, gl = cv.layout, gv.layout
-    cmp("layout kind", cl.kind, gl.kind)
+    cl, gl = cv.sharding, gv.sharding
+    cmp("sharding kind", cl.kind, gl.kind)
     if cl.kind != gl.kind:
         return diffs
     cmp("unit_bytes", cl.unit_bytes, gl.unit_bytes)
@@ -269,11 +273,11 @@ def _view_diffs(role: str, cv: PoolView, gv: PoolView) -> list[str]:
     return diffs
 
 
-def validate_compatible(ctx: RankLayout, gen: RankLayout) -> None:
+def validate_compatible(ctx: RankPlacement, gen: RankPlacement) -> None:
     """Raise ``IncompatiblePeerError`` listing every field that prevents ``ctx`` -> ``gen`` transfers; else None."""
     diffs: list[str] = []
     cg, gg = ctx.geometry, gen.geometry
-    for field in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "dtype", "kv_factor", "layout"):
+    for field in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "dtype", "kv_factor", "block_order"):
         c, g = getattr(cg, field), getattr(gg, field)
         if c != g:
             diffs.append(f"{field}: context {c!r}, generation {g!r}")
@@ -359,12 +363,12 @@ def align_blocks(
 
 
 def select_mapper_kind(src: PoolView, dst: PoolView) -> str:
-    """``matching_heads`` for identical per-buffer layouts, else the kind both views declare."""
+    """``matching_heads`` for identical per-buffer shardings, else the kind both views declare."""
     if src.mapper != dst.mapper:
         raise PoolMismatchError(
             f"view {src.role!r}: mapper kind differs: source {src.mapper!r}, destination {dst.mapper!r}"
         )
-    if src.layout.shape_key() == dst.layout.shape_key() and src.buffer_bytes == dst.buffer_bytes:
+    if src.sharding.shape_key() == dst.sharding.shape_key() and src.buffer_bytes == dst.buffer_bytes:
         return MATCHING_HEADS
     return src.mapper
 
@@ -465,11 +469,11 @@ _plan_cache_lock = threading.Lock()
 
 
 def _pair_plans(
-    src: RankLayout, dst: RankLayout, mappers: MapperLookup, layer_range: tuple[int, int] | None
+    src: RankPlacement, dst: RankPlacement, mappers: MapperLookup, layer_range: tuple[int, int] | None
 ) -> tuple[_PairPlan | _Deferred, ...]:
     """The request-independent part of :func:`plan_transfer`, cached per (source, destination, mappers, layers).
 
-    Keyed by the identity of the layouts' parts (a peer's ``RankInfo`` keeps them for its lifetime); the cache
+    Keyed by the identity of the placements' parts (a peer's ``RankInfo`` keeps them for its lifetime); the cache
     holds them, so an id is never reused while its entry lives. At most 256 entries, least recently used out.
     Topology errors are raised, never cached; layout errors are kept as ``_Deferred`` steps, so every call
     raises the error the uncached planner raised, in the same order as the per-request checks.
@@ -498,7 +502,7 @@ def _pair_plans(
 
 
 def _build_pair_plans(
-    src: RankLayout, dst: RankLayout, layer_range: tuple[int, int] | None
+    src: RankPlacement, dst: RankPlacement, layer_range: tuple[int, int] | None
 ) -> tuple[_PairPlan | _Deferred, ...]:
     require_no_cp(src.topology, dst.topology, what="plan_transfer")
     contacted = peer_ranks(dst.topology, src.topology, src.topology.dp_rank)
@@ -553,7 +557,7 @@ def _build_pair_plans(
                 )
             )
             break
-        if not owns(sv.layout, dv.layout, dst_dp):
+        if not owns(sv.sharding, dv.sharding, dst_dp):
             continue
         bf = sv.buffers_per_layer
         pos = np.asarray(positions, dtype=np.int64)
@@ -573,8 +577,8 @@ def _build_pair_plans(
 
 
 def plan_transfer(
-    src: RankLayout,
-    dst: RankLayout,
+    src: RankPlacement,
+    dst: RankPlacement,
     src_block_ids: BlockIds,
     dst_block_ids: BlockIds,
     *,
@@ -651,3 +655,6 @@ def plan_transfer(
         plans.append(state)
     plan = FragmentPlan.concat(plans)
     return plan.merge_contiguous() if merge else plan
+
+
+__getattr__ = module_getattr(__name__, {"RankLayout": "RankPlacement"}, globals())

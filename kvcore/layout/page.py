@@ -10,7 +10,7 @@ Model (see docs in each class):
   is a list of *entries*, ``buffers_per_layer`` per layer (K and V for ``kv``),
   each ``buffer_bytes`` long at ``offsets[e]`` inside a slot of pool
   ``pools[e]``. Entry ``e`` belongs to layer ``layers[e // buffers_per_layer]``.
-* A :class:`ViewLayout` declares how one buffer is laid out and sharded over the
+* A :class:`ViewSharding` declares how one buffer is laid out and sharded over the
   attention TP group (kind, shard count/index, replica count/index, unit bytes,
   section bytes). Mappers read only this, never TP sizes.
 
@@ -21,15 +21,16 @@ bounds the input size and the table bounds its own counts.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import ClassVar
 
 import msgspec
 import numpy as np
 
+from kvcore._deprecation import RenamingStructMeta, module_getattr, warn_renamed
 from kvcore.errors import LayoutError
 
 __all__ = [
     "DEFAULT_GROUP",
-    "LAYOUT_KINDS",
     "MAX_GROUP_NAME",
     "MAX_ENTRIES_PER_VIEW",
     "MAX_POOLS",
@@ -38,7 +39,8 @@ __all__ = [
     "PageTable",
     "Pool",
     "PoolView",
-    "ViewLayout",
+    "SHARDING_KINDS",
+    "ViewSharding",
     "check_group_name",
 ]
 
@@ -46,8 +48,8 @@ HEAD_MAJOR = "head_major_sharded"
 TOKEN_MAJOR = "token_major_sharded"
 REPLICATED = "replicated"
 SECTIONED = "sectioned"
-#: Layout declaration kinds a view may use.
-LAYOUT_KINDS = (HEAD_MAJOR, TOKEN_MAJOR, REPLICATED, SECTIONED)
+#: The kinds of sharding a view may declare (:attr:`ViewSharding.kind`).
+SHARDING_KINDS = (HEAD_MAJOR, TOKEN_MAJOR, REPLICATED, SECTIONED)
 
 #: The layer group of views whose builder named none; a plain block-id list means this group.
 DEFAULT_GROUP = "default"
@@ -68,8 +70,10 @@ def check_group_name(name: object, what: str = "group") -> str:
     return name
 
 
-class ViewLayout(msgspec.Struct, frozen=True, kw_only=True):
+class ViewSharding(msgspec.Struct, frozen=True, kw_only=True):
     """How one buffer of a view is laid out and sharded; the only thing mappers read.
+
+    (Called ``ViewLayout`` before; that name still imports, with a ``DeprecationWarning``.)
 
     Kinds:
 
@@ -98,8 +102,8 @@ class ViewLayout(msgspec.Struct, frozen=True, kw_only=True):
     section_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in LAYOUT_KINDS:
-            raise LayoutError(f"layout kind: expected one of {list(LAYOUT_KINDS)}, got {self.kind!r}")
+        if self.kind not in SHARDING_KINDS:
+            raise LayoutError(f"sharding kind: expected one of {list(SHARDING_KINDS)}, got {self.kind!r}")
         if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
             raise LayoutError(f"shard_index: expected 0 <= shard_index < {self.num_shards}, got {self.shard_index}")
         if self.num_replicas < 1 or not 0 <= self.replica_index < self.num_replicas:
@@ -107,14 +111,14 @@ class ViewLayout(msgspec.Struct, frozen=True, kw_only=True):
                 f"replica_index: expected 0 <= replica_index < {self.num_replicas}, got {self.replica_index}"
             )
         if self.kind == REPLICATED and self.num_shards != 1:
-            raise LayoutError(f"num_shards: expected 1 for a replicated layout, got {self.num_shards}")
+            raise LayoutError(f"num_shards: expected 1 for replicated sharding, got {self.num_shards}")
         if self.kind in (HEAD_MAJOR, TOKEN_MAJOR) and self.unit_bytes < 1:
             raise LayoutError(f"unit_bytes: expected >= 1 for {self.kind}, got {self.unit_bytes}")
         if self.rows < 1:
             raise LayoutError(f"rows: expected >= 1, got {self.rows}")
         if self.kind == SECTIONED and (not self.section_bytes or min(self.section_bytes) < 1):
             raise LayoutError(
-                f"section_bytes: expected positive sizes for a sectioned layout, got {self.section_bytes}"
+                f"section_bytes: expected positive sizes for sectioned sharding, got {self.section_bytes}"
             )
         if not isinstance(self.section_bytes, tuple):
             msgspec.structs.force_setattr(self, "section_bytes", tuple(self.section_bytes))
@@ -137,7 +141,7 @@ class ViewLayout(msgspec.Struct, frozen=True, kw_only=True):
             )
 
     def shape_key(self) -> tuple[object, ...]:
-        """Everything except this rank's shard/replica indices: equal keys mean an identical per-buffer layout."""
+        """Everything except this rank's shard/replica indices: equal keys mean an identical per-buffer sharding."""
         return (self.kind, self.num_shards, self.num_replicas, self.unit_bytes, self.rows, self.section_bytes)
 
 
@@ -180,7 +184,7 @@ class Pool(msgspec.Struct, frozen=True, kw_only=True):
         return np.uint64(self.base) + ids.astype(np.uint64) * np.uint64(self.slot_stride)
 
 
-class PoolView(msgspec.Struct, frozen=True, kw_only=True):
+class PoolView(msgspec.Struct, frozen=True, kw_only=True, metaclass=RenamingStructMeta):
     """One role's buffers for a set of global layers: entry ``e`` is layer ``layers[e // buffers_per_layer]``.
 
     ``tokens_per_slot`` is the tokens one slot holds (a KV block), or ``None``
@@ -192,6 +196,9 @@ class PoolView(msgspec.Struct, frozen=True, kw_only=True):
     TensorRT-LLM's layer group): token views of one group share one block-id
     list per request, each group its own (e.g. ``"full"`` and ``"swa"``).
     Both peers must put a shared layer in the same group.
+
+    ``sharding`` was called ``layout`` before: the keyword ``layout=`` still works, with a
+    ``DeprecationWarning``, and the wire keeps the key ``layout``.
     """
 
     role: str
@@ -201,11 +208,13 @@ class PoolView(msgspec.Struct, frozen=True, kw_only=True):
     buffer_bytes: int
     pools: tuple[int, ...]
     offsets: tuple[int, ...]
-    layout: ViewLayout
+    sharding: ViewSharding = msgspec.field(name="layout")
     tokens_per_slot: int | None = None
     window: int | None = None
     dtype: str = ""  # element type of the buffers ("" when the builder does not say): peers must agree
     group: str = DEFAULT_GROUP
+
+    __renamed_keywords__: ClassVar[dict[str, str]] = {"layout": "sharding"}
 
     def __post_init__(self) -> None:
         check_group_name(self.group, f"view {self.role!r} group")
@@ -234,7 +243,13 @@ class PoolView(msgspec.Struct, frozen=True, kw_only=True):
             raise LayoutError(f"tokens_per_slot: expected >= 1 or None, got {self.tokens_per_slot}")
         if self.window is not None and self.window < 1:
             raise LayoutError(f"window: expected >= 1 or None, got {self.window}")
-        self.layout.check_buffer(self.buffer_bytes)
+        self.sharding.check_buffer(self.buffer_bytes)
+
+    @property
+    def layout(self) -> ViewSharding:
+        """Deprecated name of :attr:`sharding`."""
+        warn_renamed("PoolView.layout", "PoolView.sharding")
+        return self.sharding
 
     @property
     def num_entries(self) -> int:
@@ -380,3 +395,6 @@ class PageTable(msgspec.Struct, frozen=True, kw_only=True):
             return msgspec.msgpack.decode(data, type=PageTable)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise LayoutError(f"page table: could not decode: {exc}") from exc
+
+
+__getattr__ = module_getattr(__name__, {"ViewLayout": "ViewSharding", "LAYOUT_KINDS": "SHARDING_KINDS"}, globals())

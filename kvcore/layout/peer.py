@@ -1,7 +1,7 @@
 """Peer registrar arithmetic: which peer ranks a rank exchanges with, and who writes which bytes.
 
 Pure functions over :class:`~kvcore.layout.topology.Topology` and
-:class:`~kvcore.layout.page.ViewLayout`; no state, no I/O.
+:class:`~kvcore.layout.page.ViewSharding`; no state, no I/O.
 
 Convention the transceiver follows (one request, context instance C, generation instance G):
 
@@ -28,7 +28,7 @@ Convention the transceiver follows (one request, context instance C, generation 
 from __future__ import annotations
 
 from kvcore.errors import TopologyError
-from kvcore.layout.page import ViewLayout
+from kvcore.layout.page import ViewSharding
 from kvcore.layout.topology import Topology, require_no_cp
 
 __all__ = [
@@ -145,7 +145,7 @@ def _ratio(big: int, small: int, what: str) -> int:
     return big // small
 
 
-def shards_paired(src: ViewLayout, dst: ViewLayout) -> bool:
+def shards_paired(src: ViewSharding, dst: ViewSharding) -> bool:
     """True when ``src``'s shard and ``dst``'s shard share any unit (shard counts must divide)."""
     ns, nd = src.num_shards, dst.num_shards
     if ns <= nd:
@@ -153,14 +153,14 @@ def shards_paired(src: ViewLayout, dst: ViewLayout) -> bool:
     return src.shard_index // _ratio(ns, nd, "num_shards") == dst.shard_index
 
 
-def replica_ratio(src: ViewLayout, dst: ViewLayout) -> int:
+def replica_ratio(src: ViewSharding, dst: ViewSharding) -> int:
     """How many source replicas compete for one destination: ``max(1, R_src // R_dst)``."""
     if src.num_replicas <= dst.num_replicas:
         return 1
     return _ratio(src.num_replicas, dst.num_replicas, "num_replicas")
 
 
-def owns(src: ViewLayout, dst: ViewLayout, dst_dp_rank: int = 0) -> bool:
+def owns(src: ViewSharding, dst: ViewSharding, dst_dp_rank: int = 0) -> bool:
     """Whether the source rank writes its share of this view to this destination rank (exactly one writer).
 
     Shards must pair, and among ``replica_ratio`` competing source replicas the one

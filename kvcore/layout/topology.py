@@ -1,4 +1,4 @@
-"""What a rank's parallel layout (TP/PP/CP, attention DP) and a model's attention geometry look like.
+"""What a rank's parallelism (TP/PP/CP sizes and ranks, attention DP) and a model's attention geometry look like.
 
 Rank ordering (instance-global rank, CP-minor, as in TensorRT-LLM's current code)::
 
@@ -14,15 +14,17 @@ what they run, but every planning function refuses it with ``TopologyError``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
+from kvcore._deprecation import RenamingStructMeta, warn_renamed
 from kvcore.errors import LayoutError, TopologyError
 
 __all__ = [
     "DTYPE_BYTES",
     "AttentionGeometry",
+    "BlockOrder",
     "MambaGeometry",
     "Topology",
     "dtype_bytes",
@@ -202,12 +204,18 @@ def require_no_cp(*topologies: Topology, what: str = "this operation") -> None:
             )
 
 
-class AttentionGeometry(msgspec.Struct, frozen=True, kw_only=True):
+#: One of the two orders of the axes inside one block of one layer's K (or V) buffer.
+BlockOrder = Literal["head_major", "token_major"]
+
+
+class AttentionGeometry(msgspec.Struct, frozen=True, kw_only=True, metaclass=RenamingStructMeta):
     """Model-wide attention KV geometry: totals over the model, not per rank.
 
     ``kv_factor`` is 2 (K and V) or 1 (MLA: one latent buffer, replicated over TP).
-    ``layout`` is the per-block order of one layer's buffer: ``head_major``
-    ``[heads, tokens, dim]`` or ``token_major`` ``[tokens, heads, dim]``.
+    ``block_order`` is the order of the axes inside one block of one layer's buffer:
+    ``head_major`` ``[heads, tokens, dim]`` or ``token_major`` ``[tokens, heads, dim]``.
+    (Called ``layout`` before; the keyword ``layout=`` still works, with a ``DeprecationWarning``,
+    and the wire keeps the key ``layout``.)
     """
 
     num_layers: int
@@ -216,7 +224,9 @@ class AttentionGeometry(msgspec.Struct, frozen=True, kw_only=True):
     tokens_per_block: int
     dtype: str
     kv_factor: int = 2
-    layout: Literal["head_major", "token_major"] = "head_major"
+    block_order: BlockOrder = msgspec.field(default="head_major", name="layout")
+
+    __renamed_keywords__: ClassVar[dict[str, str]] = {"layout": "block_order"}
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block"):
@@ -227,9 +237,15 @@ class AttentionGeometry(msgspec.Struct, frozen=True, kw_only=True):
             raise LayoutError(f"kv_factor: expected 1 (MLA) or 2 (K and V), got {self.kv_factor!r}")
         if self.kv_factor == 1 and self.num_kv_heads != 1:
             raise LayoutError(f"num_kv_heads: expected 1 with kv_factor=1 (MLA), got {self.num_kv_heads}")
-        if self.layout not in ("head_major", "token_major"):
-            raise LayoutError(f"layout: expected 'head_major' or 'token_major', got {self.layout!r}")
+        if self.block_order not in ("head_major", "token_major"):
+            raise LayoutError(f"block_order: expected 'head_major' or 'token_major', got {self.block_order!r}")
         dtype_bytes(self.dtype)
+
+    @property
+    def layout(self) -> BlockOrder:
+        """Deprecated name of :attr:`block_order`."""
+        warn_renamed("AttentionGeometry.layout", "AttentionGeometry.block_order")
+        return self.block_order
 
     @property
     def is_mla(self) -> bool:

@@ -1,48 +1,34 @@
-"""A second real process for transport tests: ``PeerProcess`` spawns it, commands travel as msgpack frames on pipes.
+"""A second real process for transport tests: ``PeerProcess``, a rank process (``kvcore.testing.ranks``) serving one agent.
 
-The peer (``python -m kvcore.testing.harness``) creates one agent of the
-backend under test through the plugin registry, allocates memory with
-``agent.allocate_tensor``, registers it, hands out its descriptor and, on
-command, reads back bytes, drains notifications, deregisters, closes or exits.
-Frames are ``4-byte big-endian length + msgpack map``; nothing is pickled.
-Every read on the test side has a deadline; the peer exits when its stdin
-closes, so a crashed test never leaves a peer behind.
+The peer creates one agent of the backend under test through the plugin
+registry, allocates memory with ``agent.allocate_tensor``, registers it, hands
+out its descriptor and, on command, reads back bytes, drains notifications,
+deregisters, closes or exits. The process, the msgpack frames, the deadline on
+every read, the typed errors and the reaping are :mod:`kvcore.testing.ranks`'s;
+nothing is pickled. The peer closes its agent and exits when its channel closes,
+so a crashed test never leaves a peer behind.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import select
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, BinaryIO
+from typing import Any
 
-import msgspec
 import numpy as np
 
-__all__ = ["PeerProcess", "PeerError", "HarnessTimeout", "pattern", "digest"]
+from kvcore.testing.ranks import Channel, RankError, RankFailedError, RankProcess, RankTimeoutError, serve
 
-_MAX_FRAME = 512 * 1024 * 1024
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+__all__ = ["PeerProcess", "PeerError", "HarnessTimeout", "pattern", "digest", "peer_main"]
 
-
-class PeerError(AssertionError):
-    """The peer process answered a command with an error (``error_type`` names the exception it raised)."""
-
-    def __init__(self, op: str, error_type: str, message: str) -> None:
-        super().__init__(f"peer command {op!r} failed: {error_type}: {message}")
-        self.op, self.error_type, self.message = op, error_type, message
-
-
-class HarnessTimeout(AssertionError):
-    """The peer did not answer within the deadline (it hung or died)."""
+#: The peer answered a command with an error (``error_type`` names the exception it raised): the rank harness's
+#: typed error under the name the transport tests know.
+PeerError = RankFailedError
+#: The peer did not answer within the deadline (it hung).
+HarnessTimeout = RankTimeoutError
 
 
 def pattern(seed: int, nbytes: int) -> np.ndarray:
@@ -55,38 +41,10 @@ def digest(data: Any) -> str:
     return hashlib.blake2b(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()  # type: ignore[arg-type]
 
 
-def _write_frame(stream: BinaryIO, obj: Mapping[str, Any]) -> None:
-    data = _encoder.encode(obj)
-    stream.write(len(data).to_bytes(4, "big") + data)
-    stream.flush()
-
-
-def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise HarnessTimeout(f"peer sent no reply within the deadline ({got} of {n} bytes read)")
-        chunk = os.read(fd, min(n - got, 1 << 22))
-        if not chunk:
-            raise EOFError(f"peer closed its pipe after {got} of {n} bytes")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _read_frame(fd: int, deadline: float | None) -> dict[str, Any]:
-    size = int.from_bytes(_read_exact(fd, 4, deadline), "big")
-    if size > _MAX_FRAME:
-        raise ValueError(f"frame of {size} bytes exceeds the {_MAX_FRAME} limit")
-    return _decoder.decode(_read_exact(fd, size, deadline))
-
-
 # --- the test side ---------------------------------------------------------------------------
 
 
-class PeerProcess:
+class PeerProcess(RankProcess):
     """A peer agent in its own process; ``call(op, **args)`` runs one command and returns its reply.
 
     Use as a context manager, or call ``close()``; ``kill()`` simulates a crash.
@@ -101,77 +59,35 @@ class PeerProcess:
         startup_timeout: float = 60.0,
         env: Mapping[str, str] | None = None,
         launcher: Sequence[str] = (),
-        module: str = "kvcore.testing.harness",
+        target: str = "kvcore.testing.harness:peer_main",
     ) -> None:
         # launcher: an argv prefix that runs the peer elsewhere (kvcore.testing.hosts enters a namespaced host);
-        # module: a module whose main() serves a _Peer subclass with more commands.
-        cmd = [
-            *launcher,
-            sys.executable,
-            "-m",
-            module,
-            "--backend",
-            backend,
-            "--name",
-            name,
-            "--options",
-            json.dumps(dict(options or {})),
-        ]
-        self.backend, self.name = backend, name
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=None if env is None else dict(env)
+        # target: a function that serves a _Peer subclass with more commands (kvcore.testing.hosts has one).
+        super().__init__(
+            target,
+            name=name,
+            kwargs={"backend": backend, "name": name, "options": dict(options or {})},
+            env=env,
+            launcher=launcher,
         )
+        self.backend = backend
         try:
             self.info = self.call("hello", timeout=startup_timeout)
         except BaseException:
             self.kill()
             raise
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def call(self, op: str, *, timeout: float = 60.0, **args: Any) -> dict[str, Any]:
-        """Send one command and wait at most ``timeout`` seconds for its reply; raises ``PeerError`` on failure."""
-        if self.proc.poll() is not None:
-            raise PeerError(op, "PeerExited", f"peer process exited with status {self.proc.returncode}")
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        try:
-            _write_frame(self.proc.stdin, {"op": op, **args})  # type: ignore[arg-type]
-            reply = _read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout)
-        except (BrokenPipeError, EOFError) as exc:
-            raise PeerError(op, "PeerExited", f"peer process went away: {exc}") from exc
-        if not reply.get("ok"):
-            raise PeerError(op, str(reply.get("error")), str(reply.get("message")))
-        return reply
-
-    def kill(self) -> None:
-        """SIGKILL the peer (a crash: no cleanup runs) and reap it."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-        self._close_pipes()
-
-    def close(self, timeout: float = 20.0) -> None:
+    def close(self, timeout: float = 20.0) -> int | None:
         """Ask the peer to close its agent and exit; kill it if it does not within ``timeout``."""
-        if self.proc.poll() is None:
+        if self.alive():
             try:
                 self.call("exit", timeout=timeout)
-                self.proc.wait(timeout=timeout)
-            except Exception:
-                self.kill()
-        self._close_pipes()
-
-    def _close_pipes(self) -> None:
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None and not pipe.closed:
-                pipe.close()
+            except RankError:
+                pass  # it is gone or stuck: RankProcess.close kills and reaps it
+        return super().close(timeout)
 
     def __enter__(self) -> PeerProcess:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # --- the peer side ---------------------------------------------------------------------------
@@ -191,6 +107,7 @@ class _Peer:
         self.watch: threading.Thread | None = None
         self.watched: list[list[Any]] = []
         self.loaded: list[str] = []  # initiators loaded with op_load
+        self.closed = False
 
     def _bytes(self, key: str) -> np.ndarray:
         out: np.ndarray = self.buffers[key].cpu().numpy().view(np.uint8).reshape(-1)
@@ -310,50 +227,18 @@ class _Peer:
     def op_exit(self) -> dict[str, Any]:
         self.regs.clear()
         self.agent.close()
+        self.closed = True
         self.buffers.clear()
         return {"resources": self.agent.resources()}
 
 
-def _serve(backend: str, name: str, options: dict[str, Any], peer_cls: type[_Peer] = _Peer) -> int:
-    # Replies go on a private copy of stdout; anything a plugin prints lands on stderr instead.
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    inp = sys.stdin.buffer.fileno()
+def peer_main(
+    channel: Channel, backend: str, name: str, options: dict[str, Any], peer_cls: type[_Peer] = _Peer
+) -> None:
+    """The peer's rank function: one agent of ``backend``, commands served until ``exit`` or EOF, then closed."""
+    peer = peer_cls(backend, name, options)
     try:
-        peer = peer_cls(backend, name, options)
-    except Exception as exc:
-        _read_frame(inp, None)
-        _write_frame(out, {"ok": False, "error": type(exc).__name__, "message": str(exc)})
-        return 1
-    while True:
-        try:
-            req = _read_frame(inp, None)
-        except EOFError:  # the test process went away: clean up and leave
+        serve(channel, peer)
+    finally:
+        if not peer.closed:
             peer.agent.close()
-            return 0
-        op = str(req.pop("op", ""))
-        handler = getattr(peer, f"op_{op}", None)
-        try:
-            if handler is None:
-                raise ValueError(f"unknown harness command {op!r}")
-            reply = {"ok": True, **handler(**req)}
-        except Exception as exc:
-            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
-        _write_frame(out, reply)
-        if op == "exit":
-            return 0
-
-
-def main(argv: list[str] | None = None, peer_cls: type[_Peer] = _Peer) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m kvcore.testing.harness")
-    parser.add_argument("--backend", required=True)
-    parser.add_argument("--name", default="contract-peer")
-    parser.add_argument("--options", default="{}")
-    args = parser.parse_args(argv)
-    return _serve(args.backend, args.name, json.loads(args.options), peer_cls)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -212,14 +212,14 @@ class HostPeer(PeerProcess):
             options,
             name=name,
             launcher=host.launcher(),
-            module="kvcore.testing.hosts",
+            target="kvcore.testing.hosts:host_peer_main",
             **kw,
         )
 
     @property
     def inner_pid(self) -> int | None:
         """The peer's pid as seen from here (nsenter forks it), or None once it is gone."""
-        kids = _children(self.proc.pid)
+        kids = _children(self.pid)
         return kids[0] if kids else None
 
     def kill(self) -> None:
@@ -277,7 +277,8 @@ class Host:
         peer = HostPeer(
             self, backend, options, name=name or f"{self.hostname}-{backend}", env=env, startup_timeout=startup_timeout
         )
-        self.processes.append(peer.proc)
+        assert peer.popen is not None  # a launcher runs it as a subprocess
+        self.processes.append(peer.popen)
         return peer
 
 
@@ -833,9 +834,14 @@ def _bench_main(argv: list[str]) -> int:
     return 0
 
 
+def host_peer_main(channel: Any, backend: str, name: str, options: dict[str, Any]) -> None:
+    """The rank function of a peer inside a host: the harness peer plus :func:`_peer_class`'s commands."""
+    from kvcore.testing.harness import peer_main
+
+    peer_main(channel, backend, name, options, peer_cls=_peer_class())
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["bench"]:
         sys.exit(_bench_main(sys.argv[2:]))
-    from kvcore.testing import harness
-
-    sys.exit(harness.main(peer_cls=_peer_class()))
+    sys.exit("usage: python -m kvcore.testing.hosts bench [--backend NAME] ...")

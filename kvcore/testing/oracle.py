@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvcore.layout.builders import allocate_kv_cache, allocate_mamba_state, build_kv_page_table, build_mamba_state
-from kvcore.layout.mapping import FragmentPlan, RankLayout, plan_transfer
+from kvcore.layout.mapping import FragmentPlan, RankPlacement, plan_transfer
 from kvcore.layout.page import PageTable
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 
@@ -188,7 +188,7 @@ def fill_kv(
     rank_tensors: list[torch.Tensor] | torch.Tensor,
     topo: Topology,
     geom: AttentionGeometry,
-    layout: str,
+    arrangement: str,
     logical: np.ndarray,
     block_ids: np.ndarray,
     first_block: int,
@@ -202,10 +202,10 @@ def fill_kv(
         for li, layer in enumerate(own):
             for k in range(geom.kv_factor):
                 part = logical[layer, k][heads][:, toks]  # [h, tpb, D*eb]
-                if layout == "head_major_pool":
+                if arrangement == "head_major_pool":
                     dst = _bytes(rank_tensors[blk, li, k])  # type: ignore[call-overload]
                     dst[:] = part.reshape(-1)
-                elif layout == "token_major_layers":
+                elif arrangement == "token_major_layers":
                     _bytes(rank_tensors[li][blk, k])[:] = part.transpose(1, 0, 2).reshape(-1)
                 else:
                     _bytes(rank_tensors[li][k, blk])[:] = part.transpose(1, 0, 2).reshape(-1)
@@ -216,24 +216,24 @@ def make_kv_ranks(
     tp: int,
     pp: int,
     geom: AttentionGeometry,
-    layout: str,
+    arrangement: str,
     num_blocks: int,
     *,
     layers_per_pp: list[int] | None = None,
     attention_dp: bool = False,
     extra_tables: dict[int, PageTable] | None = None,
-) -> list[tuple[Topology, object, RankLayout]]:
-    """Every rank of an instance: topology, its KV tensor(s) (sentinel-filled) and its RankLayout."""
+) -> list[tuple[Topology, object, RankPlacement]]:
+    """Every rank of an instance: topology, its KV tensor(s) (sentinel-filled) and its RankPlacement."""
     out = []
     for r in range(tp * pp):
         topo = Topology.create(tp, pp, r, geom.num_layers, layers_per_pp, attention_dp=attention_dp)
-        kv = allocate_kv_cache(topo, geom, num_blocks, layout=layout)
+        kv = allocate_kv_cache(topo, geom, num_blocks, arrangement=arrangement)
         for t in kv if isinstance(kv, list) else [kv]:
             _bytes(t)[:] = SENTINEL
-        table = build_kv_page_table(kv, topology=topo, geometry=geom, layout=layout)
+        table = build_kv_page_table(kv, topology=topo, geometry=geom, arrangement=arrangement)
         if extra_tables and r in extra_tables:
             table = PageTable.combine([table, extra_tables[r]])
-        out.append((topo, kv, RankLayout(topology=topo, geometry=geom, page_table=table)))
+        out.append((topo, kv, RankPlacement(topology=topo, geometry=geom, page_table=table)))
     return out
 
 
@@ -275,13 +275,13 @@ def fill_mamba(conv: Any, ssm: Any, topo: Topology, mg: MambaGeometry, logical: 
 
 @dataclass
 class Side:
-    """One instance's parallel configuration and cache layout in a scenario."""
+    """One instance's parallel configuration and cache arrangement in a scenario."""
 
     tp: int
     pp: int = 1
     layers_per_pp: list[int] | None = None
     attention_dp: bool = False
-    layout: str = "head_major_pool"
+    arrangement: str = "head_major_pool"
 
 
 @dataclass
@@ -338,16 +338,16 @@ def run_scenario(
             topo = Topology.create(
                 side.tp, side.pp, r, geom.num_layers, side.layers_per_pp, attention_dp=side.attention_dp
             )
-            kv = allocate_kv_cache(topo, geom, num_blocks, layout=side.layout)
+            kv = allocate_kv_cache(topo, geom, num_blocks, arrangement=side.arrangement)
             for t in _tensors(kv):
                 _bytes(t)[:] = SENTINEL
-            table = build_kv_page_table(kv, topology=topo, geometry=geom, layout=side.layout)
+            table = build_kv_page_table(kv, topology=topo, geometry=geom, arrangement=side.arrangement)
             rank: dict[str, Any] = {"topo": topo, "kv": kv}
             if mamba is not None:
                 conv, ssm, mtable = make_mamba_state(topo, mamba, num_slots)
                 table = PageTable.combine([table, mtable])
                 rank.update(conv=conv, ssm=ssm)
-            rank["layout"] = RankLayout(topology=topo, geometry=geom, page_table=table, mamba=mamba)
+            rank["placement"] = RankPlacement(topology=topo, geometry=geom, page_table=table, mamba=mamba)
             ranks.append(rank)
         return ranks
 
@@ -359,7 +359,7 @@ def run_scenario(
                 for t in _tensors(rank[key]):
                     mem.add(t)
     for rank in ctx_ranks:
-        fill_kv(rank["kv"], rank["topo"], geom, ctx.layout, logical, ctx_ids, 0)
+        fill_kv(rank["kv"], rank["topo"], geom, ctx.arrangement, logical, ctx_ids, 0)
         if mamba is not None:
             fill_mamba(rank["conv"], rank["ssm"], rank["topo"], mamba, lmamba, ctx_slot)
 
@@ -382,8 +382,8 @@ def run_scenario(
             assert gt.rank in back, (c, gt.rank, back)
             assert expected_receivers(ct, gen_any, gen_dp_rank) == len(back)
             plan = plan_transfer(
-                ctx_ranks[c]["layout"],
-                g["layout"],
+                ctx_ranks[c]["placement"],
+                g["placement"],
                 ctx_ids,
                 gen_ids,
                 mappers=mappers,
@@ -414,8 +414,8 @@ def run_scenario(
         mask = [torch.zeros_like(t) for t in exp]
         for t in exp:
             _bytes(t)[:] = SENTINEL
-        fill_kv(exp if isinstance(g["kv"], list) else exp[0], gt, geom, gen.layout, logical, blocks, first)
-        fill_kv(mask if isinstance(g["kv"], list) else mask[0], gt, geom, gen.layout, ones, blocks, first)
+        fill_kv(exp if isinstance(g["kv"], list) else exp[0], gt, geom, gen.arrangement, logical, blocks, first)
+        fill_kv(mask if isinstance(g["kv"], list) else mask[0], gt, geom, gen.arrangement, ones, blocks, first)
         for t, e, m in zip(_tensors(g["kv"]), exp, mask):
             actual = _bytes(t)
             assert np.array_equal(actual, _bytes(e)), (

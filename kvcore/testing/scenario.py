@@ -281,7 +281,7 @@ class Rank:
             tokens_per_block=spec.tokens_per_block,
             dtype=spec.dtype,
             kv_factor=spec.kv_factor,
-            layout=spec.layout,  # type: ignore[arg-type]  # checked by DemoSpec.validate
+            block_order=spec.layout,  # type: ignore[arg-type]  # checked by DemoSpec.validate
         )
         self.caches = allocate_kv_cache(self.topology, self.geometry, spec.num_blocks, allocator=agent.allocate_tensor)
         for c in self.caches if isinstance(self.caches, list) else [self.caches]:

@@ -1,8 +1,8 @@
 """``kvcore bench``: kvcore end to end vs the bare transport vs memcpy, on identical fragments, in one run.
 
-For every selected backend the orchestrator (this process) spawns one context
-and one generation rank process (``multiprocessing`` spawn; orchestration
-commands travel on pipes as msgpack bytes, never pickle). Each *case* is a
+For every selected backend the orchestrator (this process) starts one context
+and one generation rank process (:class:`kvcore.testing.ranks.RankProcess`;
+orchestration commands travel on pipes as msgpack frames, never pickle). Each *case* is a
 function ``case(run: BackendRun) -> dict``; :data:`CASES` maps names to them.
 
 * ``llama8b``: one Llama-3-8B-shaped request (32 layers, 8 KV heads, head dim
@@ -51,14 +51,12 @@ import ctypes
 import heapq
 import itertools
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -68,6 +66,7 @@ import numpy as np
 
 from kvcore.errors import KvcoreError
 from kvcore.params import derive_ticket
+from kvcore.testing.ranks import Channel, RankError, RankProcess, serve
 
 if TYPE_CHECKING:
     from kvcore.extension.registry import BenchBaselineRegistry
@@ -91,7 +90,7 @@ SMALL_SLOTS = 8  # distinct one-block slots the small requests cycle through
 
 
 class BenchError(KvcoreError):
-    """A benchmark rank failed or refused a command; the message carries the rank's traceback."""
+    """A benchmark spec was refused, or a request or check inside a rank failed (the message says which)."""
 
 
 class BenchTimeoutError(BenchError, TimeoutError):
@@ -237,22 +236,6 @@ class BenchSpec:
         return Shape("frag16k", self.fragments * 32, 1, 1, 128, 32, "bfloat16")
 
 
-# --- orchestration wire ------------------------------------------------------------------------
-
-
-def _send(conn: Any, obj: Any) -> None:
-    conn.send_bytes(msgspec.msgpack.encode(obj))
-
-
-def _recv(conn: Any, timeout: float, who: str) -> dict[str, Any]:
-    if not conn.poll(timeout):
-        raise BenchTimeoutError(f"{who} did not answer within {timeout:.0f}s")
-    msg = msgspec.msgpack.decode(conn.recv_bytes())
-    if not isinstance(msg, dict):
-        raise BenchError(f"{who} sent a {type(msg).__name__}, expected a map")
-    return msg
-
-
 # --- rank processes ----------------------------------------------------------------------------
 
 
@@ -299,13 +282,13 @@ _SECRET_ENV = "KVCORE_BENCH_TICKET_SECRET"
 class _Rank:
     """One rank process: owns an agent, and per case a pool, a page table and a ``Transceiver``; serves commands."""
 
-    def __init__(self, role: str, backend: str, spec: BenchSpec, conn: Any) -> None:
+    def __init__(self, role: str, backend: str, spec: BenchSpec) -> None:
         import torch
 
         from kvcore.config import TransceiverConfig, create_agent
 
         torch.set_num_threads(1)
-        self.role, self.backend, self.spec, self.conn = role, backend, spec, conn
+        self.role, self.backend, self.spec = role, backend, spec
         # Both sides derive every request's ticket from the run's secret (the orchestrator set it before spawning).
         self.secret = bytes.fromhex(os.environ[_SECRET_ENV])
         self.config = TransceiverConfig.load(
@@ -324,24 +307,9 @@ class _Rank:
 
     # --- the loop ------------------------------------------------------------------------------
 
-    def serve(self) -> None:
-        while True:
-            wait = 0.001 if self.pending else 0.05
-            if self.conn.poll(wait):
-                cmd = msgspec.msgpack.decode(self.conn.recv_bytes())
-                if cmd["op"] == "exit":
-                    _send(self.conn, {"kind": "ok"})
-                    return
-                try:
-                    reply = getattr(self, "op_" + cmd["op"])(**cmd.get("args", {}))
-                except Exception as exc:
-                    _send(
-                        self.conn,
-                        {"kind": "error", "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()},
-                    )
-                    continue
-                _send(self.conn, {"kind": "ok", **(reply or {})})
-            self._tick()
+    def serve(self, channel: Channel) -> None:
+        """Answer the orchestrator's commands; between them, poll while requests are in flight."""
+        serve(channel, self, idle=self._tick, idle_wait=lambda: 0.001 if self.pending else 0.05)
 
     def _tick(self) -> None:
         """The context rank's engine loop: poll the transceiver while requests are in flight."""
@@ -383,7 +351,7 @@ class _Rank:
             head_dim=sh.head_dim,
             tokens_per_block=sh.tokens_per_block,
             dtype=sh.dtype,
-            layout="head_major",
+            block_order="head_major",
         )
         num_blocks = sh.blocks + SMALL_SLOTS + 1
         self.caches = allocate_kv_cache(topology, geometry, num_blocks, allocator=self.agent.allocate_tensor)
@@ -497,7 +465,7 @@ class _Rank:
     # --- context: bare transport and memcpy ----------------------------------------------------
 
     def op_peer(self, rank_info: bytes) -> dict[str, Any]:
-        """Learn the generation rank's layout and agent descriptor (for the bare modes' identical plan)."""
+        """Learn the generation rank's placement and agent descriptor (for the bare modes' identical plan)."""
         from kvcore.control import wire
 
         self.gen_info = msgspec.msgpack.decode(rank_info, type=wire.RankInfo)
@@ -511,8 +479,8 @@ class _Rank:
         gen_ids = _block_ids(self.shape, self.spec.seed, "generation")[region]
         src, dst = self.ids[region][:count], gen_ids[:count]
         return plan_transfer(
-            self.tx.layout,
-            self.gen_info.layout,
+            self.tx.placement,
+            self.gen_info.placement,
             src,
             dst,
             mappers=get_plugin_manager().registries.layout_mappers,
@@ -980,80 +948,47 @@ class _Rank:
             self.agent.close()
 
 
-def _rank_main(role: str, backend: str, spec_d: dict[str, Any], conn: Any) -> None:
-    """Entry point of a rank process: serve commands until told to exit; report any failure."""
-    os.dup2(2, 1)  # native libraries may print: keep the orchestrator's stdout (``--json``) clean
-    rank: _Rank | None = None
+def _rank_main(channel: Channel, role: str, backend: str, spec: dict[str, Any]) -> None:
+    """A rank process's function: set up, say so, serve commands until told to exit (a failure is reported)."""
+    rank = _Rank(role, backend, BenchSpec(**spec))
     try:
-        rank = _Rank(role, backend, BenchSpec(**spec_d), conn)
-        _send(conn, {"kind": "ok", "pid": os.getpid()})
-        rank.serve()
-    except BaseException as exc:
-        try:
-            _send(conn, {"kind": "error", "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
-        except Exception:
-            pass
-        raise SystemExit(1) from None
+        channel.send({"pid": os.getpid()})
+        rank.serve(channel)
     finally:
-        if rank is not None:
-            rank.close()
+        rank.close()
 
 
 # --- orchestrator --------------------------------------------------------------------------------
 
 
-class _RankProc:
+class _RankProc(RankProcess):
     """The orchestrator's handle on one rank process: commands out, replies back, every wait bounded."""
 
     def __init__(self, role: str, backend: str, spec: BenchSpec) -> None:
         os.environ.setdefault(_SECRET_ENV, os.urandom(32).hex())  # inherited by every rank process of this run
-        ctx = mp.get_context("spawn")
-        self.role, self.spec = role, spec
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_rank_main,
-            args=(role, backend, asdict(spec), child),
-            name=f"kvcore-bench-{backend}-{role}",
-            daemon=True,
+        super().__init__(
+            "kvcore.tools.bench:_rank_main",
+            name=f"{backend} {role} rank",
+            kwargs={"role": role, "backend": backend, "spec": asdict(spec)},
         )
-        self.proc.start()
-        child.close()
-        self.who = f"{backend} {role} rank"
+        self.role, self.spec = role, spec
 
     def ready(self) -> None:
-        self._reply(self.spec.timeout_s)
+        """Wait until the rank has set up (its agent exists)."""
+        self.recv(self.spec.timeout_s, op="start")
 
-    def post(self, op: str, **args: Any) -> None:
-        _send(self.conn, {"op": op, "args": args})
+    def call(self, op: str, *, timeout: float | None = None, **args: Any) -> dict[str, Any]:
+        """``RankProcess.call`` with the run's bound (``timeout_s`` + 30 s) as the default deadline."""
+        return super().call(op, timeout=timeout or self.spec.timeout_s + 30, **args)
 
-    def call(self, op: str, timeout: float | None = None, **args: Any) -> dict[str, Any]:
-        self.post(op, **args)
-        return self._reply(timeout or self.spec.timeout_s + 30)
-
-    def reply(self, timeout: float) -> dict[str, Any]:
-        """The reply to a command sent with :meth:`post` (a rank error raises ``BenchError``)."""
-        return self._reply(timeout)
-
-    def _reply(self, timeout: float) -> dict[str, Any]:
-        try:
-            msg = _recv(self.conn, timeout, self.who)
-        except EOFError:
-            raise BenchError(f"{self.who} exited (code {self.proc.exitcode})") from None
-        if msg.get("kind") == "error":
-            raise BenchError(f"{self.who} failed: {msg['error']}\n{msg.get('trace', '')}")
-        return msg
-
-    def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call("exit", timeout=30)
-        except Exception:
-            pass
-        finally:
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(5)
+    def close(self, timeout: float = 30.0) -> int | None:
+        """Ask the rank to tear down and exit; reaped (killed past ``timeout``) in any case."""
+        if self.alive():
+            try:
+                self.call("exit", timeout=timeout)
+            except RankError:
+                pass
+        return super().close(10.0)
 
 
 class BackendRun:
@@ -1445,7 +1380,7 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         f"{side}.{name}": (v[0] - steps0[side][name][0]) / (v[1] - steps0[side][name][1]) * 1e3
         for side, names in steps1.items()
         for name, v in names.items()
-        if name not in ("kind",) and v[1] > steps0[side][name][1]
+        if v[1] > steps0[side][name][1]
     }
     out["throughput"] = {
         "requests": spec.small_requests,
@@ -1565,12 +1500,10 @@ def case_soak(run: BackendRun) -> dict[str, Any]:
         run.ctx.post("soak", **args)
         run.gen.post("soak", endpoint=run.endpoint, **args)
         wait = deadline_s + spec.soak_request_timeout_s + 60.0
-        sides["generation"] = run.gen.reply(wait)
-        sides["context"] = run.ctx.reply(wait)
+        sides["generation"] = run.gen.reply("soak", wait)
+        sides["context"] = run.ctx.reply("soak", wait)
     finally:
         shape_checks = run.close_shape()
-    for side in sides.values():
-        side.pop("kind", None)
     out.update(sides)
     out["seconds"] = max(side["seconds"] for side in sides.values())
     out.update(shape_checks)

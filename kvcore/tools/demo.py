@@ -7,7 +7,8 @@ values derived from (request, layer, kv, head, token, dim); generation ranks
 receive N requests concurrently, then compare every received byte with the
 same formula computed independently on their own shard, and check that every
 byte nothing may write (a cached prefix, another DP group's request) is still
-zero. Orchestration messages are msgpack bytes.
+zero. Each rank is a :class:`kvcore.testing.ranks.RankProcess`; orchestration
+messages are msgpack frames, never pickle.
 
 What a run can cover: any TP/PP on each side (uneven PP splits too), GQA with
 fewer KV heads than TP (replicated heads), MLA (one latent "head", replicated
@@ -39,19 +40,15 @@ import contextlib
 import faulthandler
 import json
 import multiprocessing as mp
-import multiprocessing.connection
 import os
 import shutil
 import socket
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Iterator
 from dataclasses import asdict, fields, replace
 from typing import Any
-
-import msgspec
 
 from kvcore.params import TransferParams, derive_ticket
 from kvcore.testing.oracle import (
@@ -63,6 +60,7 @@ from kvcore.testing.oracle import (
     layers_of_rank,
     ssm_heads_of_rank,
 )
+from kvcore.testing.ranks import Channel, RankExitedError, RankProcess, StartMethod, ready
 from kvcore.testing.scenario import BOUNCE_MODES, MAX_PROCESSES, DemoSpec, Rank, assignment
 
 __all__ = [
@@ -85,39 +83,12 @@ __all__ = [
 _TEARDOWN_WATCHDOG_S = 8.0
 
 
-def _send(conn: Any, obj: Any) -> None:
-    conn.send_bytes(msgspec.msgpack.encode(obj))
+def _rank_main(channel: Channel, role: str, rank: int, spec: dict[str, Any], dist_port: int) -> None:
+    """A rank process's function (a failure reaches the orchestrator as a typed error naming the rank)."""
+    _rank_body(role, rank, DemoSpec(**spec), dist_port, channel)
 
 
-def _recv(conn: Any, timeout: float) -> Any:
-    if not conn.poll(timeout):
-        raise TimeoutError(f"no message from the demo orchestrator within {timeout:.0f}s")
-    return msgspec.msgpack.decode(conn.recv_bytes())
-
-
-def _rank_main(role: str, rank: int, spec_b: bytes, dist_port: int, conn: Any) -> None:
-    """Entry point of one rank process."""
-    os.dup2(2, 1)  # native libraries (NIXL, UCX) print to stdout: keep the orchestrator's --json output clean
-    try:
-        _rank_body(role, rank, DemoSpec(**msgspec.msgpack.decode(spec_b)), dist_port, conn)
-    except BaseException as exc:  # report, never hang the orchestrator
-        try:
-            _send(
-                conn,
-                {
-                    "kind": "error",
-                    "role": role,
-                    "rank": rank,
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "trace": traceback.format_exc(),
-                },
-            )
-        except Exception:
-            pass
-        raise SystemExit(1) from None
-
-
-def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) -> None:
+def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Channel) -> None:
     import datetime
 
     import torch
@@ -165,16 +136,15 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
             for r in work:
                 me.fill(r)
             if rank == 0:
-                _send(
-                    conn,
+                conn.send(
                     {
                         "kind": "endpoint",
                         "endpoint": tx.info_endpoint,
                         "backend": agent.backend,
                         "incarnation": tx.incarnation,
-                    },
+                    }
                 )
-            go = _recv(conn, spec.timeout_s)
+            go = conn.recv(spec.timeout_s)
             secret = go["secret"]  # every request's ticket is derived from the run's secret (both sides know it)
             first, stop = me.topology.layer_range
             half = first + (stop - first) // 2 if spec.layerwise else None
@@ -196,7 +166,7 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
                 # The parameters of a pull request exist only once start_send ran: send everything, then say so.
                 for r in work:
                     send(r, spec.tokens, None)
-                _send(conn, {"kind": "sent"})
+                conn.send({"kind": "sent"})
             _drive(tx, collective, spec, warm)
             t0 = time.perf_counter()
             for r in work if spec.mode == "push" else ():
@@ -218,10 +188,10 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
                 "curve": bool(tx.rank_info.curve_public_key),  # this rank serves and connects with CURVE
             }
         else:
-            go = _recv(conn, spec.timeout_s)
+            go = conn.recv(spec.timeout_s)
             skip = spec.cached_prefix_blocks
             if spec.mode == "pull":
-                _recv(conn, spec.timeout_s)  # every context rank has started sending
+                conn.recv(spec.timeout_s)  # every context rank has started sending
             ctx_blocks, ctx_slots = assignment(spec, "context")
 
             def receive(r: int, prompt_len: int, first_block: int) -> None:
@@ -285,8 +255,8 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Any) 
                 "stats": tx.stats(),
                 "curve": bool(tx.rank_info.curve_public_key),  # this rank serves and connects with CURVE
             }
-        _send(conn, report)
-        _recv(conn, spec.timeout_s)  # hold memory until everyone reported
+        conn.send(report)
+        conn.recv(spec.timeout_s)  # hold memory until everyone reported
         # Teardown must be quick; if it is not, show where every thread is before the orchestrator kills us.
         faulthandler.dump_traceback_later(_TEARDOWN_WATCHDOG_S, exit=False)
     finally:
@@ -338,7 +308,7 @@ def _drive(
                 latency[o.request_id] = now - starts[o.request_id]
         released.update(r.released)
         if progress is not None and r.outcomes:
-            _send(progress, {"kind": "progress", "n": len(states)})
+            progress.send({"kind": "progress", "n": len(states)})
         flags = collective.allgather(b"\x01" if want <= released else b"\x00")
         if all(f == b"\x01" for f in flags):
             break
@@ -362,13 +332,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _mp_context() -> Any:
-    """``forkserver`` with torch preloaded where available (one torch import for all ranks), else ``spawn``."""
+def _start_method() -> StartMethod:
+    """``forkserver`` with torch preloaded where available (one torch import for all ranks), else a subprocess each."""
     if "forkserver" in mp.get_all_start_methods() and os.environ.get("KVCORE_DEMO_START", "forkserver") == "forkserver":
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "msgspec", "kvcore.tools.demo"])
-        return ctx
-    return mp.get_context("spawn")
+        return StartMethod.FORKSERVER
+    return StartMethod.SUBPROCESS
+
+
+#: What the forkserver imports once for every rank it starts.
+_PRELOAD = ("torch", "torch.distributed", "numpy", "msgspec", "kvcore.tools.demo")
 
 
 def _leaks(stats: dict[str, int]) -> dict[str, int]:
@@ -379,42 +351,44 @@ def _leaks(stats: dict[str, int]) -> dict[str, int]:
 
 
 class _Ranks:
-    """The rank processes of one run and their pipes; collects messages, notices deaths."""
+    """The rank processes of one run; collects their messages, notices deaths."""
 
     def __init__(self) -> None:
-        self.procs: dict[tuple[str, int], Any] = {}
-        self.conns: dict[tuple[str, int], Any] = {}
+        self.procs: dict[tuple[str, int], RankProcess] = {}
         self.stopped: dict[str, Any] | None = None
+
+    def start(self, role: str, rank: int, spec: DemoSpec, dist_port: int) -> None:
+        method = _start_method()
+        self.procs[(role, rank)] = RankProcess(
+            "kvcore.tools.demo:_rank_main",
+            name=f"{role} rank {rank}",
+            kwargs={"role": role, "rank": rank, "spec": asdict(spec), "dist_port": dist_port},
+            start=method,
+            preload=_PRELOAD if method is StartMethod.FORKSERVER else (),
+        )
+
+    def send(self, keys: list[tuple[str, int]], message: dict[str, Any]) -> None:
+        for k in keys:
+            self.procs[k].send(message)
 
     def wait(self, keys: list[tuple[str, int]], deadline: float, on_progress: Any = None) -> dict[tuple[str, int], Any]:
         """The next non-progress message of each rank in ``keys``; a rank's error or death raises at once."""
         out: dict[tuple[str, int], Any] = {}
-        pending = {self.conns[k]: k for k in keys}
+        pending = {self.procs[k]: k for k in keys}
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no message from {sorted(pending.values())} in time")
-            ready = multiprocessing.connection.wait(list(pending), timeout=min(left, 0.5))
-            for c in ready:
-                assert isinstance(c, multiprocessing.connection.Connection)
-                key = pending[c]
-                try:
-                    m = msgspec.msgpack.decode(c.recv_bytes())
-                except (EOFError, OSError):
-                    raise RuntimeError(
-                        f"{key[0]} rank {key[1]} exited without a report (exit code {self.procs[key].exitcode})"
-                    ) from None
-                if m["kind"] == "progress":
-                    if on_progress is not None:
-                        on_progress(m["n"])
-                    continue
-                if m["kind"] == "error":
-                    raise RuntimeError(f"{key[0]} rank {key[1]} failed: {m['error']}\n{m.get('trace', '')}")
-                out[key] = m
-                del pending[c]
-            for c, key in list(pending.items()):
-                if not self.procs[key].is_alive() and not c.poll():
-                    raise RuntimeError(f"{key[0]} rank {key[1]} died (exit code {self.procs[key].exitcode})")
+            for p in ready(list(pending), min(left, 0.5)):
+                while p in pending and (m := p.try_recv()) is not None:  # a failure or death raises here
+                    if m["kind"] == "progress":
+                        if on_progress is not None:
+                            on_progress(m["n"])
+                        continue
+                    out[pending.pop(p)] = m
+            for p in list(pending):
+                if not p.alive() and p.try_recv() is None:
+                    raise RankExitedError(rank=p.name, op="report", exitcode=p.exitcode)
         return out
 
     def stop(self, grace: float) -> dict[str, Any]:
@@ -426,15 +400,13 @@ class _Ranks:
             return self.stopped
         end = time.monotonic() + grace
         for p in self.procs.values():
-            p.join(timeout=max(0.0, end - time.monotonic()))
-        killed = [f"{role}{rank}" for (role, rank), p in self.procs.items() if p.is_alive()]
+            p.join(max(0.0, end - time.monotonic()))
+        killed = [f"{role}{rank}" for (role, rank), p in self.procs.items() if p.alive()]
         for p in self.procs.values():
-            if p.is_alive():
+            if p.alive():
                 p.kill()
         for p in self.procs.values():
-            p.join(5)
-        for c in self.conns.values():
-            c.close()
+            p.close(5.0)
         failed = {
             f"{role}{rank}": p.exitcode
             for (role, rank), p in self.procs.items()
@@ -505,9 +477,7 @@ def _run_local(spec: DemoSpec, *, progress: bool) -> dict[str, Any]:
     """Both instances as child processes of this one (the default)."""
     import numpy as np
 
-    mpctx = _mp_context()
     ranks = _Ranks()
-    spec_b = msgspec.msgpack.encode(asdict(spec))
     summary: dict[str, Any] = {"spec": asdict(spec), "ok": False}
     bar = None
     try:
@@ -515,32 +485,18 @@ def _run_local(spec: DemoSpec, *, progress: bool) -> dict[str, Any]:
             tp, pp, _, _ = spec.side(role)
             port = _free_port()
             for rank in range(tp * pp):
-                parent, child = mpctx.Pipe()
-                p = mpctx.Process(
-                    target=_rank_main,
-                    args=(role, rank, spec_b, port, child),
-                    name=f"kvcore-demo-{role}-{rank}",
-                    daemon=True,
-                )
-                p.start()
-                child.close()
-                ranks.procs[(role, rank)] = p
-                ranks.conns[(role, rank)] = parent
+                ranks.start(role, rank, spec, port)
         t_spawned = time.monotonic()
         first = ranks.wait([("context", 0)], t_spawned + spec.timeout_s)[("context", 0)]
         t_ready = time.monotonic()
         summary["backend"] = first["backend"]
         secret = os.urandom(32)  # the run's ticket secret: only this driver and its ranks know it
         go = {"kind": "go", "endpoint": first["endpoint"], "secret": secret, "incarnation": first["incarnation"]}
-        for c in ranks.conns.values():
-            _send(c, go)
+        ranks.send(list(ranks.procs), go)
+        gen_keys = [k for k in ranks.procs if k[0] == "generation"]
         if spec.mode == "pull":
-            ctx_keys = [k for k in ranks.conns if k[0] == "context"]
-            ranks.wait(ctx_keys, time.monotonic() + spec.timeout_s)
-            for k, c in ranks.conns.items():
-                if k[0] == "generation":
-                    _send(c, {"kind": "sent"})
-        gen_keys = [k for k in ranks.conns if k[0] == "generation"]
+            ranks.wait([k for k in ranks.procs if k[0] == "context"], time.monotonic() + spec.timeout_s)
+            ranks.send(gen_keys, {"kind": "sent"})
         shown = len([r for r in range(spec.requests) if spec.dp_group("generation", r) == 0])
         on_progress = None
         if progress:
@@ -553,9 +509,8 @@ def _run_local(spec: DemoSpec, *, progress: bool) -> dict[str, Any]:
             def on_progress(n: int) -> None:
                 bar.update(task, completed=n)
 
-        reports = ranks.wait(list(ranks.conns), time.monotonic() + 2 * spec.timeout_s + 60, on_progress)
-        for c in ranks.conns.values():
-            _send(c, {"kind": "exit"})
+        reports = ranks.wait(list(ranks.procs), time.monotonic() + 2 * spec.timeout_s + 60, on_progress)
+        ranks.send(list(ranks.procs), {"kind": "exit"})
         t_done = time.monotonic()
         # Every rank must close its transceiver, agent and process group by itself, promptly.
         teardown = ranks.stop(grace=_TEARDOWN_WATCHDOG_S + 2)

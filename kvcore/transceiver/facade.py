@@ -32,10 +32,11 @@ from typing import Any
 import msgspec
 
 from kvcore import errors as E
+from kvcore._deprecation import warn_renamed
 from kvcore.config import TransceiverConfig
 from kvcore.control import wire
 from kvcore.control.collective import Collective
-from kvcore.layout.mapping import RankLayout
+from kvcore.layout.mapping import RankPlacement
 from kvcore.layout.page import PageTable
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.params import InternalId, RequestId, TransferParams, api_id, check_ticket, internal_id
@@ -223,8 +224,15 @@ class Transceiver:
         return self._link.incarnation
 
     @property
-    def layout(self) -> RankLayout:
-        return self._link.layout
+    def placement(self) -> RankPlacement:
+        """This rank's topology, geometry and page table: what its peers plan transfers with."""
+        return self._link.placement
+
+    @property
+    def layout(self) -> RankPlacement:
+        """Deprecated name of :attr:`placement`."""
+        warn_renamed("Transceiver.layout", "Transceiver.placement")
+        return self._link.placement
 
     @property
     def rank_info(self) -> wire.RankInfo:

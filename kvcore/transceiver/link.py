@@ -49,7 +49,7 @@ from kvcore.control import wire
 from kvcore.control.auth import keys_equal
 from kvcore.control.collective import Collective, LocalCollective
 from kvcore.control.messenger import Messenger, Source
-from kvcore.layout.mapping import RankLayout
+from kvcore.layout.mapping import RankPlacement
 from kvcore.layout.page import PageTable
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.metrics import TransceiverMetrics
@@ -235,7 +235,7 @@ class Link:
         dec = msgspec.msgpack.Decoder(wire.RankInfo)
         gathered = self.collective.allgather(msgspec.msgpack.encode(self.rank_info))
         self.instance_ranks = sorted((dec.decode(b) for b in gathered), key=lambda r: r.rank)
-        self.layout = RankLayout(topology=topology, geometry=geometry, page_table=page_table, mamba=mamba)
+        self.placement = RankPlacement(topology=topology, geometry=geometry, page_table=page_table, mamba=mamba)
         self.metrics = TransceiverMetrics(
             backend=agent.backend, role=role, rank=topology.rank, instance=self.instance_name
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcore.layout.blocks import BlockIds
-from kvcore.layout.mapping import FragmentPlan, MapperLookup, RankLayout, plan_transfer
+from kvcore.layout.mapping import FragmentPlan, MapperLookup, RankPlacement, plan_transfer
 
 __all__ = ["plan_request"]
 
@@ -13,8 +13,8 @@ def _opt(value: int) -> int | None:
 
 
 def plan_request(
-    src: RankLayout,
-    dst: RankLayout,
+    src: RankPlacement,
+    dst: RankPlacement,
     src_block_ids: BlockIds,
     dst_block_ids: BlockIds,
     *,

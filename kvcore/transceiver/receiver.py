@@ -190,6 +190,8 @@ class Receiver(Role):
                         pending.append((rid, s.ctx_dp_rank, s.ticket))
             elif s.mode == "pull":
                 self._pull_unread(s, "cancelled", reason)
+            else:
+                self._decline_unsent(s, reason)
             self._query_writers(s, reason)
             self._note_quarantine(s)
         return True
@@ -284,6 +286,7 @@ class Receiver(Role):
         link = self.link
         for r in ranks:
             addr, nbytes, digest = bounce_args.get(r, (0, 0, b""))
+            s.sent.add(r)
             link.send(
                 inst.ranks[r].endpoint,
                 wire.RequestData(
@@ -328,6 +331,34 @@ class Receiver(Role):
                         nonce=s.nonces[r],
                     ),
                 )
+
+    def _decline_unsent(self, s: RxSession, reason: str) -> None:
+        """Writers we marked ASKED whose RequestData never left (bounce planning pending): decline with the ticket.
+
+        Such a writer cannot write (it was never asked), so it is settled at once. A Cancel with a nonce would
+        not do: the context rank has no task to match it and would keep waiting for this receiver until its
+        timeout, holding the request's blocks. The ticket-bearing decline ends the context's wait (or, before its
+        ``start_send``, leaves the cancel for it).
+        """
+        inst = s.instance
+        unsent = [r for r, w in s.writers.items() if w is WriterState.ASKED and r not in s.sent]
+        if inst is None or not unsent:
+            return
+        for r in unsent:
+            s.writers[r] = WriterState.NOT_ASKED
+            if inst.gone:
+                continue
+            self.link.send(
+                inst.ranks[r].endpoint,
+                wire.Cancel(
+                    v=wire.PROTOCOL_VERSION,
+                    request_id=s.request_id,
+                    instance=self.link.instance_name,
+                    rank=self.link.topology.rank,
+                    reason=f"cancelled before it was asked for: {reason}",
+                    ticket=s.ticket,
+                ),
+            )
 
     def _note_quarantine(self, s: RxSession) -> None:
         if s.terminal and not s.quiescent and s.request_id not in self.quarantined:
@@ -430,7 +461,7 @@ class Receiver(Role):
         for r in sorted({p for d in range(ctx_topo.dp_size) for p in peer_ranks(link.topology, ctx_topo, d)}):
             if ranks[r].incarnation == link.incarnation and ranks[r].instance_name == link.instance_name:
                 raise E.IncompatiblePeerError("the context instance names this rank's own identity")
-            validate_compatible(ranks[r].layout, link.layout)
+            validate_compatible(ranks[r].placement, link.placement)
             if ranks[r].backend != link.agent.backend:
                 raise E.IncompatiblePeerError(
                     f"transfer backend: context rank {r} uses {ranks[r].backend!r}, this rank uses {link.agent.backend!r}"
@@ -749,14 +780,14 @@ class Receiver(Role):
         for r in writers:
             src_ids = {
                 g: np.zeros(-(-s.prompt_len // tpb) if s.prompt_len >= 0 else len(s.block_ids.get(g, ())), np.int64)
-                for g in inst.ranks[r].layout.page_table.groups()
+                for g in inst.ranks[r].placement.page_table.groups()
             }
             try:
                 # The destination side of the unmerged plan does not depend on the source's block ids,
                 # only on how many there are: the context rank computes the same order with its real ids.
                 plan = plan_request(
-                    inst.ranks[r].layout,
-                    link.layout,
+                    inst.ranks[r].placement,
+                    link.placement,
                     src_ids,
                     s.block_ids,
                     mappers=link.mappers,
@@ -813,8 +844,8 @@ class Receiver(Role):
                 )
                 t0 = time.monotonic()
                 plan = plan_request(
-                    info.layout,
-                    link.layout,
+                    info.placement,
+                    link.placement,
                     src_blocks,
                     s.block_ids,
                     mappers=link.mappers,

@@ -20,6 +20,8 @@ import hmac
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -79,6 +81,22 @@ def _event_done(event: Any) -> bool:
     except Exception as exc:  # a broken event must not stall the request: the deadline still bounds it
         log.warning("layers_ready event raised %s: treating it as complete", exc)
         return True
+
+
+class SliceKind(Enum):
+    """What a receiver task writes next."""
+
+    WHOLE = "whole"  # every layer of the request at once (not layer-wise): the common, fastest case
+    LAYERS = "layers"  # the layer range the engine marked ready since the last slice
+    NOT_READY = "not_ready"  # layer-wise, and no layer became ready for this task since its last slice
+
+
+@dataclass(frozen=True)
+class NextSlice:
+    """The answer of ``Sender._next_slice``: a kind, and the global layers ``[start, stop)`` for ``LAYERS``."""
+
+    kind: SliceKind
+    layers: tuple[int, int] | None = None
 
 
 class Sender(Role):
@@ -421,7 +439,7 @@ class Sender(Role):
         try:
             if info.incarnation == link.incarnation and info.instance_name == link.instance_name:
                 raise E.IncompatiblePeerError("a rank cannot register this rank's own identity with it")
-            validate_compatible(link.layout, info.layout)
+            validate_compatible(link.placement, info.placement)
             if info.backend != link.agent.backend:
                 raise E.IncompatiblePeerError(
                     f"transfer backend: generation rank uses {info.backend!r}, this context rank uses {link.agent.backend!r}"
@@ -941,27 +959,27 @@ class Sender(Role):
                     continue
                 if t.peer.state is not PeerState.READY:
                     continue  # descriptor still loading, or the peer is suspect
-                layers = self._next_slice(s, t)
-                if layers is False:
+                nxt = self._next_slice(s, t)
+                if nxt.kind is SliceKind.NOT_READY:
                     continue  # layer-wise: nothing new is ready for this receiver
                 # Claimed under the lock: from here a write may be in flight, so a cancel that arrives now
                 # waits for the transport's final word instead of answering (and releasing) at once.
                 t.move(TaskState.SUBMITTED)
-                todo.append((t, layers))
+                todo.append((t, nxt.layers))
             if todo and s.state in (SessionState.INIT, SessionState.READY):
                 s.transition(SessionState.TRANSFERRING)
         for t, layers in todo:
             self._submit(s, t, layers)
         self._settle(s)
 
-    def _next_slice(self, s: TxSession, t: ReceiverTask) -> tuple[int, int] | bool | None:
-        """The global layer range to write next: None for the whole request, False when nothing is ready."""
+    def _next_slice(self, s: TxSession, t: ReceiverTask) -> NextSlice:
+        """What to write next for ``t``: the whole request, a global layer range, or nothing yet."""
         start, stop = self.link.topology.layer_range
         lo = max(t.sent_upto, start)
         hi = stop if s.layers_upto is None else s.layers_upto
         if t.sent_upto < 0 and s.layers_upto is None:
-            return None  # everything at once: the common, fastest case
-        return (lo, hi) if hi > lo else False
+            return NextSlice(SliceKind.WHOLE)  # everything at once: the common, fastest case
+        return NextSlice(SliceKind.LAYERS, (lo, hi)) if hi > lo else NextSlice(SliceKind.NOT_READY)
 
     def _slice_done(self, s: TxSession, t: ReceiverTask) -> None:
         """A slice landed (or was empty): answer the task, or wait for more layers (lock held)."""
@@ -979,8 +997,8 @@ class Sender(Role):
     def _plan(self, s: TxSession, t: ReceiverTask, *, layers: tuple[int, int] | None, merge: bool) -> Any:
         assert t.peer.info is not None
         return plan_request(
-            self.link.layout,
-            t.peer.info.layout,
+            self.link.placement,
+            t.peer.info.placement,
             s.block_ids,
             t.block_ids,
             mappers=self.link.mappers,
@@ -997,16 +1015,16 @@ class Sender(Role):
             self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
             self._end(s, SessionState.FAILED, exc)
 
-    def _submit(self, s: TxSession, t: ReceiverTask, layers: tuple[int, int] | bool | None) -> None:
-        """Write the claimed task's next slice (worker thread; the task is SUBMITTED)."""
+    def _submit(self, s: TxSession, t: ReceiverTask, layers: tuple[int, int] | None) -> None:
+        """Write the claimed task's next slice, ``layers`` or (``None``) the whole request (worker thread; SUBMITTED)."""
         t0 = time.monotonic()
         self.link.metrics.queued(t.peer.name, max(0.0, t0 - max(s.created, t.attached_at, t.peer.ready_at)))
         if layers is None and t.bounce_addr and self.bounce_on and self._submit_bounced(s, t, t0):
             return
         try:
-            plan = self._plan(s, t, layers=layers if isinstance(layers, tuple) else None, merge=True)
+            plan = self._plan(s, t, layers=layers, merge=True)
             t1 = time.monotonic()
-            upto = self.link.topology.layer_range[1] if layers is None else layers[1]  # type: ignore[index]
+            upto = self.link.topology.layer_range[1] if layers is None else layers[1]
             if plan.count == 0:
                 with self.link.lock:
                     t.sent_upto = upto

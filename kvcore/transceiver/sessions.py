@@ -156,6 +156,7 @@ class RxSession(Session):
     bounced: set[int] = field(default_factory=set)  # writers whose bytes sit packed in their lease
     last_query: float = 0.0  # when the quarantined writers were last asked for their final word
     asked_at: dict[int, float] = field(default_factory=dict)  # ctx rank -> when its RequestData was sent
+    sent: set[int] = field(default_factory=set)  # ctx ranks whose RequestData has gone out
     ticket: bytes = b""  # the request's ticket (from the context's TransferParams)
     mode: str = "push"
     expecting: bool = False  # expect(): the request is announced; blocks come with start_receive

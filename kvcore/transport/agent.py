@@ -296,11 +296,18 @@ class TransferAgent(ABC):
 
     backend: ClassVar[str] = ""
     capabilities: ClassVar[AgentCapabilities] = AgentCapabilities()
+    #: The agent's options as a frozen msgspec struct (defaults and a docstring per field), which the agent
+    #: builds with :func:`kvcore.extension.convert.convert_options`; ``None`` for an agent that reads the
+    #: raw ``options`` mapping itself. Read by tools and docs tests: an agent states its options once.
+    options_type: ClassVar[type[msgspec.Struct] | None] = None
 
-    def __init__(self, name: str, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, name: str, options: Mapping[str, Any] | msgspec.Struct | None = None) -> None:
         if not name or not isinstance(name, str):
             raise TransferError(f"agent name must be a non-empty string, got {name!r}")
         self.name = name
+        if isinstance(options, msgspec.Struct):  # already typed: keep the mapping view for agents that read it
+            options = msgspec.structs.asdict(options)
+        #: The options as given (``TransceiverConfig.agent_options``); typed agents read their struct instead.
         self.options: dict[str, Any] = dict(options or {})
         self._registrations: dict[int, Registration] = {}
         self._remotes: dict[str, RemoteAgent] = {}

@@ -39,7 +39,7 @@ def kvcore_register_layout_mappers(registry: LayoutMapperRegistry) -> None:
     registry.add(
         "matching_heads",
         "kvcore.layout.mapping:MatchingHeadsMapper",
-        description="identical per-block layout on both sides (same heads per rank)",
+        description="identical per-buffer sharding on both sides (same heads per rank)",
     )
 
 
@@ -58,5 +58,5 @@ def kvcore_register_page_table_builders(registry: PageTableBuilderRegistry) -> N
     registry.add(
         "mamba_state",
         "kvcore.layout.builders:build_mamba_state",
-        description="Mamba2/GDN state per layer: conv [layers, slots, conv_dim, d_conv-1], SSM [layers, slots, heads, head_dim, d_state]; layout='vllm': one [slots, d_conv-1, conv_dim] and one SSM tensor per layer",
+        description="Mamba2/GDN state per layer: conv [layers, slots, conv_dim, d_conv-1], SSM [layers, slots, heads, head_dim, d_state]; arrangement='vllm': one [slots, d_conv-1, conv_dim] and one SSM tensor per layer",
     )

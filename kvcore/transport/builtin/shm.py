@@ -61,7 +61,7 @@ import stat
 import struct
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
@@ -78,6 +78,7 @@ from kvcore.errors import (
     TransferFailedError,
     UnsupportedOperationError,
 )
+from kvcore.extension.convert import convert_options
 from kvcore.hostinfo import host_identity, hostname
 from kvcore.msgbounds import check_msgpack_bounds
 from kvcore.transport.agent import (
@@ -100,7 +101,7 @@ from kvcore.transport.fragments import merge_runs
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ShmAgent"]
+__all__ = ["ShmAgent", "ShmOptions"]
 
 log = logging.getLogger("kvcore.shm")
 
@@ -140,6 +141,15 @@ _INLINE_BYTES = 256 * 1024
 _SLICE_BYTES = 2 * 1024 * 1024
 _COPY_THREADS = 2
 _agent_seq = itertools.count(1)
+
+
+class ShmOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The built-in shm agent's options: ``TransceiverConfig.agent_options`` with ``backend = "shm"``."""
+
+    copy_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = _COPY_THREADS
+    """Threads that copy transfers over 256 KiB (smaller ones are copied inside ``submit``); each serves
+    every transfer in turn, 2 MiB at a time, so a small transfer never waits behind a large one."""
+
 
 Name = Annotated[str, msgspec.Meta(max_length=1024)]
 
@@ -460,9 +470,11 @@ class ShmAgent(TransferAgent):
 
     backend: ClassVar[str] = "shm"
     capabilities: ClassVar[AgentCapabilities] = SHM_CAPABILITIES  # stated once, where the plugin registers it
+    options_type: ClassVar[type[msgspec.Struct] | None] = ShmOptions
 
-    def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, name: str, options: Mapping[str, Any] | ShmOptions | None = None) -> None:
         super().__init__(name, options)
+        self.opts = convert_options(ShmOptions, options, owner="shm agent")
         self._prefix = f"kvcore-shm-{os.getpid()}-{process_incarnation()[:8]}-{next(_agent_seq)}"
         self._segments: dict[int, _Segment] = {}
         self._seg_ids = itertools.count(1)
@@ -472,11 +484,8 @@ class ShmAgent(TransferAgent):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.refused = 0  # fd requests and notifications refused (read by tests and operators)
-        threads = self.options.get("copy_threads", _COPY_THREADS)
-        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
-            raise TransferError(f"shm agent option copy_threads: expected an integer in 1..64, got {threads!r}")
         self._send_lock = threading.Lock()  # a notification is sent once, by a copy thread or by poll
-        self._engine = _CopyEngine(f"kvcore-shm-{name}", threads, self._copied)
+        self._engine = _CopyEngine(f"kvcore-shm-{name}", self.opts.copy_threads, self._copied)
 
         ctl_fd = self._new_memfd("ctl", _CTL_BYTES)
         try:

@@ -15,8 +15,8 @@ from kvcore_mixers.mappers import (
 from kvcore.errors import IncompatiblePeerError, MappingError
 from kvcore.extension.plugins import make_plugin_manager
 from kvcore.layout.builders import allocate_kv_cache, build_kv_page_table
-from kvcore.layout.mapping import RankLayout, plan_transfer, validate_compatible
-from kvcore.layout.page import PageTable, Pool, PoolView, ViewLayout
+from kvcore.layout.mapping import RankPlacement, plan_transfer, validate_compatible
+from kvcore.layout.page import PageTable, Pool, PoolView, ViewSharding
 from kvcore.layout.peer import shard_position
 from kvcore.layout.topology import AttentionGeometry, Topology
 from kvcore.testing.oracle import Side, run_scenario
@@ -24,13 +24,13 @@ from kvcore.testing.oracle import Side, run_scenario
 
 def view(kind, tp, rank, units, buffer_bytes, *, unit=1, rows=1, sections=(), state=False):
     n, i, r, j = shard_position(tp, rank, units)
-    lay = ViewLayout(
+    lay = ViewSharding(
         kind=kind, num_shards=n, shard_index=i, num_replicas=r, replica_index=j,
         unit_bytes=unit, rows=rows, section_bytes=sections,
     )  # fmt: skip
     return PoolView(
         role="r", mapper="m", layers=(0,), buffers_per_layer=1, buffer_bytes=buffer_bytes,
-        pools=(0,), offsets=(0,), layout=lay, tokens_per_slot=None if state else 4,
+        pools=(0,), offsets=(0,), sharding=lay, tokens_per_slot=None if state else 4,
     )  # fmt: skip
 
 
@@ -82,15 +82,15 @@ def test_sectioned_each_section_resharded():
     assert (so.tolist(), do.tolist(), sz.tolist()) == ([4, 10, 14], [0, 4, 6], [4, 2, 2])
 
 
-def test_layout_kind_mismatch_is_refused():
-    with pytest.raises(MappingError, match="expected layout kind 'head_major_sharded'"):
+def test_sharding_kind_mismatch_is_refused():
+    with pytest.raises(MappingError, match="expected sharding kind 'head_major_sharded'"):
         HeadMajorShardMapper().buffer_fragments(
             view("token_major_sharded", 1, 0, 1, 16, unit=4, rows=4),
             view("token_major_sharded", 1, 0, 1, 16, unit=4, rows=4),
         )
 
 
-def _state_layout(tp, rank):
+def _state_placement(tp, rank):
     """A rank holding one replicated (pre-scaled) state view, one slot per request."""
     topo = Topology.create(tp, 1, rank, 1)
     geom = AttentionGeometry(num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=4, dtype="float16", kv_factor=1)
@@ -98,22 +98,22 @@ def _state_layout(tp, rank):
     n, i, r, j = shard_position(tp, rank, None)
     v = PoolView(
         role="kda_state", mapper="replicated", layers=(0,), buffers_per_layer=1, buffer_bytes=32, pools=(0,), offsets=(0,),
-        layout=ViewLayout(kind="replicated", num_shards=n, shard_index=i, num_replicas=r, replica_index=j),
+        sharding=ViewSharding(kind="replicated", num_shards=n, shard_index=i, num_replicas=r, replica_index=j),
     )  # fmt: skip
     table = PageTable(pools=(Pool(base=buf.ctypes.data, slot_bytes=32, slot_stride=32, num_slots=2),), views=(v,))
-    return buf, RankLayout(topology=topo, geometry=geom, page_table=table)
+    return buf, RankPlacement(topology=topo, geometry=geom, page_table=table)
 
 
 def test_replicated_state_under_different_tp_is_refused():
-    _, ctx = _state_layout(2, 0)
-    _, gen = _state_layout(4, 0)
+    _, ctx = _state_placement(2, 0)
+    _, gen = _state_placement(4, 0)
     with pytest.raises(IncompatiblePeerError, match="replicated state"):
         plan_transfer(ctx, gen, [], [], src_state_slot=0, dst_state_slot=1)
     with pytest.raises(IncompatiblePeerError, match="replicated state cannot move"):
         validate_compatible(ctx, gen)
     # same TP group: fine, one slot copied whole
-    cbuf, ctx2 = _state_layout(4, 1)
-    plan = plan_transfer(ctx2, _state_layout(4, 1)[1], [], [], src_state_slot=0, dst_state_slot=1)
+    cbuf, ctx2 = _state_placement(4, 1)
+    plan = plan_transfer(ctx2, _state_placement(4, 1)[1], [], [], src_state_slot=0, dst_state_slot=1)
     assert plan.sizes.tolist() == [32] and plan.src[0] == cbuf.ctypes.data
 
 
@@ -141,8 +141,12 @@ def test_registered_through_the_entry_point():
     topo_c, topo_g = Topology.create(1, 1, 0, 2), Topology.create(2, 1, 1, 2)
     geom = AttentionGeometry(num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=2, dtype="float16")
     kc, kg = allocate_kv_cache(topo_c, geom, 2), allocate_kv_cache(topo_g, geom, 2)
-    c = RankLayout(topology=topo_c, geometry=geom, page_table=build_kv_page_table(kc, topology=topo_c, geometry=geom))
-    g = RankLayout(topology=topo_g, geometry=geom, page_table=build_kv_page_table(kg, topology=topo_g, geometry=geom))
+    c = RankPlacement(
+        topology=topo_c, geometry=geom, page_table=build_kv_page_table(kc, topology=topo_c, geometry=geom)
+    )
+    g = RankPlacement(
+        topology=topo_g, geometry=geom, page_table=build_kv_page_table(kg, topology=topo_g, geometry=geom)
+    )
     plan = plan_transfer(c, g, [0], [1], mappers=pm.layout_mappers)
     assert plan.count == 4 and set(plan.sizes.tolist()) == {16}
-    assert msgspec.structs.asdict(g.page_table.views[0].layout)["num_shards"] == 2
+    assert msgspec.structs.asdict(g.page_table.views[0].sharding)["num_shards"] == 2

@@ -22,7 +22,7 @@ MAPPERS = make_plugin_manager().layout_mappers
 
 
 @st.composite
-def side(draw, num_layers: int, layouts: list[str]) -> Side:
+def side(draw, num_layers: int, arrangements: list[str]) -> Side:
     pp = draw(st.integers(1, min(3, num_layers)))
     cuts = sorted(draw(st.lists(st.integers(1, num_layers - 1), min_size=pp - 1, max_size=pp - 1, unique=True)))
     split = [b - a for a, b in itertools.pairwise([0, *cuts, num_layers])]
@@ -31,7 +31,7 @@ def side(draw, num_layers: int, layouts: list[str]) -> Side:
         pp=pp,
         layers_per_pp=split,
         attention_dp=draw(st.booleans()),
-        layout=draw(st.sampled_from(layouts)),
+        arrangement=draw(st.sampled_from(arrangements)),
     )
 
 
@@ -48,10 +48,12 @@ def hetero_case(draw):
         tokens_per_block=tpb,
         dtype=draw(st.sampled_from(["float16", "float32", "int8"])),
         kv_factor=1 if kind == "mla" else 2,
-        layout="token_major" if kind == "token_major" else "head_major",
+        block_order="token_major" if kind == "token_major" else "head_major",
     )
-    layouts = ["token_major_layers", "token_major_layers_kv_first"] if kind == "token_major" else ["head_major_pool"]
-    ctx, gen = draw(side(num_layers, layouts)), draw(side(num_layers, layouts))
+    arrangements = (
+        ["token_major_layers", "token_major_layers_kv_first"] if kind == "token_major" else ["head_major_pool"]
+    )
+    ctx, gen = draw(side(num_layers, arrangements)), draw(side(num_layers, arrangements))
     prompt_len = draw(st.integers(1, 5 * tpb))
     total = -(-prompt_len // tpb)
     mamba = None

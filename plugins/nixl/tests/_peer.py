@@ -1,21 +1,18 @@
-"""A NixlAgent in a separate (spawned) process, driven by msgpack commands over a pipe, for cross-process tests.
+"""A NixlAgent in a separate rank process (``kvcore.testing.ranks``), driven by commands, for cross-process tests.
 
 The peer loop behaves like an engine loop: between commands it calls
-``agent.progress()``, buffering notifications for ``notifs``.
+``agent.get_notifications()``, buffering notifications for ``notifs``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
+import signal
 import time
 from typing import Any
 
-import msgspec
-
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder()
+from kvcore.testing.ranks import Channel, RankProcess, serve
 
 
 def pattern(seed: int, nbytes: int) -> Any:
@@ -25,74 +22,103 @@ def pattern(seed: int, nbytes: int) -> Any:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-def _serve(conn: Any, name: str, options: dict[str, Any], nbytes: int, seed: int | None, progress: bool) -> None:
-    import numpy as np
-    import torch
-    from kvcore_nixl.agent import NixlAgent
+class _NixlPeer:
+    """The peer's commands: one ``NixlAgent`` with one registered buffer (filled from ``seed`` if given)."""
 
-    from kvcore.transport.agent import MemoryRegion, TransferOp
+    def __init__(self, name: str, options: dict[str, Any], nbytes: int, seed: int | None, progress: bool) -> None:
+        import torch
+        from kvcore_nixl.agent import NixlAgent
 
-    agent = NixlAgent(name, options)
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    if seed is not None:
-        buf.numpy()[:] = pattern(seed, nbytes)
-    reg = agent.register_memory(buf)
-    notifs: list[list[Any]] = []
-    conn.send_bytes(_enc.encode({"desc": agent.descriptor(), "base": buf.data_ptr(), "pid": os.getpid()}))
-    while True:
-        if not conn.poll(0.001):
-            if progress:
-                notifs.extend([n.remote, n.message] for n in agent.get_notifications())
-            continue
-        cmd = _dec.decode(conn.recv_bytes())
-        op = cmd["op"]
-        reply: dict[str, Any] = {}
-        try:
-            if op == "exit":
-                agent.close()
-                conn.send_bytes(_enc.encode({"resources": agent.resources()}))
-                return
-            if op == "notifs":
-                deadline = time.monotonic() + cmd["timeout"]
-                while len(notifs) < cmd["count"] and time.monotonic() < deadline:
-                    notifs.extend([n.remote, n.message] for n in agent.get_notifications())
-                    time.sleep(0.0005)
-                reply["notifs"], notifs = notifs, []
-            elif op == "read":
-                reply["data"] = buf.numpy()[cmd["offset"] : cmd["offset"] + cmd["length"]].tobytes()
-            elif op == "fill":
-                buf.numpy()[:] = pattern(cmd["seed"], nbytes)
-            elif op == "load":
-                reply["peer"] = agent.load_remote_agent(cmd["desc"])
-            elif op == "deregister":
-                agent.deregister_memory(reg)
-                reply["desc"] = agent.descriptor()
-            elif op == "register_extra":
-                extra = torch.zeros(cmd["nbytes"], dtype=torch.uint8)
-                agent.register_memory(extra)
-                reply["desc"], reply["base"] = agent.descriptor(), extra.data_ptr()
-            elif op == "submit":
-                base = buf.data_ptr()
-                h = agent.submit(
-                    TransferOp(cmd["xop"]),
-                    cmd["peer"],
-                    np.asarray(cmd["local"], dtype=np.uint64) + np.uint64(base),
-                    np.asarray(cmd["remote"], dtype=np.uint64),
-                    np.asarray(cmd["sizes"], dtype=np.uint64),
-                    notification=cmd.get("notif"),
-                )
-                agent.wait(h, timeout=cmd.get("timeout", 10.0))
-                agent.release(h)
-            elif op == "region":
-                reply["region"] = [MemoryRegion(buf.data_ptr(), nbytes).address, nbytes]
-            else:
-                reply["error"] = f"unknown op {op}"
-        except Exception as exc:
-            reply["error"] = f"{type(exc).__name__}: {exc}"
-        conn.send_bytes(_enc.encode(reply))
+        self.agent = NixlAgent(name, options)
+        self.nbytes, self.progress = nbytes, progress
+        self.buf = torch.zeros(nbytes, dtype=torch.uint8)
+        if seed is not None:
+            self.buf.numpy()[:] = pattern(seed, nbytes)
+        self.reg = self.agent.register_memory(self.buf)
+        self.extra: list[Any] = []
+        self.notifs: list[list[Any]] = []
+
+    def idle(self) -> None:
+        if self.progress:
+            self.notifs.extend([n.remote, n.message] for n in self.agent.get_notifications())
+
+    def op_exit(self) -> dict[str, Any]:
+        self.agent.close()
+        return {"resources": self.agent.resources()}
+
+    def op_notifs(self, count: int, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while len(self.notifs) < count and time.monotonic() < deadline:
+            self.notifs.extend([n.remote, n.message] for n in self.agent.get_notifications())
+            time.sleep(0.0005)
+        notifs, self.notifs = self.notifs, []
+        return {"notifs": notifs}
+
+    def op_read(self, offset: int, length: int) -> dict[str, Any]:
+        return {"data": self.buf.numpy()[offset : offset + length].tobytes()}
+
+    def op_fill(self, seed: int) -> dict[str, Any]:
+        self.buf.numpy()[:] = pattern(seed, self.nbytes)
+        return {}
+
+    def op_load(self, desc: bytes) -> dict[str, Any]:
+        return {"peer": self.agent.load_remote_agent(desc)}
+
+    def op_deregister(self) -> dict[str, Any]:
+        self.agent.deregister_memory(self.reg)
+        return {"desc": self.agent.descriptor()}
+
+    def op_register_extra(self, nbytes: int) -> dict[str, Any]:
+        import torch
+
+        extra = torch.zeros(nbytes, dtype=torch.uint8)
+        self.agent.register_memory(extra)
+        self.extra.append(extra)
+        return {"desc": self.agent.descriptor(), "base": extra.data_ptr()}
+
+    def op_submit(
+        self,
+        xop: str,
+        peer: str,
+        local: list[int],
+        remote: list[int],
+        sizes: list[int],
+        notif: bytes | None = None,
+        timeout: float = 10.0,
+    ) -> dict[str, Any]:
+        import numpy as np
+
+        from kvcore.transport.agent import TransferOp
+
+        h = self.agent.submit(
+            TransferOp(xop),
+            peer,
+            np.asarray(local, dtype=np.uint64) + np.uint64(self.buf.data_ptr()),
+            np.asarray(remote, dtype=np.uint64),
+            np.asarray(sizes, dtype=np.uint64),
+            notification=notif,
+        )
+        self.agent.wait(h, timeout=timeout)
+        self.agent.release(h)
+        return {}
+
+    def op_region(self) -> dict[str, Any]:
+        return {"region": [self.buf.data_ptr(), self.nbytes]}
 
 
-class Peer:
+def peer_main(
+    channel: Channel, name: str, options: dict[str, Any], nbytes: int, seed: int | None, progress: bool
+) -> None:
+    """The peer's rank function: say where the buffer is, then serve commands (an engine loop between them)."""
+    peer = _NixlPeer(name, options, nbytes, seed, progress)
+    try:
+        channel.send({"desc": peer.agent.descriptor(), "base": peer.buf.data_ptr(), "pid": os.getpid()})
+        serve(channel, peer, idle=peer.idle, idle_wait=0.001)
+    finally:
+        peer.agent.close()
+
+
+class Peer(RankProcess):
     """Handle on a peer process; use as a context manager so the process is always killed."""
 
     def __init__(
@@ -104,39 +130,27 @@ class Peer:
         options: dict[str, Any] | None = None,
         progress: bool = True,
     ) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, name, options or {}, nbytes, seed, progress), daemon=True)
-        self.proc.start()
-        child.close()
-        hello = self._recv(timeout=60.0)
+        super().__init__(
+            "_peer:peer_main",
+            name=f"nixl peer {name}",
+            kwargs={"name": name, "options": options or {}, "nbytes": nbytes, "seed": seed, "progress": progress},
+            path=[os.path.dirname(os.path.abspath(__file__))],
+        )
+        try:
+            hello = self.recv(60.0, op="start")
+        except BaseException:
+            self.kill()
+            raise
         self.descriptor: bytes = hello["desc"]
         self.base: int = hello["base"]
-        self.pid: int = hello["pid"]
         self.nbytes = nbytes
 
-    def _recv(self, timeout: float) -> dict[str, Any]:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"peer process {self.proc.pid} did not answer within {timeout}s")
-        return _dec.decode(self.conn.recv_bytes())  # type: ignore[no-any-return]
-
-    def call(self, op: str, *, reply_within: float = 30.0, **kw: Any) -> dict[str, Any]:
-        self.conn.send_bytes(_enc.encode({"op": op, **kw}))
-        reply = self._recv(reply_within)
-        if "error" in reply:
-            raise RuntimeError(f"peer {op} failed: {reply['error']}")
-        return reply
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
-
-    def __enter__(self) -> Peer:
-        return self
+    def call(self, op: str, *, reply_within: float = 30.0, **kw: Any) -> dict[str, Any]:  # type: ignore[override]
+        """Run ``op`` in the peer; its failure raises ``RankFailedError`` naming the op and the exception."""
+        self.post(op, **kw)  # not super().call: an op may take an argument named ``timeout``
+        return self.reply(op, reply_within)
 
     def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(Exception):
-            if self.proc.is_alive():
-                os.kill(self.proc.pid, 18)  # SIGCONT, in case a test stopped it
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)  # in case a test stopped it
         self.kill()

@@ -25,7 +25,7 @@ except PackageNotFoundError:  # only an absent plugin skips; a broken NIXL insta
     pytest.skip("kvcore-nixl is not installed (pip install './plugins/nixl[cu12]')", allow_module_level=True)
 
 import torch
-from kvcore_nixl.agent import NixlAgent, decode_payload, load_nixl
+from kvcore_nixl.agent import NixlAgent, NixlOptions, decode_payload, load_nixl
 
 from kvcore.errors import (
     ConfigError,
@@ -129,12 +129,38 @@ def test_backend_params_default_and_override() -> None:
 
 
 def test_bad_options_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="unknown nixl agent option"):
+    with pytest.raises(ConfigError, match=r"nixl agent option\(s\) 'backend': unknown; expected one of .*nixl_backend"):
         NixlAgent("x", {"backend": "UCX"})
     with pytest.raises(ConfigError, match=r"NOPE.*available: .*UCX"):
         NixlAgent("x", {"nixl_backend": "NOPE"})
-    with pytest.raises(ConfigError, match="unit_dlists"):
+    with pytest.raises(
+        ConfigError, match=r"nixl agent option 'unit_dlists': expected true or false or 'auto', got 'sometimes' \(str\)"
+    ):
         NixlAgent("x", {"unit_dlists": "sometimes"})
+    with pytest.raises(ConfigError, match=r"nixl agent option 'progress_delay_us': expected int >= 0, got -1 \(int\)"):
+        NixlAgent("x", {"progress_delay_us": -1})
+    with pytest.raises(ConfigError, match=r"nixl agent option 'peers': expected 'any' or 'same_host' or 'cross_host'"):
+        NixlAgent("x", {"peers": "everyone"})
+    with pytest.raises(ConfigError, match=r"nixl agent option 'backend_params': expected a mapping of str to"):
+        NixlAgent("x", {"backend_params": ["ucx_error_handling_mode=peer"]})
+
+
+def test_options_are_typed_with_defaults() -> None:
+    assert NixlAgent.options_type is NixlOptions
+    defaults = NixlOptions()
+    assert (defaults.nixl_backend, defaults.peers, defaults.progress_thread, defaults.unit_dlists) == (
+        "UCX",
+        "any",
+        False,
+        "auto",
+    )
+    a = NixlAgent("typed", {"peers": "same_host", "unit_dlist_cache": 2})
+    try:
+        assert a.opts == NixlOptions(peers="same_host", unit_dlist_cache=2)
+        lanes = decode_payload(a.descriptor()).lanes
+        assert [lane.scopes for lane in lanes] == [["same_host"]]  # the option reached the agent: one lane
+    finally:
+        a.close()
 
 
 def _task_cpu_s(tids: set[str]) -> float:

@@ -51,7 +51,9 @@ def test_peers_option_limits_the_lanes_and_is_validated() -> None:
         assert list(agent.lanes) == [CROSS_HOST]
     with pytest.raises(ConfigError, match="peers"):
         NixlAgent("bad", {"peers": "everyone"})
-    with pytest.raises(ConfigError, match="cross_host_params must be a mapping"):
+    with pytest.raises(
+        ConfigError, match=r"nixl agent option 'cross_host_params': expected a mapping of str to str or int or float"
+    ):
         NixlAgent("bad", {"cross_host_params": "peer"})
 
 

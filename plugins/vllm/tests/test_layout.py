@@ -66,7 +66,7 @@ def test_page_table_addresses_vllm_pages(model_dir: str, layout: str, kind: str)
     fill(kv)
     d = describe_kv_caches(kv, topology=TOPOLOGY, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, block_size=BLOCK_SIZE)
     (view,) = d.page_table.views
-    assert view.layout.kind == kind and view.layers == tuple(range(NUM_LAYERS))
+    assert view.sharding.kind == kind and view.layers == tuple(range(NUM_LAYERS))
     assert d.kernel_blocks_per_block == 1
     blocks = np.arange(NUM_BLOCKS)
     addrs = d.page_table.entry_addresses(0, np.arange(view.num_entries), blocks)
@@ -105,7 +105,7 @@ def test_kernel_blocks_smaller_than_the_vllm_block(model_dir: str) -> None:
 def test_legacy_flash_attention_tensors() -> None:
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE) for i in range(2)}
     d = describe_kv_caches(kv, topology=TOPOLOGY, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, block_size=BLOCK_SIZE)
-    assert d.kind == "legacy_kv_first" and d.geometry.layout == "token_major"
+    assert d.kind == "legacy_kv_first" and d.geometry.block_order == "token_major"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""kvcore-mixers: layout mappers that re-shard KV and state between peers with different parallel layouts."""
+"""kvcore-mixers: layout mappers that re-shard KV and state between peers with different parallelism."""
 
 from __future__ import annotations
 

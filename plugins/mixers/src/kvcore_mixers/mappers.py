@@ -1,4 +1,4 @@
-"""Re-sharding layout mappers. Each reads only the two views' layout declarations and buffer sizes.
+"""Re-sharding layout mappers. Each reads only the two views' sharding declarations and buffer sizes.
 
 All of them reduce to :func:`kvcore.layout.mapping.shard_split` on a run of bytes that
 is sharded contiguously: the whole buffer (head-major heads, SSM heads), one
@@ -21,15 +21,15 @@ Fragments = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _require(src: PoolView, dst: PoolView, kind: str, mapper: str) -> None:
-    if src.layout.kind != kind or dst.layout.kind != kind:
+    if src.sharding.kind != kind or dst.sharding.kind != kind:
         raise MappingError(
-            f"view {src.role!r}: mapper {mapper!r} expected layout kind {kind!r} on both sides, "
-            f"got {src.layout.kind!r} and {dst.layout.kind!r}"
+            f"view {src.role!r}: mapper {mapper!r} expected sharding kind {kind!r} on both sides, "
+            f"got {src.sharding.kind!r} and {dst.sharding.kind!r}"
         )
-    if src.layout.unit_bytes != dst.layout.unit_bytes:
+    if src.sharding.unit_bytes != dst.sharding.unit_bytes:
         raise MappingError(
-            f"view {src.role!r} unit_bytes: expected equal on both sides, got {src.layout.unit_bytes} "
-            f"and {dst.layout.unit_bytes}"
+            f"view {src.role!r} unit_bytes: expected equal on both sides, got {src.sharding.unit_bytes} "
+            f"and {dst.sharding.unit_bytes}"
         )
 
 
@@ -44,7 +44,7 @@ class HeadMajorShardMapper(LayoutMapper):
 
     def buffer_fragments(self, src: PoolView, dst: PoolView) -> Fragments:
         _require(src, dst, HEAD_MAJOR, self.kind)
-        return _one(*shard_split(src.layout, dst.layout, src.buffer_bytes, dst.buffer_bytes))
+        return _one(*shard_split(src.sharding, dst.sharding, src.buffer_bytes, dst.buffer_bytes))
 
 
 class SsmHeadMapper(HeadMajorShardMapper):
@@ -60,13 +60,13 @@ class TokenMajorShardMapper(LayoutMapper):
 
     def buffer_fragments(self, src: PoolView, dst: PoolView) -> Fragments:
         _require(src, dst, TOKEN_MAJOR, self.kind)
-        rows = src.layout.rows
-        if dst.layout.rows != rows:
+        rows = src.sharding.rows
+        if dst.sharding.rows != rows:
             raise MappingError(
-                f"view {src.role!r} rows (tokens per block): expected equal, got {rows} and {dst.layout.rows}"
+                f"view {src.role!r} rows (tokens per block): expected equal, got {rows} and {dst.sharding.rows}"
             )
         src_row, dst_row = src.buffer_bytes // rows, dst.buffer_bytes // rows
-        so, do, size = shard_split(src.layout, dst.layout, src_row, dst_row)
+        so, do, size = shard_split(src.sharding, dst.sharding, src_row, dst_row)
         t = np.arange(rows, dtype=_U64)
         return t * _U64(src_row) + _U64(so), t * _U64(dst_row) + _U64(do), np.full(rows, size, _U64)
 
@@ -78,10 +78,10 @@ class ReplicatedMapper(LayoutMapper):
 
     def buffer_fragments(self, src: PoolView, dst: PoolView) -> Fragments:
         _require(src, dst, REPLICATED, self.kind)
-        if src.is_state and src.layout.num_replicas != dst.layout.num_replicas:
+        if src.is_state and src.sharding.num_replicas != dst.sharding.num_replicas:
             raise IncompatiblePeerError(
                 f"view {src.role!r}: replicated state is pre-scaled per TP group and cannot move between "
-                f"groups of {src.layout.num_replicas} and {dst.layout.num_replicas} ranks"
+                f"groups of {src.sharding.num_replicas} and {dst.sharding.num_replicas} ranks"
             )
         if src.buffer_bytes != dst.buffer_bytes:
             raise MappingError(
@@ -98,10 +98,10 @@ class SectionedMapper(LayoutMapper):
 
     def buffer_fragments(self, src: PoolView, dst: PoolView) -> Fragments:
         _require(src, dst, SECTIONED, self.kind)
-        ss, ds = src.layout.section_bytes, dst.layout.section_bytes
+        ss, ds = src.sharding.section_bytes, dst.sharding.section_bytes
         if len(ss) != len(ds):
             raise MappingError(f"view {src.role!r} sections: expected the same count, got {len(ss)} and {len(ds)}")
-        split = np.array([shard_split(src.layout, dst.layout, s, d) for s, d in zip(ss, ds)], dtype=_U64)
+        split = np.array([shard_split(src.sharding, dst.sharding, s, d) for s, d in zip(ss, ds)], dtype=_U64)
         s_start = np.concatenate(([0], np.cumsum(ss[:-1]))).astype(_U64)
         d_start = np.concatenate(([0], np.cumsum(ds[:-1]))).astype(_U64)
         return s_start + split[:, 0], d_start + split[:, 1], split[:, 2]

@@ -56,7 +56,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import numpy as np
@@ -72,6 +72,7 @@ from kvcore.errors import (
     UnknownBackendError,
     UnsupportedOperationError,
 )
+from kvcore.extension.convert import convert_options
 from kvcore.hostinfo import host_identity
 from kvcore.transport.agent import (
     AgentCapabilities,
@@ -90,6 +91,7 @@ from kvcore_nixl.plugin import CAPABILITIES, INSTALL_HINT
 
 __all__ = [
     "NixlAgent",
+    "NixlOptions",
     "NixlPayload",
     "NixlLane",
     "DEFAULT_CROSS_HOST_PARAMS",
@@ -126,19 +128,39 @@ _PEERS_OPTION = {"any": _SCOPES, SAME_HOST: (SAME_HOST,), CROSS_HOST: (CROSS_HOS
 _PAYLOAD_VERSION = 2
 _NAME_SEP = "#"  # NIXL agent name = <kvcore name>#<incarnation>.<n>; notifications map back by the prefix
 
-_KNOWN_OPTIONS = {
-    "nixl_backend",
-    "backend_params",
-    "same_host_params",
-    "cross_host_params",
-    "peers",
-    "progress_thread",
-    "progress_delay_us",
-    "unit_dlist_max_entries",
-    "unit_dlist_cache",
-    "unit_dlists",
-    "direct_max_descriptors",
-}
+#: A NIXL backend init parameter as configuration may give it; NIXL receives every value as a string.
+ParamValue = str | int | float | bool
+
+
+class NixlOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The nixl agent's options: ``TransceiverConfig.agent_options`` with ``backend = "nixl"``."""
+
+    nixl_backend: str = "UCX"
+    """NIXL backend plugin (``"LIBFABRIC"``, ...); it must be installed (listed by NIXL)."""
+    backend_params: dict[str, ParamValue] = {}
+    """Init params for that backend, merged over kvcore's defaults for every lane (UCX:
+    ``ucx_error_handling_mode=none`` for same-host peers, ``peer`` for peers on another host)."""
+    same_host_params: dict[str, ParamValue] = {}
+    """Params for same-host peers only, merged over ``backend_params``."""
+    cross_host_params: dict[str, ParamValue] = {}
+    """Params for peers on another host only, merged over ``backend_params`` (``{"ucx_devices": "mlx5_0:1"}``)."""
+    peers: Literal["any", "same_host", "cross_host"] = "any"
+    """``"any"``: a lane for each kind of peer; ``"same_host"``/``"cross_host"``: only that lane (a peer
+    of the other kind is refused at load)."""
+    progress_thread: bool = False
+    """Run NIXL's progress thread (otherwise the engine calls ``progress()``/``get_notifications()``)."""
+    progress_delay_us: Annotated[int, msgspec.Meta(ge=0)] = 100
+    """That thread's sleep between rounds (NIXL's own default, 0, spins a core)."""
+    unit_dlist_max_entries: Annotated[int, msgspec.Meta(ge=1)] = 1 << 22
+    """Largest prepared unit list; above it a transfer falls back to per-submit descriptors."""
+    unit_dlist_cache: Annotated[int, msgspec.Meta(ge=1)] = 4
+    """Unit (fragment) sizes kept prepared per side."""
+    unit_dlists: bool | Literal["auto"] = "auto"
+    """``"auto"``: prepared unit lists when a submit still has more than ``direct_max_descriptors``
+    descriptors after merging, else one-step lists; ``True``/``False`` force one path."""
+    direct_max_descriptors: Annotated[int, msgspec.Meta(ge=0)] = 12288
+    """The descriptor count above which ``unit_dlists="auto"`` uses prepared unit lists."""
+
 
 _nixl_cache: ModuleType | None = None
 _nixl_lock = threading.Lock()
@@ -299,6 +321,11 @@ class _Peer:
     scope: str
 
 
+def _params(values: Mapping[str, ParamValue]) -> dict[str, str]:
+    """Backend params as NIXL takes them: every value a string."""
+    return {k: str(v) for k, v in values.items()}
+
+
 @dataclass
 class _Xfer:
     """One posted NIXL transfer and the descriptor lists it holds."""
@@ -312,44 +339,23 @@ class _Xfer:
 class NixlAgent(TransferAgent):
     """kvcore transfer agent over NIXL: one-sided WRITE/READ, DRAM and VRAM, notifications, remote peers.
 
-    Options (``TransceiverConfig.agent_options``):
-
-    ``nixl_backend``            NIXL backend plugin, default ``"UCX"`` (``"LIBFABRIC"``, ...)
-    ``backend_params``          init params for it (str -> str), merged over kvcore's defaults for
-                                every lane (UCX: ``ucx_error_handling_mode=none`` for same-host peers,
-                                ``peer`` for peers on another host)
-    ``same_host_params``        params for same-host peers only, merged over ``backend_params``
-    ``cross_host_params``       params for peers on another host only, merged over ``backend_params``
-                                (e.g. ``{"ucx_devices": "mlx5_0:1"}``)
-    ``peers``                   ``"any"`` (default: a lane for each kind of peer), ``"same_host"`` or
-                                ``"cross_host"`` (only that lane; a peer of the other kind is refused
-                                at load)
-    ``progress_thread``         run NIXL's progress thread (default False: the engine calls
-                                ``progress()``/``get_notifications()``)
-    ``progress_delay_us``       that thread's sleep between rounds (default 100; NIXL's own is 0)
-    ``unit_dlist_max_entries``  largest prepared unit list (default 4 Mi entries); above it a
-                                transfer falls back to per-submit descriptors
-    ``unit_dlist_cache``        unit sizes kept prepared per side (default 4)
-    ``unit_dlists``             ``"auto"`` (default): prepared unit lists when a submit still has
-                                more than ``direct_max_descriptors`` (12288) descriptors after
-                                merging, else one-step lists; ``True``/``False`` force a path
+    Options (``TransceiverConfig.agent_options``): :class:`NixlOptions`, converted by
+    :func:`kvcore.extension.convert.convert_options` (an unknown key or a wrong type is a ``ConfigError``).
     """
 
     backend: ClassVar[str] = "nixl"
     capabilities: ClassVar[AgentCapabilities] = CAPABILITIES  # stated once, where the plugin registers it
+    options_type: ClassVar[type[msgspec.Struct] | None] = NixlOptions
 
     def __init__(self, name: str, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(name, options)
-        unknown = set(self.options) - _KNOWN_OPTIONS
-        if unknown:
-            raise ConfigError(
-                f"unknown nixl agent option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(_KNOWN_OPTIONS))}"
-            )
-        self._nixl_backend = str(self.options.get("nixl_backend", "UCX"))
-        user = {key: self._params_option(key) for key in ("backend_params", "same_host_params", "cross_host_params")}
-        peers = str(self.options.get("peers", "any"))
-        if peers not in _PEERS_OPTION:
-            raise ConfigError(f"nixl agent option peers: expected one of {', '.join(_PEERS_OPTION)}, got {peers!r}")
+        opts = self.opts = convert_options(NixlOptions, options, owner="nixl agent")
+        self._nixl_backend = opts.nixl_backend
+        user = {
+            "backend_params": _params(opts.backend_params),
+            "same_host_params": _params(opts.same_host_params),
+            "cross_host_params": _params(opts.cross_host_params),
+        }
         scope_params = {
             SAME_HOST: {
                 **DEFAULT_BACKEND_PARAMS.get(self._nixl_backend, {}),
@@ -363,23 +369,19 @@ class NixlAgent(TransferAgent):
                 **user["cross_host_params"],
             },
         }
-        self._progress_thread = bool(self.options.get("progress_thread", False))
-        self._progress_delay_us = int(self.options.get("progress_delay_us", 100))
-        self._unit_max = int(self.options.get("unit_dlist_max_entries", 1 << 22))
-        self._unit_cache = max(1, int(self.options.get("unit_dlist_cache", 4)))
-        self._use_units: bool | str = self.options.get("unit_dlists", "auto")
-        if self._use_units not in (True, False, "auto"):
-            raise ConfigError(f"nixl agent option unit_dlists must be true, false or 'auto', got {self._use_units!r}")
-        self._direct_max = int(self.options.get("direct_max_descriptors", 12288))
-        if self._progress_delay_us < 0 or self._unit_max < 1:
-            raise ConfigError("nixl agent options progress_delay_us must be >= 0 and unit_dlist_max_entries >= 1")
+        self._progress_thread = opts.progress_thread
+        self._progress_delay_us = opts.progress_delay_us
+        self._unit_max = opts.unit_dlist_max_entries
+        self._unit_cache = opts.unit_dlist_cache
+        self._use_units: bool | str = opts.unit_dlists
+        self._direct_max = opts.direct_max_descriptors
 
         api = load_nixl()
         self._api = api
         self._host_identity = host_identity()
         base_name = f"{name}{_NAME_SEP}{process_incarnation()[:12]}.{next(_agent_seq)}"
         self._lanes: list[_Lane] = []
-        for scope in _PEERS_OPTION[peers]:  # scopes with equal params share one lane (one nixl_agent)
+        for scope in _PEERS_OPTION[opts.peers]:  # scopes with equal params share one lane (one nixl_agent)
             same = next((lane for lane in self._lanes if lane.params == scope_params[scope]), None)
             if same is not None:
                 same.scopes += (scope,)
@@ -392,12 +394,6 @@ class NixlAgent(TransferAgent):
         self._nixl, self._nixl_name, self._backend_params = primary.nixl, primary.nixl_name, primary.params
         self._pending_notifs: list[Notification] = []
         self._leaked: list[Any] = []  # NIXL handles whose release failed; kept alive with the agent
-
-    def _params_option(self, key: str) -> dict[str, str]:
-        params = self.options.get(key, {})
-        if not isinstance(params, Mapping):
-            raise ConfigError(f"nixl agent option {key} must be a mapping, got {type(params).__name__}")
-        return {str(k): str(v) for k, v in params.items()}
 
     def _create_lane(self, lane: _Lane) -> None:
         lane.nixl = self._create_nixl_agent(self._api, lane.nixl_name)

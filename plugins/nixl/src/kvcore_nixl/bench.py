@@ -1,6 +1,6 @@
 """Bare NIXL vs ``NixlAgent.submit`` vs host memcpy on one KV-cache fragment plan, across two processes.
 
-``run_bench()`` spawns a target process (a ``NixlAgent`` owning the destination
+``run_bench()`` starts a target rank process (:mod:`kvcore.testing.ranks`; a ``NixlAgent`` owning the destination
 pool, calling ``progress()`` like an engine loop), runs every mode for
 one warm-up per mode whose result the target checks against an independently
 computed expectation, then ``iterations`` timed rounds interleaved across modes,
@@ -14,21 +14,18 @@ fragments are contiguous on both sides (the scattered case).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import multiprocessing as mp
 import os
 import statistics
 import time
 from typing import Any
 
-import msgspec
 import numpy as np
+
+from kvcore.testing.ranks import Channel, RankProcess, serve
 
 __all__ = ["run_bench", "fragment_plan"]
 
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder()
 _GB = 1e9
 
 
@@ -45,62 +42,57 @@ def fragment_plan(
     return src, dst, np.full(src.size, fragment_bytes, dtype=np.uint64)
 
 
-def _target(conn: Any, nbytes: int, options: dict[str, Any]) -> None:
-    import torch
+class _TargetRank:
+    """The target rank's commands: a ``NixlAgent`` owning the zeroed destination pool, draining notifications."""
 
-    from kvcore_nixl.agent import NixlAgent
-
-    agent = NixlAgent("bench-target", options)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    agent.register_memory(dst)
-    conn.send_bytes(_enc.encode({"desc": agent.descriptor(), "base": dst.data_ptr()}))
-    seen: list[bytes] = []
-    while True:
-        if not conn.poll(0.001):
-            seen.extend(n.message for n in agent.get_notifications())
-            continue
-        cmd = _dec.decode(conn.recv_bytes())
-        if cmd["op"] == "exit":
-            agent.close()
-            conn.send_bytes(_enc.encode({}))
-            return
-        if cmd["op"] == "zero":
-            dst.zero_()
-            conn.send_bytes(_enc.encode({}))
-        elif cmd["op"] == "digest":
-            deadline = time.monotonic() + 10.0
-            while cmd["notif"] not in seen and time.monotonic() < deadline:
-                seen.extend(n.message for n in agent.get_notifications())
-            got = cmd["notif"] in seen
-            seen.clear()
-            digest = hashlib.blake2b(dst.numpy().data, digest_size=16).hexdigest()
-            conn.send_bytes(_enc.encode({"digest": digest, "notified": got}))
-
-
-class _Target:
     def __init__(self, nbytes: int, options: dict[str, Any]) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_target, args=(child, nbytes, options), daemon=True)
-        self.proc.start()
-        child.close()
-        hello = self.call(None, timeout=120.0)
+        import torch
+
+        from kvcore_nixl.agent import NixlAgent
+
+        self.agent = NixlAgent("bench-target", options)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8)
+        self.agent.register_memory(self.dst)
+        self.seen: list[bytes] = []
+
+    def drain(self) -> None:
+        """Between commands: take the notifications (an engine loop's ``progress``)."""
+        self.seen.extend(n.message for n in self.agent.get_notifications())
+
+    def op_zero(self) -> dict[str, Any]:
+        self.dst.zero_()
+        return {}
+
+    def op_digest(self, notif: bytes) -> dict[str, Any]:
+        deadline = time.monotonic() + 10.0
+        while notif not in self.seen and time.monotonic() < deadline:
+            self.drain()
+        got = notif in self.seen
+        self.seen.clear()
+        return {"digest": hashlib.blake2b(self.dst.numpy().data, digest_size=16).hexdigest(), "notified": got}
+
+
+def target_main(channel: Channel, nbytes: int, options: dict[str, Any]) -> None:
+    """The target's rank function (:mod:`kvcore.testing.ranks`): say where the pool is, then serve commands."""
+    rank = _TargetRank(nbytes, options)
+    try:
+        channel.send({"desc": rank.agent.descriptor(), "base": rank.dst.data_ptr()})
+        serve(channel, rank, idle=rank.drain, idle_wait=0.001)
+    finally:
+        rank.agent.close()
+
+
+class _Target(RankProcess):
+    def __init__(self, nbytes: int, options: dict[str, Any]) -> None:
+        super().__init__(
+            "kvcore_nixl.bench:target_main", name="nixl bench target", kwargs={"nbytes": nbytes, "options": options}
+        )
+        try:
+            hello = self.recv(120.0, op="start")
+        except BaseException:
+            self.kill()
+            raise
         self.descriptor, self.base = hello["desc"], hello["base"]
-
-    def call(self, op: str | None, timeout: float = 60.0, **kw: Any) -> dict[str, Any]:
-        if op is not None:
-            self.conn.send_bytes(_enc.encode({"op": op, **kw}))
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"benchmark target did not answer {op!r} within {timeout}s")
-        return _dec.decode(self.conn.recv_bytes())  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            if self.proc.is_alive():
-                self.call("exit", timeout=10.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
 
 
 def _gbps(nbytes: int, times: list[float]) -> float:

@@ -2,8 +2,9 @@
 
 Only what the agent uses is declared. The struct layouts are copied field by
 field from ``libucx/include/ucp/api/ucp.h`` of UCX 1.22 (the wheel this plugin
-pins); ``tests/test_ucp_binding.py`` compiles a C program against the wheel's
-headers and checks every ``sizeof``/``offsetof`` below against the compiler's,
+pins); ``tests/test_ucx.py::test_binding_struct_layouts_match_the_c_compiler``
+compiles a C program against the wheel's headers and checks every
+``sizeof``/``offsetof`` below against the compiler's,
 so a layout drift fails a test instead of corrupting memory. UCX keeps these
 structs append-only across 1.x (every parameter struct carries a
 ``field_mask``), so a newer library reads only the fields we flag.

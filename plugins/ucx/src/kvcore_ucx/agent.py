@@ -13,33 +13,9 @@ worker's event fd and progresses the worker when something arrives (wire-up,
 notifications, software-emulated puts on TCP); ``close()`` stops and joins it
 within ``close_timeout_s``.
 
-Options (``TransceiverConfig.agent_options``):
-
-``error_handling``
-    ``"auto"`` (default), ``"none"`` or ``"peer"``: the UCX error-handling mode
-    of each endpoint. UCX sets it per endpoint (``ucp_ep_params_t.err_mode``),
-    so one worker serves both kinds of peer: ``"auto"`` picks ``none`` for a
-    peer whose descriptor names this host (``kvcore.hostinfo.host_identity()``:
-    shared memory + CMA, zero-copy, truly one-sided) and ``peer`` for one on
-    another host (TCP/IB with peer-failure detection: in ``none`` mode a lost
-    remote peer is never reported). ``"none"``/``"peer"`` force one mode for
-    every peer. Both ends of a pair must end up with the same mode; a mismatch
-    is refused when the descriptor is loaded.
-``ucx_config``
-    UCX configuration for this agent's context (``{"TLS": "tcp,sm,cma",
-    "NET_DEVICES": "eth0"}``: names without the ``UCX_`` prefix), applied with
-    ``ucp_config_modify`` over the ``UCX_*`` environment. UCX reads transports
-    and devices per context, so they cannot differ per peer: prefer the
-    environment or this option to pin the NIC of a multi-homed host.
-``progress_thread``
-    run the progress thread (default ``True``). Without it the target must call
-    ``progress()`` or ``get_notifications()`` for notifications and wire-up.
-``progress_interval_s``
-    upper bound on the progress thread's sleep (default 0.05 s).
-``close_timeout_s``
-    bound on joining the progress thread and closing endpoints (default 2 s).
-``max_notification_bytes``
-    largest notification accepted (default 64 KiB).
+Options (``TransceiverConfig.agent_options``): :class:`UcxOptions`, one docstring per field,
+converted by :func:`kvcore.extension.convert.convert_options` (an unknown key or a wrong type is a
+``ConfigError`` naming the agent, the key, the type expected and the value given).
 """
 
 from __future__ import annotations
@@ -52,7 +28,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -67,6 +43,7 @@ from kvcore.errors import (
     TransferTimeoutError,
     UnsupportedOperationError,
 )
+from kvcore.extension.convert import convert_options
 from kvcore.hostinfo import host_identity
 from kvcore.transport.agent import (
     AgentDescriptor,
@@ -85,7 +62,7 @@ from kvcore_ucx import _ucp
 from kvcore_ucx._ucp import ptr_status
 from kvcore_ucx.plugin import CAPABILITIES
 
-__all__ = ["UcxAgent", "CAPABILITIES", "merge_runs"]
+__all__ = ["UcxAgent", "UcxOptions", "CAPABILITIES", "merge_runs"]
 
 log = logging.getLogger("kvcore_ucx")
 
@@ -179,40 +156,47 @@ class _Xfer:
     done: bool = False
 
 
+class UcxOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The ucx agent's options: ``TransceiverConfig.agent_options`` with ``backend = "ucx"``."""
+
+    error_handling: Literal["auto", "none", "peer"] = "auto"
+    """The UCX error-handling mode of each endpoint (UCX sets it per endpoint, so one worker serves both
+    kinds of peer). ``"auto"``: ``none`` for a peer whose descriptor names this host
+    (``kvcore.hostinfo.host_identity()``: shared memory + CMA, zero-copy, truly one-sided), ``peer`` for a
+    peer on another host (TCP/IB with peer-failure detection: in ``none`` mode a lost remote peer is never
+    reported). ``"none"``/``"peer"`` force one mode for every peer. Both ends of a pair must end up with
+    the same mode; a mismatch is refused when the descriptor is loaded."""
+    ucx_config: dict[str, str | int | float | bool] = {}
+    """UCX configuration for this agent's context (``{"TLS": "tcp,sm,cma", "NET_DEVICES": "eth0"}``: names
+    without the ``UCX_`` prefix), applied with ``ucp_config_modify`` over the ``UCX_*`` environment. UCX
+    reads transports and devices per context, so they cannot differ per peer."""
+    progress_thread: bool = True
+    """Run the progress thread. Without it the target must call ``progress()`` or ``get_notifications()``
+    for notifications and wire-up."""
+    progress_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
+    """Upper bound on the progress thread's sleep."""
+    close_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    """Bound on joining the progress thread and closing endpoints in ``close()``."""
+    max_notification_bytes: Annotated[int, msgspec.Meta(gt=0)] = 64 * 1024
+    """Largest notification accepted (sent as one eager active message)."""
+
+
 class UcxAgent(TransferAgent):
     """Transfer agent on UCX RMA: one endpoint per peer, rkeys in the descriptor, notifications after a flush."""
 
     backend = "ucx"
     capabilities = CAPABILITIES
+    options_type = UcxOptions
 
     def __init__(self, name: str, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(name, options)
-        opts = self.options
-        unknown = set(opts) - {
-            "error_handling",
-            "progress_thread",
-            "progress_interval_s",
-            "close_timeout_s",
-            "max_notification_bytes",
-            "ucx_config",
-        }
-        if unknown:
-            raise TransferError(f"unknown ucx agent option(s): {', '.join(sorted(unknown))}")
-        self._err_mode_name = str(opts.get("error_handling", "auto"))
-        if self._err_mode_name not in ("auto", "none", "peer"):
-            raise TransferError(
-                f"ucx option error_handling: expected 'auto', 'none' or 'peer', got {self._err_mode_name!r}"
-            )
-        ucx_config = opts.get("ucx_config", {})
-        if not isinstance(ucx_config, Mapping):
-            raise TransferError(f"ucx option ucx_config must be a mapping, got {type(ucx_config).__name__}")
-        self._ucx_config = {str(k).removeprefix("UCX_"): str(v) for k, v in ucx_config.items()}
+        opts = self.opts = convert_options(UcxOptions, options, owner="ucx agent")
+        self._err_mode_name = opts.error_handling
+        self._ucx_config = {k.removeprefix("UCX_"): str(v) for k, v in opts.ucx_config.items()}
         self._host_identity = host_identity()
-        self._interval = float(opts.get("progress_interval_s", 0.05))
-        self._close_timeout = float(opts.get("close_timeout_s", 2.0))
-        self._max_notif = int(opts.get("max_notification_bytes", 64 * 1024))
-        if not (self._interval > 0 and self._close_timeout > 0 and self._max_notif > 0):
-            raise TransferError("ucx options progress_interval_s, close_timeout_s, max_notification_bytes must be > 0")
+        self._interval = opts.progress_interval_s
+        self._close_timeout = opts.close_timeout_s
+        self._max_notif = opts.max_notification_bytes
         self._name_bytes = name.encode()
         if len(self._name_bytes) > _MAX_NAME_BYTES:
             raise TransferError(f"agent name is {len(self._name_bytes)} bytes; the ucx agent allows {_MAX_NAME_BYTES}")
@@ -230,7 +214,7 @@ class UcxAgent(TransferAgent):
         self._stop = threading.Event()
         self._efd = -1
         try:
-            self._init_ucx(bool(opts.get("progress_thread", True)))
+            self._init_ucx(opts.progress_thread)
         except BaseException:
             self._teardown_ucx()
             raise

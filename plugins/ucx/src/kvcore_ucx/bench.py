@@ -7,10 +7,11 @@ random permutations, so nothing merges):
   layers, K and V, 8 KV heads x 128 x bf16, 32-token blocks) = 8192 x 64 KiB;
 * ``4096x16KiB``: 4096 x 16 KiB = 64 MiB.
 
-Designs: ``B`` (``kvcore_ucx.agent.UcxAgent``, UCX RMA through cffi) and ``A``
-(``kvcore_ucx.ucxx_proto.UcxxProtoAgent``, ucxx tag messages), each against a
-target in a second process (spawned; the control channel is a pipe carrying
-msgpack, never pickle). A host memcpy baseline (numpy, one thread) runs in the
+Designs (:data:`DESIGNS`, name -> agent class as ``module:Class``): ``B``
+(``kvcore_ucx.agent.UcxAgent``, UCX RMA through cffi, the one shipped); the
+ucxx prototype ``A`` is not part of this package: ``plugins/ucx/benchmarks/bench_ucx.py``
+adds it from that folder. Each design runs against a target in a second process
+(a :mod:`kvcore.testing.ranks` rank process: msgpack frames on a pipe, never pickle). A host memcpy baseline (numpy, one thread) runs in the
 same call. Every run verifies the target's bytes against an expectation
 computed with numpy from the source. GB/s = 1e9 bytes/s over submit -> DONE,
 where DONE means the target holds the bytes.
@@ -19,17 +20,18 @@ where DONE means the target holds the bytes.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
+import importlib
 import os
 import statistics
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import msgspec
 import numpy as np
 
-__all__ = ["CASES", "run", "main"]
+from kvcore.testing.ranks import Channel, RankProcess, serve
+
+__all__ = ["CASES", "DESIGNS", "run", "main"]
 
 KiB, MiB = 1024, 1024 * 1024
 #: name -> (fragments, fragment bytes)
@@ -37,66 +39,61 @@ CASES: dict[str, tuple[int, int]] = {
     "llama8b_512MiB": (8192, 64 * KiB),
     "4096x16KiB": (4096, 16 * KiB),
 }
+#: design name -> its agent class (``module:Class``); a benchmark script may add prototypes of its own.
+DESIGNS: dict[str, str] = {"B": "kvcore_ucx.agent:UcxAgent"}
 _TIMEOUT_S = 120.0
 
 
 def _agent_class(design: str) -> type:
-    if design == "B":
-        from kvcore_ucx.agent import UcxAgent
-
-        return UcxAgent
-    if design == "A":
-        from kvcore_ucx.ucxx_proto import UcxxProtoAgent
-
-        return UcxxProtoAgent
-    raise ValueError(f"design must be 'A' or 'B', got {design!r}")
-
-
-def _send(conn: Any, obj: Any) -> None:
-    conn.send_bytes(msgspec.msgpack.encode(obj))
-
-
-def _recv(conn: Any, timeout: float = _TIMEOUT_S) -> Any:
-    if not conn.poll(timeout):
-        raise TimeoutError(f"benchmark peer did not answer within {timeout}s")
-    msg = msgspec.msgpack.decode(conn.recv_bytes())
-    if isinstance(msg, dict) and "error" in msg:
-        raise RuntimeError(f"benchmark peer failed: {msg['error']}")
-    return msg
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {sorted(DESIGNS)}, got {design!r}")
+    module, _, name = DESIGNS[design].partition(":")
+    cls: type = getattr(importlib.import_module(module), name)
+    return cls
 
 
 def _digest(buf: np.ndarray) -> str:
     return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
 
 
-def _target_main(conn: Any, design: str, nbytes: int, options: dict[str, Any]) -> None:
-    """Target process: register a zeroed buffer, hand out the descriptor, answer digest/notification queries."""
-    from kvcore.transport.agent import MemoryRegion
+class _TargetRank:
+    """The target's commands: a registered zeroed buffer, its digest, the notifications that arrived."""
 
+    def __init__(self, agent: Any, nbytes: int) -> None:
+        from kvcore.transport.agent import MemoryRegion
+
+        self.agent = agent
+        self.dst = np.zeros(nbytes, dtype=np.uint8)
+        self.dst[::4096] = 0  # touch every page once, so no iteration pays first-touch faults
+        agent.register_memory(MemoryRegion(self.dst.ctypes.data, nbytes))
+        self.notes: list[bytes] = []
+
+    def op_digest(self, length: int) -> dict[str, Any]:
+        return {"digest": _digest(self.dst[:length])}
+
+    def op_notifications(self, expect: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 10
+        while len(self.notes) < expect and time.monotonic() < deadline:
+            self.notes.extend(n.message for n in self.agent.get_notifications())
+            time.sleep(0.001)
+        notes, self.notes = self.notes, []
+        return {"notifications": notes}
+
+    def op_exit(self) -> dict[str, Any]:
+        self.agent.close()
+        return {"closed": True}
+
+
+def target_main(channel: Channel, design: str, nbytes: int, options: dict[str, Any], designs: dict[str, str]) -> None:
+    """The target's rank function: register the buffer, hand out the descriptor, answer digests and notifications."""
+    DESIGNS.update(designs)
+    agent = _agent_class(design)(f"bench-target-{design}", options)
     try:
-        agent = _agent_class(design)(f"bench-target-{design}", options)
-        dst = np.zeros(nbytes, dtype=np.uint8)
-        dst[::4096] = 0  # touch every page once, so no iteration pays first-touch faults
-        agent.register_memory(MemoryRegion(dst.ctypes.data, nbytes))
-        _send(conn, {"descriptor": agent.descriptor()})
-        notes: list[bytes] = []
-        while True:
-            cmd = _recv(conn, 3600)
-            if cmd["op"] == "quit":
-                break
-            if cmd["op"] == "digest":
-                _send(conn, {"digest": _digest(dst[: cmd["length"]])})
-            elif cmd["op"] == "notifications":
-                deadline = time.monotonic() + 10
-                while len(notes) < cmd["expect"] and time.monotonic() < deadline:
-                    notes.extend(n.message for n in agent.get_notifications())
-                    time.sleep(0.001)
-                _send(conn, {"notifications": notes})
-                notes = []
+        rank = _TargetRank(agent, nbytes)
+        channel.send({"descriptor": agent.descriptor()})
+        serve(channel, rank)
+    finally:
         agent.close()
-        _send(conn, {"closed": True})
-    except Exception as exc:  # reported to the parent, which raises
-        _send(conn, {"error": f"{type(exc).__name__}: {exc}"})
 
 
 def _spin_wait(agent: Any, handle: Any, deadline: float) -> None:
@@ -136,15 +133,17 @@ def _scattered_memcpy(src2d: np.ndarray, src_slot: np.ndarray, dst_slot: np.ndar
 
 
 def _run_design(
-    design: str, cases: Sequence[str], iterations: int, options: dict[str, Any], seed: int
+    design: str, cases: Sequence[str], iterations: int, options: dict[str, Any], seed: int, path: Sequence[str]
 ) -> dict[str, Any]:
     from kvcore.transport.agent import MemoryRegion, TransferOp
 
     biggest = max(CASES[c][0] * CASES[c][1] for c in cases)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target_main, args=(child, design, biggest, options), daemon=True)
-    proc.start()
+    target = RankProcess(
+        "kvcore_ucx.bench:target_main",
+        name=f"ucx bench target {design}",
+        kwargs={"design": design, "nbytes": biggest, "options": options, "designs": DESIGNS},
+        path=path,
+    )
     agent = None
     results: dict[str, Any] = {}
     try:
@@ -152,7 +151,7 @@ def _run_design(
         agent = _agent_class(design)(f"bench-initiator-{design}", options)
         src = np.random.default_rng(seed).integers(0, 256, biggest, dtype=np.uint8)
         agent.register_memory(MemoryRegion(src.ctypes.data, biggest))
-        peer = agent.load_remote_agent(_recv(parent)["descriptor"])
+        peer = agent.load_remote_agent(target.recv(_TIMEOUT_S, op="start")["descriptor"])
         dst_base = agent.remote(peer).descriptor.regions[0].address
         results["setup_s"] = round(time.perf_counter() - t0, 3)
         rng = np.random.default_rng(seed + 1)
@@ -176,10 +175,8 @@ def _run_design(
                     submits.append(t1 - t0)
             expected = np.zeros(n * bs, dtype=np.uint8)
             expected.reshape(n, bs)[dst_slot] = src[: n * bs].reshape(n, bs)[src_slot]
-            _send(parent, {"op": "digest", "length": n * bs})
-            verified = _recv(parent)["digest"] == _digest(expected)
-            _send(parent, {"op": "notifications", "expect": iterations + 1})
-            notes = _recv(parent)["notifications"]
+            verified = target.call("digest", length=n * bs, timeout=_TIMEOUT_S)["digest"] == _digest(expected)
+            notes = target.call("notifications", expect=iterations + 1, timeout=_TIMEOUT_S)["notifications"]
             nbytes = n * bs
             results[case] = {
                 "fragments": n,
@@ -194,26 +191,26 @@ def _run_design(
             }
         agent.close()
         agent = None
-        _send(parent, {"op": "quit"})
-        _recv(parent)
+        target.call("exit", timeout=_TIMEOUT_S)
     finally:
         if agent is not None:
             agent.close()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+        target.close(10.0)
     return results
 
 
 def run(
-    designs: Iterable[str] = ("B", "A"),
+    designs: Iterable[str] = ("B",),
     cases: Iterable[str] = tuple(CASES),
     iterations: int = 3,
     options: dict[str, Any] | None = None,
     seed: int = 1234,
+    path: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Measure each design on the same fragments across two processes, plus a memcpy baseline; returns a dict."""
+    """Measure each design on the same fragments across two processes, plus a memcpy baseline; returns a dict.
+
+    ``path``: folders the target process needs on its ``sys.path`` for a design outside this package.
+    """
     cases = list(cases)
     unknown = set(cases) - set(CASES)
     if unknown:
@@ -234,23 +231,23 @@ def run(
         del src2d
     for design in designs:
         try:
-            out[design] = _run_design(design, cases, iterations, dict(options or {}), seed)
+            out[design] = _run_design(design, cases, iterations, dict(options or {}), seed, path)
         except ImportError as exc:
             out[design] = {"skipped": f"{type(exc).__name__}: {exc}"}
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvcore_ucx.bench [--designs B,A] [--cases ...] [--iterations N]``: print the result as JSON."""
+def main(argv: Sequence[str] | None = None, path: Sequence[str] = ()) -> int:
+    """``python -m kvcore_ucx.bench [--designs B] [--cases ...] [--iterations N]``: print the result as JSON."""
     import argparse
     import json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--designs", default="B,A")
+    p.add_argument("--designs", default=",".join(DESIGNS))
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--iterations", type=int, default=3)
     args = p.parse_args(argv)
-    result = run(args.designs.split(","), args.cases.split(","), args.iterations)
+    result = run(args.designs.split(","), args.cases.split(","), args.iterations, path=path)
     print(json.dumps(result, indent=2))
     return 0
 

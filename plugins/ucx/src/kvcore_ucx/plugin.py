@@ -1,9 +1,9 @@
-"""kvcore plugin hooks of ``kvcore-ucx``: registers the ``ucx`` transfer agent; imports nothing heavy."""
+"""kvcore plugin hooks of ``kvcore-ucx``: the ``ucx`` transfer agent and its bench baseline; imports nothing heavy."""
 
 from __future__ import annotations
 
 from kvcore.extension.hookspecs import hookimpl
-from kvcore.extension.registry import TransferAgentRegistry
+from kvcore.extension.registry import BenchBaselineRegistry, TransferAgentRegistry
 from kvcore.transport.agent import AgentCapabilities, MemoryKind
 
 KVCORE_PLUGIN_API = 1
@@ -30,5 +30,18 @@ def kvcore_register_transfer_agents(registry: TransferAgentRegistry) -> None:
         "kvcore_ucx.agent:UcxAgent",
         capabilities=CAPABILITIES,
         description="UCX RMA (ucp_put_nbx/ucp_get_nbx, rkeys in the descriptor); CMA/shm on one host, TCP/IB across",
+        install_hint=INSTALL_HINT,
+    )
+
+
+@hookimpl
+def kvcore_register_bench_baselines(registry: BenchBaselineRegistry) -> None:
+    """Register bare UCX (``ucp_put_nbx`` per fragment + one flush) as the ``kvcore bench`` baseline of ``ucx``."""
+    registry.add(
+        "ucx_put",
+        "kvcore_ucx.baselines:UcxPut",
+        backend="ucx",
+        in_matrix=True,
+        description="bare UCP worker, ucp_put_nbx per fragment + ucp_ep_flush_nbx, progressed without back-off",
         install_hint=INSTALL_HINT,
     )

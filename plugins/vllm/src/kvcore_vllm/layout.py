@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvcore.errors import LayoutError
-from kvcore.layout.builders import build_token_major_layers, kv_view_layout
+from kvcore.layout.builders import build_token_major_layers, kv_view_sharding
 from kvcore.layout.page import HEAD_MAJOR, TOKEN_MAJOR, PageTable, Pool, PoolView
 from kvcore.layout.topology import AttentionGeometry, Topology
 
@@ -128,9 +128,9 @@ def describe_kv_caches(
     if sc != 1:
         raise LayoutError(f"kv_caches[{names[0]!r}]: expected a contiguous last dim, got stride {sc}")
     if sn == content and sh == tokens * content:
-        kind, layout_kind, unit, rows = "head_major", HEAD_MAJOR, tokens * content * es, 1
+        kind, sharding_kind, unit, rows = "head_major", HEAD_MAJOR, tokens * content * es, 1
     elif sh == content and sn == heads * content:
-        kind, layout_kind, unit, rows = "token_major", TOKEN_MAJOR, content * es, tokens
+        kind, sharding_kind, unit, rows = "token_major", TOKEN_MAJOR, content * es, tokens
     else:
         raise LayoutError(
             f"kv_caches[{names[0]!r}]: expected a page-contiguous layout (LBHNC, BLHNC, LBNHC or BLNHC: strides "
@@ -149,7 +149,7 @@ def describe_kv_caches(
         tokens_per_block=block_size,
         dtype=dtype,
         kv_factor=2,
-        layout="head_major" if kind == "head_major" else "token_major",
+        block_order="head_major" if kind == "head_major" else "token_major",
     )
     expected_heads = geometry.kv_heads_per_rank(topology)
     if heads != expected_heads:
@@ -166,7 +166,7 @@ def describe_kv_caches(
         Pool(base=t.data_ptr(), slot_bytes=ratio * page, slot_stride=ratio * sb * es, num_slots=n_blocks // ratio)
         for t in tensors
     )
-    role, mapper, shard = kv_view_layout(topology, geometry)
+    role, mapper, shard = kv_view_sharding(topology, geometry)
     view = PoolView(
         role=role,
         mapper=mapper,
@@ -175,7 +175,7 @@ def describe_kv_caches(
         buffer_bytes=page,
         pools=tuple(p for p in range(len(pools)) for _ in range(ratio)),
         offsets=tuple(k * page for _ in pools for k in range(ratio)),
-        layout=msgspec.structs.replace(shard, kind=layout_kind, unit_bytes=unit, rows=rows),
+        sharding=msgspec.structs.replace(shard, kind=sharding_kind, unit_bytes=unit, rows=rows),
         tokens_per_slot=block_size,
     )
     return KvDescription(
@@ -209,7 +209,7 @@ def _describe_legacy(
         head_dim=head_size,
         tokens_per_block=block_size,
         dtype=_dtype_name(tensors[0]),
-        layout="token_major",
+        block_order="token_major",
     )
     table = build_token_major_layers(tensors, topology=topology, geometry=geometry, kv_first=True)
     return KvDescription(

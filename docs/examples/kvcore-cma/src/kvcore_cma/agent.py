@@ -15,8 +15,9 @@ import errno
 import os
 import socket
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -34,6 +35,7 @@ from kvcore import (
     TransferOp,
     TransferStatus,
 )
+from kvcore.extension.convert import convert_options
 from kvcore.transport.agent import AgentDescriptor, RemoteAgent
 from kvcore.transport.fragments import merge_runs
 from kvcore_cma.plugin import CAPABILITIES
@@ -91,14 +93,25 @@ class CmaTransfer:
     address: bytes
 
 
+class CmaOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The cma agent's options: ``TransceiverConfig.agent_options`` with ``backend = "cma"``."""
+
+    iovecs_per_call: Annotated[int, msgspec.Meta(ge=1, le=IOV_MAX)] = IOV_MAX
+    """Fragments (after merging neighbours) per ``process_vm_writev``/``readv`` call; the kernel takes at most
+    1024. Fewer means more system calls for the same bytes: useful only to exercise the batching."""
+
+
 class CmaAgent(TransferAgent):
     """One-sided WRITE/READ of many fragments into a same-host peer's registered memory, with notifications."""
 
     backend: ClassVar[str] = "cma"
     capabilities: ClassVar[AgentCapabilities] = CAPABILITIES  # stated once, in the hook module
+    options_type: ClassVar[type[msgspec.Struct] | None] = CmaOptions
 
-    def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, name: str, options: Mapping[str, Any] | CmaOptions | None = None) -> None:
         super().__init__(name, options)
+        # One converter for every agent: an unknown key or a wrong type is a ConfigError naming the key.
+        self.opts = convert_options(CmaOptions, options, owner="cma agent")
         if ptrace_scope() == 1:
             # Scope 1 only lets ancestors attach; allow same-user peers to reach our registered memory.
             _libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY), 0, 0, 0)
@@ -155,8 +168,9 @@ class CmaAgent(TransferAgent):
         local_iov = np.ascontiguousarray(np.stack([local, sizes], axis=1), dtype=np.uint64)
         remote_iov = np.ascontiguousarray(np.stack([remote_addrs, sizes], axis=1), dtype=np.uint64)
         call = _libc.process_vm_writev if handle.op is TransferOp.WRITE else _libc.process_vm_readv
-        for start in range(0, sizes.size, IOV_MAX):
-            count = min(IOV_MAX, sizes.size - start)
+        batch = self.opts.iovecs_per_call
+        for start in range(0, sizes.size, batch):
+            count = min(batch, sizes.size - start)
             expected = int(sizes[start : start + count].sum())
             done = call(peer.pid, local_iov[start:].ctypes.data, count, remote_iov[start:].ctypes.data, count, 0)
             if done != expected:

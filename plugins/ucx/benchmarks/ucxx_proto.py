@@ -1,4 +1,4 @@
-"""Prototype A (kept for the benchmark and the design record): a kvcore agent on ucxx tag messaging.
+"""Prototype A (kept out of the kvcore-ucx wheel, for the benchmark and the design record): ucxx tag messages.
 
 ucxx's Python API has no RMA, so a WRITE is emulated two-sided, one-sided as
 seen from kvcore: the initiator sends a header (destination ranges, sizes,
