@@ -132,7 +132,7 @@ def case_bounce(run: BackendRun) -> dict[str, Any]:
             head_dim=spec.head_dim,
             tokens_per_block=spec.tokens_per_block,
             dtype=spec.dtype,
-            layout="token_major",
+            block_order="token_major",
             ctx_tp=2,
             gen_tp=4,
             bounce=mode,
