@@ -13,6 +13,7 @@ _GB = 1e9
 
 
 def _pct(values: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (the latency cases and the rank's soak report them)."""
     return float(np.percentile(np.asarray(values), q))
 
 

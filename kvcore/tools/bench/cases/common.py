@@ -1,4 +1,4 @@
-"""What the cases share when they assemble a result: bandwidth summaries, percentiles, the end-of-shape checks."""
+"""What the cases share when they assemble a result: bandwidth summaries and the end-of-shape checks."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from kvcore.tools.bench.spec import _GB
 
 
 def _summarize(nbytes: int, times: list[float], first: float) -> dict[str, Any]:
+    """GB/s and ms (median, best) of the timed rounds ``times``, the warm-up round ``first`` apart."""
     med = statistics.median(times)
     return {
         "gbps_median": nbytes / med / _GB,
