@@ -34,9 +34,9 @@ SMALL: dict[str, Any] = dict(
 # name -> DemoSpec overrides (on top of SMALL)
 CASES: dict[str, dict[str, Any]] = {
     "tp2-tp2-head_major": dict(ctx_tp=2, gen_tp=2),
-    "tp2-tp2-token_major": dict(ctx_tp=2, gen_tp=2, layout="token_major"),
+    "tp2-tp2-token_major": dict(ctx_tp=2, gen_tp=2, block_order="token_major"),
     "pp2-pp2-head_major": dict(ctx_tp=1, ctx_pp=2, gen_tp=1, gen_pp=2),
-    "pp2-pp2-token_major": dict(ctx_tp=1, ctx_pp=2, gen_tp=1, gen_pp=2, layout="token_major"),
+    "pp2-pp2-token_major": dict(ctx_tp=1, ctx_pp=2, gen_tp=1, gen_pp=2, block_order="token_major"),
     "tp2-tp2-64-concurrent": dict(ctx_tp=2, gen_tp=2, requests=64),
     "tp2-tp2-prefix-cached": dict(ctx_tp=2, gen_tp=2, tokens=64, cached_prefix_blocks=3),
     "tp2-tp4": dict(ctx_tp=2, gen_tp=4),
@@ -67,12 +67,12 @@ CASES: dict[str, dict[str, Any]] = {
         ctx_attention_dp=True,
         gen_tp=4,
         mamba=True,
-        layout="token_major",
+        block_order="token_major",
         bounce="on",
         cached_prefix_blocks=3,
     ),
-    "token_major-tp2-tp4-bounce-off": dict(kv_heads=8, ctx_tp=2, gen_tp=4, layout="token_major", bounce="off"),
-    "token_major-tp2-tp4-bounce-on": dict(kv_heads=8, ctx_tp=2, gen_tp=4, layout="token_major", bounce="on"),
+    "token_major-tp2-tp4-bounce-off": dict(kv_heads=8, ctx_tp=2, gen_tp=4, block_order="token_major", bounce="off"),
+    "token_major-tp2-tp4-bounce-on": dict(kv_heads=8, ctx_tp=2, gen_tp=4, block_order="token_major", bounce="on"),
     # layer-wise sending: half of each context rank's layers first, the rest afterwards
     "layerwise-pp2-tp4": dict(ctx_tp=1, ctx_pp=2, gen_tp=4, layerwise=True),
 }
@@ -85,7 +85,9 @@ PULL_CASES: dict[str, dict[str, Any]] = {
     "pull-gqa-2heads-tp1-tp4": dict(kv_heads=2, ctx_tp=1, gen_tp=4),
     "pull-mla-tp4-tp2": dict(mla=True, head_dim=64, ctx_tp=4, gen_tp=2),
     "pull-mamba-tp2-tp4": dict(mamba=True, ctx_tp=2, gen_tp=4),
-    "pull-token_major-prefix-cached": dict(ctx_tp=2, gen_tp=2, tokens=64, cached_prefix_blocks=3, layout="token_major"),
+    "pull-token_major-prefix-cached": dict(
+        ctx_tp=2, gen_tp=2, tokens=64, cached_prefix_blocks=3, block_order="token_major"
+    ),
     "pull-ctx-adp-tp2-tp2": dict(ctx_tp=2, ctx_attention_dp=True, gen_tp=2),
 }
 #: Pull cases run on every installed transport besides shm.

@@ -24,6 +24,10 @@ The *arrangement* (``arrangement=``) names how an engine's tensors hold the cach
 ``head_major_pool`` (one tensor), ``token_major_layers`` or ``token_major_layers_kv_first`` (one
 tensor per layer); for Mamba state ``layer_major`` or ``vllm``. It was the keyword ``layout=``
 before, which still works with a ``DeprecationWarning``.
+
+Why one module of this length: every builder declares its views through the same sharding and tensor checks
+(``kv_view_sharding``, ``_check_tensor``) that the table above summarizes, and each allocator returns exactly what
+its builder accepts; kept together, a builder and the tensors it accepts are read side by side.
 """
 
 from __future__ import annotations

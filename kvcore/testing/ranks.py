@@ -35,6 +35,9 @@ waits for a reply are kept, in order, for its next ``recv``.
 A caveat of ``PR_SET_PDEATHSIG``: it fires when the *thread* that started the
 child exits, so start rank processes from a thread that lives as long as they do
 (the main thread, in every user here).
+
+Why one module of this length: both ends of one protocol (the frame structs, the channel, the child's loop and
+the parent's handle) change together; split, a frame change would be edited in three places.
 """
 
 from __future__ import annotations

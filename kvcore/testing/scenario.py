@@ -43,7 +43,7 @@ class DemoSpec:
     head_dim: int = 128
     tokens_per_block: int = 16
     dtype: str = "bfloat16"
-    layout: str = "head_major"
+    block_order: str = "head_major"  # the KV block order: "head_major" or "token_major" (flag --block-order)
     ctx_tp: int = 2
     ctx_pp: int = 1
     gen_tp: int = 2
@@ -147,8 +147,8 @@ class DemoSpec:
             raise ValueError(f"mode: expected 'push' or 'pull', got {self.mode!r}")
         if self.mode == "pull" and self.layerwise:
             raise ValueError("mode 'pull' reads every layer at once: it cannot be combined with layerwise")
-        if self.layout not in ("head_major", "token_major"):
-            raise ValueError(f"layout: expected 'head_major' or 'token_major', got {self.layout!r}")
+        if self.block_order not in ("head_major", "token_major"):
+            raise ValueError(f"block_order: expected 'head_major' or 'token_major', got {self.block_order!r}")
         for name in (
             "requests",
             "tokens",
@@ -281,12 +281,12 @@ class Rank:
             tokens_per_block=spec.tokens_per_block,
             dtype=spec.dtype,
             kv_factor=spec.kv_factor,
-            block_order=spec.layout,  # type: ignore[arg-type]  # checked by DemoSpec.validate
+            block_order=spec.block_order,  # type: ignore[arg-type]  # checked by DemoSpec.validate
         )
         self.caches = allocate_kv_cache(self.topology, self.geometry, spec.num_blocks, allocator=agent.allocate_tensor)
         for c in self.caches if isinstance(self.caches, list) else [self.caches]:
             c.fill_(0)  # touch every page now, as an engine's warm pools would be: page faults are not transfer cost
-        builder = "head_major_pool" if spec.layout == "head_major" else "token_major_layers"
+        builder = "head_major_pool" if spec.block_order == "head_major" else "token_major_layers"
         tables = [build_page_table(builder, self.caches, topology=self.topology, geometry=self.geometry)]
         # The oracle's own view of this rank (never asks kvcore which heads/layers/channels it holds).
         tp_rank, pp_rank = tp_pp_rank(rank, tp)
@@ -342,7 +342,7 @@ class Rank:
         tokens = range(spec.blocks_per_request * spec.tokens_per_block)
         source = request + 1 if request == spec.poison else request
         want = expected_values(source, self.layers, spec.kv_factor, self.heads, tokens, spec.head_dim, self.dtype)
-        _scatter(self.caches, spec.layout, self.blocks[request], want)
+        _scatter(self.caches, spec.block_order, self.blocks[request], want)
         if self.mamba_layers:
             slot = self.slots[request]
             self.conv[:, slot] = expected_conv(
@@ -364,7 +364,7 @@ class Rank:
         skip = spec.cached_prefix_blocks if received else spec.blocks_per_request
         tpb = spec.tokens_per_block
         total = spec.blocks_per_request * tpb
-        got = _logical(self.caches, spec.layout, self.blocks[request])
+        got = _logical(self.caches, spec.block_order, self.blocks[request])
         want = expected_values(
             request, self.layers, spec.kv_factor, self.heads, range(total), spec.head_dim, self.dtype
         )

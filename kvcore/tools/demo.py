@@ -15,7 +15,7 @@ fewer KV heads than TP (replicated heads), MLA (one latent "head", replicated
 on every TP rank), attention DP on either side (request ``r`` belongs to DP
 group ``r % dp_size`` of each instance), a Mamba-hybrid model (conv state
 sectioned ``x|B|C`` and SSM state head-sharded, one slot per request),
-head-major or token-major layout, a cached prefix, and the bounce-buffer
+head-major or token-major block order, a cached prefix, and the bounce-buffer
 setting of the transceiver.
 
 ``--auth`` turns CurveZMQ on for every rank of both instances, with a fresh
@@ -48,8 +48,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, fields, replace
-from typing import Any
+from typing import Any, get_args
 
+from kvcore.layout.topology import BlockOrder
 from kvcore.params import TransferParams, derive_ticket
 from kvcore.testing.oracle import (
     conv_channels_of_rank,
@@ -597,6 +598,27 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+#: ``--block-order`` values: :data:`kvcore.layout.topology.BlockOrder`'s.
+BLOCK_ORDERS: tuple[str, ...] = get_args(BlockOrder)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old option spelling: stores into the new option's destination and says so on stderr, once per use."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(
+        self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None
+    ) -> None:
+        print(
+            f"kvcore demo: {option_string} is deprecated; use {self.new} (the old spelling goes in the next release)",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "demo", help="move KV between a context and a generation instance (separate processes) and verify every byte"
@@ -610,7 +632,20 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--head-dim", type=int, default=d.head_dim, help="head dim (the latent dim with --mla)")
     p.add_argument("--tokens-per-block", type=int, default=d.tokens_per_block)
     p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float16"])
-    p.add_argument("--layout", default=d.layout, choices=["head_major", "token_major"])
+    p.add_argument(
+        "--block-order",
+        default=d.block_order,
+        choices=list(BLOCK_ORDERS),
+        help="axis order inside one block of one layer: [heads, tokens, dim] or [tokens, heads, dim]",
+    )
+    p.add_argument(
+        "--layout",
+        dest="block_order",
+        choices=list(BLOCK_ORDERS),
+        action=_DeprecatedAlias,
+        new="--block-order",
+        help="deprecated spelling of --block-order",
+    )
     p.add_argument("--ctx-tp", type=int, default=d.ctx_tp)
     p.add_argument("--ctx-pp", type=int, default=d.ctx_pp)
     p.add_argument("--gen-tp", type=int, default=d.gen_tp)
@@ -727,7 +762,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     if sp.get("mamba"):
         model += ", Mamba-hybrid (conv + SSM state on odd layers)"
     t.add_row("model", f"{sp['layers']} layers, {model}, head dim {sp['head_dim']}, {sp['dtype']}")
-    t.add_row("layout", f"{sp['layout']}, bounce {sp.get('bounce', 'auto')}")
+    t.add_row("block order", f"{sp['block_order']}, bounce {sp.get('bounce', 'auto')}")
     how = "the generation ranks read the context's blocks" if sp.get("mode") == "pull" else "the context writes"
     t.add_row("mode", f"{sp.get('mode', 'push')} ({how})")
     if s.get("hosts"):

@@ -1,0 +1,159 @@
+"""Latency cases: one-block requests alone and many in flight (``small``, ``small_auth`` with CURVE), and head of
+line beside a big request (``hol``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, replace
+from typing import Any
+
+from kvcore.tools.bench.blocks import SMALL_SLOTS
+from kvcore.tools.bench.cases.common import shape_verified
+from kvcore.tools.bench.run import BackendRun, register_case
+from kvcore.tools.bench.spec import _GB, _pct
+
+
+@register_case("small")
+def case_small(run: BackendRun) -> dict[str, Any]:
+    """One-block (16 KiB) requests: per-request latency vs the agent alone, and requests/s with many in flight."""
+    return _small(run, auth=False)
+
+
+@register_case("small_auth")
+def case_small_auth(run: BackendRun) -> dict[str, Any]:
+    """The ``small`` case with CurveZMQ on both control planes (one fresh key pair per instance)."""
+    return _small(run, auth=True)
+
+
+def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    shape = replace(spec.frag16k_shape(), name="small", tokens=32)
+    out: dict[str, Any] = {"shape": asdict(shape), "block_bytes": shape.block_bytes, "auth": auth}
+    out.update(run.open(shape, auth=auth))
+    try:
+        warm = max(1, min(20, spec.latency_requests // 10))
+        # warm-up requests, not counted
+        rid = run.rids(warm)
+        run.ctx.call("send", rid0=rid, n=warm, region="small")
+        run.gen.call("receive", endpoint=run.endpoint, rid0=rid, n=warm, region="small", pipelined=False)
+        # latency: one at a time
+        run.say(f"{run.backend} small: {spec.latency_requests} requests one at a time")
+        rid = run.rids(spec.latency_requests)
+        run.ctx.call("send", rid0=rid, n=spec.latency_requests, region="small")
+        steps0 = {"context": run.ctx.call("steps"), "generation": run.gen.call("steps")}
+        r = run.gen.call(
+            "receive", endpoint=run.endpoint, rid0=rid, n=spec.latency_requests, region="small", pipelined=False
+        )
+        steps1 = {"context": run.ctx.call("steps"), "generation": run.gen.call("steps")}
+        lat_ms = [x * 1e3 for x in r["latency_s"]]
+        not_done = list(r["not_done"])
+        # the transport alone on the same one-block plan
+        bare = run.ctx.call("prepare", mode="agent", region="small", count=1)
+        admitted = run.gen.call("admit", descriptor=bare["descriptor"])["name"]
+        try:
+            a = run.ctx.call("xfer", mode="agent", repeat=spec.latency_requests + warm)
+        finally:
+            run.ctx.call("unprepare", mode="agent")
+            run.gen.call("dismiss", name=admitted)
+        agent_ms = [x * 1e3 for x in a["seconds"][warm:]]
+        # throughput: every request in flight together
+        run.say(f"{run.backend} small: {spec.small_requests} requests in flight")
+        rid = run.rids(spec.small_requests)
+        run.ctx.call("send", rid0=rid, n=spec.small_requests, region="small")
+        t = run.gen.call(
+            "receive", endpoint=run.endpoint, rid0=rid, n=spec.small_requests, region="small", pipelined=True
+        )
+        not_done += t["not_done"]
+        ok = run.gen.call("verify", region="small")["ok"]
+    finally:
+        shape_checks = run.close_shape()
+    out["latency"] = {
+        "requests": len(lat_ms),
+        "kvcore_ms_p50": _pct(lat_ms, 50),
+        "kvcore_ms_p99": _pct(lat_ms, 99),
+        "kvcore_ms_mean": statistics.fmean(lat_ms),
+        "agent_ms_p50": _pct(agent_ms, 50),
+        "agent_ms_p99": _pct(agent_ms, 99),
+        "overhead_ms_p50": _pct(lat_ms, 50) - _pct(agent_ms, 50),
+        "requests_per_s_one_at_a_time": len(lat_ms) / r["elapsed_s"],
+    }
+    # Mean ms per request of each step the transceivers time, over the one-at-a-time requests only.
+    out["steps_ms_mean"] = {
+        f"{side}.{name}": (v[0] - steps0[side][name][0]) / (v[1] - steps0[side][name][1]) * 1e3
+        for side, names in steps1.items()
+        for name, v in names.items()
+        if v[1] > steps0[side][name][1]
+    }
+    out["throughput"] = {
+        "requests": spec.small_requests,
+        "seconds": t["elapsed_s"],
+        "requests_per_s": spec.small_requests / t["elapsed_s"],
+        "gbps": spec.small_requests * shape.block_bytes / t["elapsed_s"] / _GB,
+    }
+    out["not_done"] = not_done
+    out.update(shape_checks)
+    out["verified"] = (
+        ok
+        and not not_done
+        and shape_verified(out, shape_checks)
+        and out["curve_ranks"] == (2 if auth else 0)  # CURVE on both ranks exactly when asked for
+    )
+    return out
+
+
+@register_case("hol", units=lambda spec: spec.iterations + 1)
+def case_hol(run: BackendRun) -> dict[str, Any]:
+    """Head of line: one-block requests alone, and while the whole ``llama8b`` request moves on the same rank.
+
+    Each round sends ``--hol-requests`` one-block requests one at a time with nothing else in flight, then
+    starts the big request and sends as many one-block requests one at a time beside it; only those that
+    ended before the big one are counted as ``during``. The first round is the warm-up.
+    """
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    shape = replace(spec.llama_shape(), name="hol")
+    n = max(spec.hol_requests, SMALL_SLOTS)  # every small slot is written, so the end-of-case check holds
+    out: dict[str, Any] = {"shape": asdict(shape), "bytes": shape.nbytes, "block_bytes": shape.block_bytes}
+    out.update(run.open(shape))
+    alone: list[float] = []
+    during: list[float] = []
+    big_ms: list[float] = []
+    not_done: list[str] = []
+    try:
+        for it in range(spec.iterations + 1):
+            run.say(f"{run.backend} hol: round {it}/{spec.iterations}")
+            if it:
+                run.tick()
+            rid = run.rids(n)
+            run.ctx.call("send", rid0=rid, n=n, region="small")
+            a = run.gen.call("receive", endpoint=run.endpoint, rid0=rid, n=n, region="small", pipelined=False)
+            big, rid = run.rids(1), run.rids(n)
+            run.ctx.call("send", rid0=big, n=1, region="big")
+            run.ctx.call("send", rid0=rid, n=n, region="small")
+            h = run.gen.call("hol", endpoint=run.endpoint, big_rid=big, rid0=rid, n=n)
+            not_done += a["not_done"] + h["not_done"]
+            if it:
+                alone += [x * 1e3 for x in a["latency_s"]]
+                during += [x * 1e3 for x, d in zip(h["latency_s"], h["during"], strict=True) if d]
+                big_ms.append(h["big_s"] * 1e3)
+        ok = run.gen.call("verify", region="small")["ok"] and run.gen.call("verify", region="big")["ok"]
+    finally:
+        shape_checks = run.close_shape()
+    run.tick()
+    out["one_block"] = {
+        "requests_alone": len(alone),
+        "requests_during": len(during),
+        "alone_ms_p50": _pct(alone, 50),
+        "alone_ms_p99": _pct(alone, 99),
+        "during_ms_p50": _pct(during, 50) if during else None,
+        "during_ms_p99": _pct(during, 99) if during else None,
+        "during_vs_alone_p50": _pct(during, 50) / _pct(alone, 50) if during else None,
+    }
+    out["big_ms_median"] = statistics.median(big_ms)
+    out["big_gbps_median"] = shape.nbytes / (statistics.median(big_ms) / 1e3) / _GB
+    out["not_done"] = not_done
+    out.update(shape_checks)
+    out["verified"] = ok and not not_done and shape_verified(out, shape_checks)
+    return out
