@@ -83,8 +83,18 @@ class EngineProcess:
 
     def state(self) -> dict[str, Any]:
         """One engine step, then its counters; every event emitted before is read into ``events``."""
+        self.ask_state()
+        return self.state_reply()
+
+    def ask_state(self) -> None:
+        """Ask for :meth:`state` without waiting (TP ranks step together: ask every rank, then read the replies)."""
         with self._logged():
-            state = self.rank.call("state", timeout=60)
+            self.rank.post("state")
+
+    def state_reply(self, timeout: float = 60) -> dict[str, Any]:
+        """The reply to :meth:`ask_state`; the events that came before it are read into ``events``."""
+        with self._logged():
+            state = self.rank.reply("state", timeout)
             while (event := self.rank.try_recv()) is not None:
                 self.events.append(event)
         return state

@@ -223,9 +223,9 @@ def _free_port() -> int:
 
 
 def _group_state(ranks: list[Any]) -> list[dict[str, Any]]:
-    for r in ranks:  # every rank steps on "state": send to all before waiting (the poll is collective)
-        r.send(op="state")
-    return [r.wait("state") for r in ranks]
+    for r in ranks:  # every rank steps on "state": ask all before waiting (the poll is collective)
+        r.ask_state()
+    return [r.state_reply() for r in ranks]
 
 
 @pytest.mark.parametrize(
