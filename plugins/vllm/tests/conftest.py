@@ -46,7 +46,11 @@ class EngineProcess:
             path=[str(HERE)],
         )
         self.events: list[dict[str, Any]] = []
-        self.ready = self.wait("ready", timeout=180) if wait_ready else {}
+        try:
+            self.ready = self.wait("ready", timeout=180) if wait_ready else {}
+        except BaseException:
+            self.rank.close(timeout=5)  # never started for the fixture to close: reap it here
+            raise
 
     def send(self, op: str, **args: Any) -> None:
         with self._logged():
