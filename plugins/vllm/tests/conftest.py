@@ -1,12 +1,10 @@
-"""Fixtures: a tiny model directory and engine processes (see vllm_engine.py)."""
+"""Fixtures: a tiny model directory and engine processes (vllm_engine.run, each a kvcore.testing.ranks rank)."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
-import select
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -14,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvcore.testing.ranks import RankError, RankProcess, RankTimeoutError
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -27,57 +27,45 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 class EngineProcess:
-    """One engine process (vllm_engine.py) spoken to over JSON lines; every wait has a deadline."""
+    """One engine process: a ``RankProcess`` running ``vllm_engine:run``; commands go in, events come back.
+
+    Commands are told (``send``), or batched so they act in the same step (``send_many``); ``state`` is a call.
+    Events wait in ``events`` until a ``wait`` takes the first one that matches. Every read has a deadline; a
+    failure in the engine process comes back as the harness's typed error, with the tail of its log added.
+    """
 
     def __init__(self, spec: dict[str, Any], log_path: Path, wait_ready: bool = True) -> None:
         self.spec = spec
         self.log_path = log_path
-        self._log = open(log_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="WARNING")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "vllm_engine.py"), json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=env,
+        tp = f"-tp{spec['tp_rank']}" if spec.get("tp_size", 1) > 1 else ""
+        self.rank = RankProcess(
+            "vllm_engine:run",
+            name=f"vllm-{spec['role']}{tp}",
+            kwargs={**spec, "log_path": str(log_path)},
+            env={"PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
+            path=[str(HERE)],
         )
-        self._buf = b""
         self.events: list[dict[str, Any]] = []
-        self.ready = self.wait("ready", timeout=180) if wait_ready else {}
+        try:
+            self.ready = self.wait("ready", timeout=180) if wait_ready else {}
+        except BaseException:
+            self.rank.close(timeout=5)  # never started for the fixture to close: reap it here
+            raise
 
-    def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.proc.stdin.flush()
+    def send(self, op: str, **args: Any) -> None:
+        with self._logged():
+            self.rank.tell(op, **args)
 
     def send_many(self, *cmds: dict[str, Any], then_freeze: float = 0.0) -> None:
-        """Several commands in one write: the engine reads them together, so they act in the same step.
+        """Several commands in one frame: the engine acts on them all before its next step.
 
         ``then_freeze``: the engine stops stepping for that many seconds after that step.
         """
-        assert self.proc.stdin is not None
-        lines = [dict(c) for c in cmds]
+        commands = [dict(c) for c in cmds]
         if then_freeze:
-            lines.append({"op": "freeze", "seconds": then_freeze})
-        self.proc.stdin.write(b"".join((json.dumps(c) + "\n").encode() for c in lines))
-        self.proc.stdin.flush()
-
-    def _read_events(self, deadline: float) -> None:
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            ready, _, _ = select.select([fd], [], [], left)
-            if not ready:
-                return
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                raise AssertionError(f"{self.spec['role']} engine exited (rc={self.proc.poll()}); log:\n{self.tail()}")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        self.events.append(json.loads(line))
+            commands.append({"op": "freeze", "seconds": then_freeze})
+        with self._logged():
+            self.rank.tell("batch", commands=commands)
 
     def wait(self, event: str, timeout: float = 60, **match: Any) -> dict[str, Any]:
         """The first not yet consumed event named ``event`` whose fields equal ``match``."""
@@ -86,32 +74,62 @@ class EngineProcess:
             for i, e in enumerate(self.events):
                 if e.get("event") == event and all(e.get(k) == v for k, v in match.items()):
                     return self.events.pop(i)
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise RankTimeoutError(rank=self.rank.name, op=f"wait {event}", timeout=timeout)
+                with self._logged():
+                    self.events.append(self.rank.recv(left, op=f"wait {event}"))
+            except RankTimeoutError as exc:
                 raise AssertionError(
                     f"{self.spec['role']}: no {event} {match} within {timeout}s; events {self.events}; log:\n{self.tail()}"
-                )
-            self._read_events(min(deadline, time.monotonic() + 0.5))
+                ) from exc
 
     def state(self) -> dict[str, Any]:
-        self.send(op="state")
-        return self.wait("state")
+        """One engine step, then its counters; every event emitted before is read into ``events``."""
+        self.ask_state()
+        return self.state_reply()
+
+    def ask_state(self) -> None:
+        """Ask for :meth:`state` without waiting (TP ranks step together: ask every rank, then read the replies)."""
+        with self._logged():
+            self.rank.post("state")
+
+    def state_reply(self, timeout: float = 60) -> dict[str, Any]:
+        """The reply to :meth:`ask_state`; the events that came before it are read into ``events``."""
+        with self._logged():
+            state = self.rank.reply("state", timeout)
+            while (event := self.rank.try_recv()) is not None:
+                self.events.append(event)
+        return state
 
     def tail(self, n: int = 4000) -> str:
-        self._log.flush()
-        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except FileNotFoundError:
+            return "(no log yet)"
 
     def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
+        os.kill(self.rank.pid, sig)
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """Reap the process once it exited (after a signal); its exit status."""
+        if not self.rank.join(timeout):
+            raise AssertionError(f"{self.rank.name} still running {timeout}s after it was told to end")
+        return self.rank.exitcode
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send(op="exit")
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
+        self.rank.close(timeout=30)
+
+    @contextlib.contextmanager
+    def _logged(self) -> Iterator[None]:
+        """The harness's errors (the engine raised, or died) with the tail of the engine's log added."""
+        try:
+            yield
+        except RankError as exc:
+            if not isinstance(exc, RankTimeoutError):
+                exc.add_note(f"log of {self.rank.name} ({self.log_path}):\n{self.tail()}")
+            raise
 
 
 @pytest.fixture
@@ -126,9 +144,11 @@ def engines(tmp_path: Path) -> Iterator[Any]:
 
     yield start
     for p in started:
-        if p.proc.poll() is None:
-            try:
-                p.signal(signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        if p.rank.alive():
+            with contextlib.suppress(ProcessLookupError):
+                p.signal(signal.SIGCONT)  # a test may have stopped it
+            # Every engine told first, so TP ranks (which step together over gloo) all stop, not one by one.
+            with contextlib.suppress(RankError):
+                p.rank.tell("exit")
+    for p in started:
         p.close()

@@ -133,7 +133,7 @@ def test_context_dies_load_error_and_blocks_freed(engines: Any, model_dir: str, 
     base_d = d.ready["free_blocks"]
     params = prefill(p, "doomed", 40, 7, mode)
     p.signal(signal.SIGKILL)
-    p.proc.wait(timeout=10)
+    p.wait_exit(timeout=10)
     d.send(op="add", id="doomed", prompt=prompt_of(40, 7), max_tokens=2, params=params, seed=7)
     done = d.wait("finished", id="doomed", timeout=60)
     assert "error" in done["reason"].lower()  # kv_load_failure_policy="fail": vLLM fails the request
@@ -223,9 +223,9 @@ def _free_port() -> int:
 
 
 def _group_state(ranks: list[Any]) -> list[dict[str, Any]]:
-    for r in ranks:  # every rank steps on "state": send to all before waiting (the poll is collective)
-        r.send(op="state")
-    return [r.wait("state") for r in ranks]
+    for r in ranks:  # every rank steps on "state": ask all before waiting (the poll is collective)
+        r.ask_state()
+    return [r.state_reply() for r in ranks]
 
 
 @pytest.mark.parametrize(

@@ -14,15 +14,17 @@ KV of the prompt tokens a prefill instance computes, and samples token 7.
 The decode instance's forward writes nothing, so every prompt byte it holds
 came through kvcore.
 
-Run as a script it serves one engine over JSON lines (stdin commands, events
-on the original stdout; vLLM's own logging goes to stderr).
+As a process it is a ``kvcore.testing.ranks`` rank: the test starts
+``RankProcess("vllm_engine:run", ...)`` and drives :class:`EngineRank` with
+commands; events come back as messages, msgpack frames on the harness's pipe
+(vLLM's own logging goes to a log file).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import select
 import sys
 import tempfile
 import time
@@ -30,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from kvcore.testing.ranks import Channel, serve
 
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
@@ -342,89 +346,103 @@ class Engine:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
 
 
-# --- the process: JSON lines over stdin/stdout ---------------------------------------------------
+# --- the process: a kvcore.testing.ranks rank -----------------------------------------------------
 
 
-def serve(spec: EngineSpec, out: Any) -> None:
-    from vllm.v1.request import RequestStatus
+class EngineRank:
+    """One engine served as a rank (``kvcore.testing.ranks.serve``): commands in, events out as messages.
 
-    def emit(**event: Any) -> None:
-        out.write(json.dumps(event) + "\n")
-        out.flush()
+    Commands: ``add``, ``abort`` and ``freeze`` (the test ``tell``s them: no reply, a failure still comes back),
+    ``batch`` (several of those, all acted on before the same step) and ``state`` (a call: one step, then the
+    counters). Between commands the engine steps while it has requests, as EngineCore's busy loop does. Events
+    are messages ``{"event": name, ...}``: ``ready``, ``loaded`` (with the prompt's KV), ``finished``,
+    ``freed``, ``frozen``, ``thawed`` and ``closed``.
+    """
 
-    engine = Engine(spec)
-    emit(
-        event="ready",
-        pid=os.getpid(),
-        info_endpoint=engine.worker.engine.info_endpoint,
-        free_blocks=engine.free_blocks(),
-    )
-    watched: dict[str, dict[str, Any]] = {}  # request id -> what to report about it
-    freeze = 0.0  # seconds to stop stepping after the next step (kvcore's own threads keep running)
-    fd, buf, running = sys.stdin.fileno(), b"", True
-    while running:
-        busy = engine.scheduler.has_requests()
-        ready, _, _ = select.select([fd], [], [], 0.002 if busy else 0.05)
-        if ready:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                break
-            buf += chunk
-        # Every complete command before the next step: commands sent together act in the same step.
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            cmd = json.loads(line)
-            op = cmd["op"]
-            if op == "add":
-                engine.add_request(cmd["id"], cmd["prompt"], cmd["max_tokens"], cmd.get("params"), cmd["seed"])
-                watched[cmd["id"]] = {
-                    "loaded": not cmd.get("params"),  # a local request loads nothing
-                    "finished": False,
-                    "prompt_len": len(cmd["prompt"]),
-                }
-            elif op == "freeze":
-                freeze = float(cmd["seconds"])
-            elif op == "abort":
-                engine.abort(cmd["id"])
-                watched[cmd["id"]]["aborted"] = True
-            elif op == "state":
-                engine.step()
-                emit(
-                    event="state",
-                    requests=len(engine.scheduler.requests),
-                    free_blocks=engine.free_blocks(),
-                    pending=engine.worker.engine.num_pending,
-                    kvcore=engine.worker.engine.transceiver.stats(),
-                    leaks=engine.worker.engine.transceiver.leaks(),
-                    connector_stats=engine.connector_stats,
-                )
-            elif op == "exit":
-                running = False
-                break
-        if not running:
-            break
-        if not busy:
-            continue
+    BATCHABLE = ("add", "abort", "freeze")
+
+    def __init__(self, channel: Channel, spec: EngineSpec) -> None:
+        self.channel, self.spec = channel, spec
+        self.engine = Engine(spec)
+        self.watched: dict[str, dict[str, Any]] = {}  # request id -> what to report about it
+        self.freeze = 0.0  # seconds to stop stepping after the next step (kvcore's own threads keep running)
+        self.busy = False  # the engine had requests before the command just read (EngineCore steps only then)
+
+    def emit(self, **event: Any) -> None:
+        self.channel.send(event)
+
+    # --- commands ----------------------------------------------------------------------------------
+
+    def op_add(self, id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None, seed: int) -> None:
+        self.engine.add_request(id, prompt, max_tokens, params, seed)
+        self.watched[id] = {
+            "loaded": not params,  # a local request loads nothing
+            "finished": False,
+            "prompt_len": len(prompt),
+        }
+
+    def op_abort(self, id: str) -> None:
+        self.engine.abort(id)
+        self.watched[id]["aborted"] = True
+
+    def op_freeze(self, seconds: float) -> None:
+        self.freeze = float(seconds)
+
+    def op_batch(self, commands: list[dict[str, Any]]) -> None:
+        """Several commands in one frame: they all act before the next step."""
+        for command in commands:
+            args = dict(command)
+            op = args.pop("op")
+            if op not in self.BATCHABLE:
+                raise ValueError(f"batch: command {op!r} cannot be batched (expected one of {self.BATCHABLE})")
+            getattr(self, f"op_{op}")(**args)
+
+    def op_state(self) -> dict[str, Any]:
+        engine = self.engine
         engine.step()
-        if freeze:
+        return {
+            "requests": len(engine.scheduler.requests),
+            "free_blocks": engine.free_blocks(),
+            "pending": engine.worker.engine.num_pending,
+            "kvcore": engine.worker.engine.transceiver.stats(),
+            "leaks": engine.worker.engine.transceiver.leaks(),
+            "connector_stats": engine.connector_stats,
+        }
+
+    # --- the engine loop (serve's idle) ------------------------------------------------------------
+
+    def idle_wait(self) -> float:
+        """How long to wait for a command before stepping: short while the engine has requests."""
+        self.busy = self.engine.scheduler.has_requests()
+        return 0.002 if self.busy else 0.05
+
+    def idle(self) -> None:
+        """One engine step (if it had requests), then the events it caused."""
+        from vllm.v1.request import RequestStatus
+
+        if not self.busy:
+            return
+        engine = self.engine
+        engine.step()
+        if self.freeze:
             # An engine busy elsewhere (or stalled) for a while: the scheduler and workers make no calls.
             req_states = {rid: str(r.status) for rid, r in engine.scheduler.requests.items()}
-            emit(event="frozen", seconds=freeze, requests=req_states, free_blocks=engine.free_blocks())
-            time.sleep(freeze)
-            freeze = 0.0
-            emit(event="thawed")
-        for rid, w in watched.items():
+            self.emit(event="frozen", seconds=self.freeze, requests=req_states, free_blocks=engine.free_blocks())
+            time.sleep(self.freeze)
+            self.freeze = 0.0
+            self.emit(event="thawed")
+        for rid, w in self.watched.items():
             req = engine.scheduler.requests.get(rid)
-            if spec.role == "decode" and not w["loaded"] and req is not None:
+            if self.spec.role == "decode" and not w["loaded"] and req is not None:
                 if req.status == RequestStatus.RUNNING:
                     # Scheduled after its load: every prompt byte must be here now (the decode forward writes none).
                     w["loaded"] = True
                     kv = engine.prompt_kv(rid, w["prompt_len"])
-                    emit(event="loaded", id=rid, kv=kv.hex())
+                    self.emit(event="loaded", id=rid, kv=kv.hex())
             if not w["finished"] and rid in engine.outputs:
                 w["finished"] = True
                 o = engine.outputs[rid]
-                emit(
+                self.emit(
                     event="finished",
                     id=rid,
                     reason=str(o.finish_reason),
@@ -433,22 +451,32 @@ def serve(spec: EngineSpec, out: Any) -> None:
                 )
             if (w["finished"] or w.get("aborted")) and not w.get("freed") and req is None:
                 w["freed"] = True
-                emit(event="freed", id=rid, free_blocks=engine.free_blocks())
-    engine.close()
-    emit(event="closed")
+                self.emit(event="freed", id=rid, free_blocks=engine.free_blocks())
 
 
-def main() -> None:
-    spec = EngineSpec(**json.loads(sys.argv[1]))
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # vLLM logs to stdout; keep the protocol channel clean
-    sys.stdout = sys.stderr
+def run(channel: Channel, *, log_path: str = "", **spec: Any) -> None:
+    """The rank target ``vllm_engine:run``: one engine (``spec``: EngineSpec's fields) served until the test exits it.
+
+    ``log_path``: where the process's stdout and stderr go (vLLM's logging; the frames travel on the harness's
+    own pipe), so a failing test can show the tail.
+    """
+    if log_path:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     started = time.monotonic()
+    rank = EngineRank(channel, EngineSpec(**spec))
     try:
-        serve(spec, out)
+        rank.emit(
+            event="ready",
+            pid=os.getpid(),
+            info_endpoint=rank.engine.worker.engine.info_endpoint,
+            free_blocks=rank.engine.free_blocks(),
+        )
+        serve(channel, rank, idle=rank.idle, idle_wait=rank.idle_wait)
+        rank.engine.close()
+        with contextlib.suppress(OSError):  # the test may have stopped reading already
+            rank.emit(event="closed")
     finally:
-        print(f"engine {spec.role} ran {time.monotonic() - started:.1f}s", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()
+        print(f"engine {spec['role']} ran {time.monotonic() - started:.1f}s", file=sys.stderr)
