@@ -314,7 +314,13 @@ def _drive(
         if all(f == b"\x01" for f in flags):
             break
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(want - released)} request(s) never released: {sorted(want - released)[:8]}")
+            stuck = sorted(want - released)[:8]
+            seen = {rid: tx.status(rid) for rid in stuck}  # where each one stands here, so a failure explains itself
+            raise TimeoutError(
+                f"{len(want - released)} request(s) never released: "
+                + ", ".join(f"{rid} ({'not held here' if st is None else st.value})" for rid, st in seen.items())
+                + f"; this rank's counters: { {k: v for k, v in tx.stats().items() if v} }"
+            )
         time.sleep(0.0005)
     return {
         "states": {str(k): v for k, v in states.items()},
