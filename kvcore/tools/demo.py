@@ -168,7 +168,8 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Chann
                 for r in work:
                     send(r, spec.tokens, None)
                 conn.send({"kind": "sent"})
-            _drive(tx, collective, spec, warm)
+            seen: dict[str, Any] = {}
+            _drive(tx, collective, spec, warm, seen=seen)
             t0 = time.perf_counter()
             for r in work if spec.mode == "push" else ():
                 send(r, spec.tokens, half)
@@ -176,7 +177,7 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Chann
                 tx.poll()  # let the first slices go out before the rest is declared ready
                 for r in work:
                     tx.layers_ready(r, stop)
-            outcomes = _drive(tx, collective, spec, work)
+            outcomes = _drive(tx, collective, spec, work, seen=seen)
             outcomes.pop("paused")
             report = {
                 "kind": "report",
@@ -278,6 +279,7 @@ def _drive(
     starts: dict[int, float] | None = None,
     progress: Any = None,
     on_done: Any = None,
+    seen: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Poll until every rank of the instance has its requests ``ids`` reported and released.
 
@@ -288,10 +290,13 @@ def _drive(
     """
     want = set(ids)
     paused = 0.0
-    states: dict[int, str] = {}
-    errors: dict[int, str] = {}
+    # ``seen`` carries what polls reported across calls: in pull mode the context ranks start every request
+    # before they drive the warm-up ones, and a request reported during that first call counts in the second.
+    seen = seen if seen is not None else {}
+    states: dict[int, str] = seen.setdefault("states", {})
+    errors: dict[int, str] = seen.setdefault("errors", {})
+    released: set[int] = seen.setdefault("released", set())
     latency: dict[int, float] = {}
-    released: set[int] = set()
     deadline = time.monotonic() + spec.timeout_s + 10
     while True:
         r = tx.poll()
@@ -315,16 +320,16 @@ def _drive(
             break
         if time.monotonic() > deadline:
             stuck = sorted(want - released)[:8]
-            seen = {rid: tx.status(rid) for rid in stuck}  # where each one stands here, so a failure explains itself
+            where = {rid: tx.status(rid) for rid in stuck}  # where each one stands here, so a failure explains itself
             raise TimeoutError(
                 f"{len(want - released)} request(s) never released: "
-                + ", ".join(f"{rid} ({'not held here' if st is None else st.value})" for rid, st in seen.items())
+                + ", ".join(f"{rid} ({'not held here' if st is None else st.value})" for rid, st in where.items())
                 + f"; this rank's counters: { {k: v for k, v in tx.stats().items() if v} }"
             )
         time.sleep(0.0005)
     return {
-        "states": {str(k): v for k, v in states.items()},
-        "errors": {str(k): v for k, v in errors.items()},
+        "states": {str(k): v for k, v in states.items() if k in want},
+        "errors": {str(k): v for k, v in errors.items() if k in want},
         "latency": [latency[k] for k in sorted(latency)],
         "paused": paused,
     }
