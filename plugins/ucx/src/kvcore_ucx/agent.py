@@ -95,6 +95,11 @@ _payload_decoder = msgspec.msgpack.Decoder(_Payload)
 _payload_encoder = msgspec.msgpack.Encoder()
 
 
+def ucx_settings(opts: UcxOptions) -> dict[str, str]:
+    """``ucx_config`` as ``ucp_config_modify`` takes it: names without the ``UCX_`` prefix, values as text."""
+    return {k.removeprefix("UCX_"): str(v) for k, v in opts.ucx_config.items()}
+
+
 def _resolve_mode(policy: str, same_host: bool) -> str:
     """The UCX error-handling mode an endpoint gets: ``auto`` -> ``none`` on one host, ``peer`` across hosts."""
     if policy == "auto":
@@ -192,7 +197,7 @@ class UcxAgent(TransferAgent):
         super().__init__(name, options)
         opts = self.opts = convert_options(UcxOptions, options, owner="ucx agent")
         self._err_mode_name = opts.error_handling
-        self._ucx_config = {k.removeprefix("UCX_"): str(v) for k, v in opts.ucx_config.items()}
+        self._ucx_config = ucx_settings(opts)
         self._host_identity = host_identity()
         self._interval = opts.progress_interval_s
         self._close_timeout = opts.close_timeout_s

@@ -19,11 +19,12 @@ import msgspec
 import numpy as np
 
 from kvcore.errors import TransferFailedError, TransferTimeoutError
+from kvcore.extension.convert import convert_options
 from kvcore.hostinfo import host_identity
 from kvcore.transport.agent import TransferAgent
 from kvcore.transport.baselines import BaselinePlan, BenchBaseline
 from kvcore_ucx import _ucp
-from kvcore_ucx.agent import _Payload, _resolve_mode
+from kvcore_ucx.agent import UcxOptions, _Payload, _resolve_mode, ucx_settings
 
 __all__ = ["UcxPut"]
 
@@ -53,13 +54,13 @@ class UcxPut(BenchBaseline):
 
     def _setup(self, plan: BaselinePlan) -> None:
         ffi, lib = self._ffi, self._lib
-        opts = plan.agent_options
+        opts = convert_options(UcxOptions, plan.agent_options, owner="ucx agent")
         # The same UCX settings as the kvcore agent of this run (transports and devices are per context).
         cfg = ffi.new("ucp_config_t **")
         self._check(lib.ucp_config_read(ffi.NULL, ffi.NULL, cfg), "ucp_config_read")
         try:
-            for key, value in dict(opts.get("ucx_config", {})).items():
-                self._check(lib.ucp_config_modify(cfg[0], str(key).encode(), str(value).encode()), f"ucx_config {key}")
+            for key, value in ucx_settings(opts).items():
+                self._check(lib.ucp_config_modify(cfg[0], key.encode(), value.encode()), f"ucx_config {key}")
             params = ffi.new("ucp_params_t *")
             params.field_mask = _ucp.UCP_PARAM_FIELD_FEATURES
             params.features = _ucp.UCP_FEATURE_RMA | _ucp.UCP_FEATURE_AM  # AM: the same lanes the agent's ep gets
@@ -93,7 +94,7 @@ class UcxPut(BenchBaseline):
         payload = msgspec.msgpack.decode(desc.payload, type=_Payload)
         mine = host_identity()
         same_host = bool(mine) and payload.host_identity == mine  # as the agent decides it
-        mode = _resolve_mode(str(opts.get("error_handling", "auto")), same_host)
+        mode = _resolve_mode(opts.error_handling, same_host)
         eparams = ffi.new("ucp_ep_params_t *")
         eparams.field_mask = _ucp.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | _ucp.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
         self._addr = ffi.from_buffer(payload.worker_address)
