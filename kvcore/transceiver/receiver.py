@@ -310,6 +310,19 @@ class Receiver(Role):
                 ),
             )
 
+    def _cancel(self, rid: InternalId, reason: str, *, nonce: bytes = b"", ticket: bytes = b"") -> wire.Cancel:
+        """Our Cancel of ``rid``: with the nonce of an ask that went out, or with the ticket for one that did not."""
+        link = self.link
+        return wire.Cancel(
+            v=wire.PROTOCOL_VERSION,
+            request_id=rid,
+            instance=link.instance_name,
+            rank=link.topology.rank,
+            reason=reason,
+            nonce=nonce,
+            ticket=ticket,
+        )
+
     def _query_writers(self, s: RxSession, reason: str) -> None:
         """Ask every writer that may still write for its final word (a Cancel carrying the request's nonce)."""
         inst = s.instance
@@ -322,14 +335,7 @@ class Receiver(Role):
             if w is WriterState.ASKED:
                 self.link.send(
                     inst.ranks[r].endpoint,
-                    wire.Cancel(
-                        v=wire.PROTOCOL_VERSION,
-                        request_id=s.request_id,
-                        instance=self.link.instance_name,
-                        rank=self.link.topology.rank,
-                        reason=reason,
-                        nonce=s.nonces[r],
-                    ),
+                    self._cancel(s.request_id, reason, nonce=s.nonces[r]),
                 )
 
     def _decline_unsent(self, s: RxSession, reason: str) -> None:
@@ -350,14 +356,7 @@ class Receiver(Role):
                 continue
             self.link.send(
                 inst.ranks[r].endpoint,
-                wire.Cancel(
-                    v=wire.PROTOCOL_VERSION,
-                    request_id=s.request_id,
-                    instance=self.link.instance_name,
-                    rank=self.link.topology.rank,
-                    reason=f"cancelled before it was asked for: {reason}",
-                    ticket=s.ticket,
-                ),
+                self._cancel(s.request_id, f"cancelled before it was asked for: {reason}", ticket=s.ticket),
             )
 
     def _note_quarantine(self, s: RxSession) -> None:
@@ -741,14 +740,7 @@ class Receiver(Role):
             for r in writers:
                 self.link.send(
                     inst.ranks[r].endpoint,
-                    wire.Cancel(
-                        v=wire.PROTOCOL_VERSION,
-                        request_id=rid,
-                        instance=self.link.instance_name,
-                        rank=self.link.topology.rank,
-                        reason="cancelled before it was asked for",
-                        ticket=ticket,
-                    ),
+                    self._cancel(rid, "cancelled before it was asked for", ticket=ticket),
                 )
 
     def _resume(self, inst: CtxInstance) -> None:
