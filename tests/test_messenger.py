@@ -120,3 +120,54 @@ def test_peer_disconnect_is_reported() -> None:
         assert lost == [ep]
     finally:
         a.close()
+
+
+def test_a_peer_that_floods_and_never_reads_gets_its_answers_dropped_past_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Answers kept for a peer whose queue is full are capped: a stranger that never reads cannot grow the outbox."""
+    import time
+
+    import zmq
+
+    from kvcore.control import messenger as mod
+
+    monkeypatch.setattr(mod, "_MAX_DEFERRED_PER_PEER", 50)
+    b: Messenger
+    seen: queue.Queue = queue.Queue()
+
+    def answer(src: Source, m: wire.Message) -> None:  # as the transceiver's handlers do: every ask is answered
+        if isinstance(m, wire.Cancel) and m.instance == "x":
+            seen.put(m)
+        else:
+            b.reply(src, wire.ErrorReply(v=V, kind="SessionError", error="x" * 200))
+
+    b = Messenger(answer, name="answers")
+    b.start()
+    a = Messenger(lambda s, m: None, name="other")
+    a.start()
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.RCVHWM, 1)
+    stranger.setsockopt(zmq.RCVBUF, 4096)
+    stranger.setsockopt(zmq.LINGER, 0)
+    ask = wire.encode(wire.Cancel(v=V, request_id=1, instance="stranger", rank=0))
+    try:
+        stranger.connect(b.endpoint)
+        deadline = time.monotonic() + 60
+        sent = 0
+        while b.counters["send_dropped_backlog"] == 0:
+            assert time.monotonic() < deadline, f"no answer dropped after {sent} asks: {dict(b.counters)}"
+            for _ in range(200):
+                stranger.send(ask, zmq.NOBLOCK)  # each is answered; the stranger never reads
+            sent += 200
+            time.sleep(0.005)
+        assert b.counters["send_deferred"] > 0
+        # The messenger still serves everyone else.
+        a.send(b.endpoint, wire.Cancel(v=V, request_id=7, instance="x", rank=0))
+        assert seen.get(timeout=10).request_id == 7
+    finally:
+        stranger.close(0)
+        ctx.term()
+        a.close()
+        b.close()

@@ -85,6 +85,10 @@ Driver = Callable[[], float]
 _IDLE_POLL_S = 0.1
 #: How long messages to a peer whose socket queue is full are kept for a retry before they are dropped (seconds).
 _SEND_GIVE_UP_S = 5.0
+#: Messages (and bytes) kept for one peer whose queue is full: a peer that sends but never reads (a stranger
+#: flooding bad frames, each answered) cannot grow the outbox or the I/O thread's work per turn past these.
+_MAX_DEFERRED_PER_PEER = 16384
+_MAX_DEFERRED_BYTES_PER_PEER = 16 * 1024 * 1024
 
 
 class _RateLimitedLog:
@@ -557,12 +561,20 @@ class Messenger:
             return
         blocked: set[tuple[bool, object]] = set()
         deferred: list[tuple[str, object, bytes]] = []
+        backlog: dict[tuple[bool, object], tuple[int, int]] = {}  # per blocked peer: messages, bytes kept
         now = time.monotonic()
         while self._outbox:
             item = self._outbox.popleft()
             kind, dest, frame = item
             key = (kind == "router", dest)
             if key in blocked:
+                n, size = backlog[key]
+                if n >= _MAX_DEFERRED_PER_PEER or size + len(frame) > _MAX_DEFERRED_BYTES_PER_PEER:
+                    self.counters["send_failed"] += 1
+                    self.counters["send_dropped_backlog"] += 1
+                    self._rlog(logging.WARNING, "backlog", "messenger %s: %r reads nothing; dropping", self.name, dest)
+                    continue
+                backlog[key] = (n + 1, size + len(frame))
                 deferred.append(item)  # keeps this peer's order behind the message that waits
                 continue
             try:
@@ -582,6 +594,7 @@ class Messenger:
                 if now - since < _SEND_GIVE_UP_S:
                     self.counters["send_deferred"] += 1
                     blocked.add(key)
+                    backlog[key] = (1, len(frame))
                     deferred.append(item)
                     continue
                 self.counters["send_failed"] += 1
