@@ -356,7 +356,9 @@ def test_hybrid_moves_attention_kv_and_state_and_nothing_else(ctx, gen, kv_arran
         geom = AttentionGeometry(
             num_layers=4, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16", block_order="token_major"
         )
-    planned = run_hybrid(ctx, gen, geom, ATTN, HYBRID, kv_arrangement=kv_arrangement, mamba_arrangement=mamba_arrangement)
+    planned = run_hybrid(
+        ctx, gen, geom, ATTN, HYBRID, kv_arrangement=kv_arrangement, mamba_arrangement=mamba_arrangement
+    )
     for r, nbytes in planned.items():
         topo = Topology.create(gen[0], gen[1], r, 4, gen[2])
         assert nbytes == expected_bytes(topo, geom, ATTN, HYBRID, blocks=3)
@@ -501,13 +503,17 @@ def test_arrangements_of_the_two_sides_must_agree():
     mg = mamba_geometry((0, 1), n_groups=1)
     geom = AttentionGeometry(num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16")
     topo = Topology.create(1, 1, 0, 2)
-    a = build_rank(topo, geom, (), mg, kv_arrangement="head_major_pool", mamba_arrangement="vllm", num_blocks=2, num_slots=2)
+    a = build_rank(
+        topo, geom, (), mg, kv_arrangement="head_major_pool", mamba_arrangement="vllm", num_blocks=2, num_slots=2
+    )
     b = build_rank(
         topo, geom, (), mg, kv_arrangement="head_major_pool", mamba_arrangement="layer_major", num_blocks=2, num_slots=2
     )
     with pytest.raises(IncompatiblePeerError, match="view 'mamba_conv' buffers_per_layer: context 3, generation 1"):
         validate_compatible(a.placement, b.placement)
-    other = RankPlacement(topology=topo, geometry=geom, page_table=b.placement.page_table, mamba=mamba_geometry((0, 1), 2))
+    other = RankPlacement(
+        topology=topo, geometry=geom, page_table=b.placement.page_table, mamba=mamba_geometry((0, 1), 2)
+    )
     with pytest.raises(IncompatiblePeerError, match="mamba geometry"):
         validate_compatible(a.placement, other)
 
@@ -518,7 +524,9 @@ def test_a_vllm_state_page_moves_as_one_fragment_between_equal_ranks():
     geom = AttentionGeometry(num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=4, dtype="float16")
     topo = Topology.create(2, 1, 1, 2)
     a, b = (
-        build_rank(topo, geom, (), mg, kv_arrangement="head_major_pool", mamba_arrangement="vllm", num_blocks=2, num_slots=3)
+        build_rank(
+            topo, geom, (), mg, kv_arrangement="head_major_pool", mamba_arrangement="vllm", num_blocks=2, num_slots=3
+        )
         for _ in range(2)
     )
     plan = plan_transfer(a.placement, b.placement, [], [], src_state_slot=2, dst_state_slot=0)

@@ -35,7 +35,11 @@ def core_mappers():
         (Side(1, 1), Side(1, 4), HM),
         (Side(2, arrangement="token_major_layers"), Side(2, arrangement="token_major_layers"), TM),
         (Side(2, arrangement="token_major_layers"), Side(2, arrangement="token_major_layers_kv_first"), TM),
-        (Side(1, 2, arrangement="token_major_layers_kv_first"), Side(1, 2, [3, 1], arrangement="token_major_layers"), TM),
+        (
+            Side(1, 2, arrangement="token_major_layers_kv_first"),
+            Side(1, 2, [3, 1], arrangement="token_major_layers"),
+            TM,
+        ),
     ],
     ids=str,
 )
@@ -192,7 +196,9 @@ def test_view_window_overrides_and_skips_stale_blocks(core_mappers):
     kv = allocate_kv_cache(t, HM, 8)
     from kvcore.layout.builders import build_head_major_pool
 
-    lay = RankPlacement(topology=t, geometry=HM, page_table=build_head_major_pool(kv, topology=t, geometry=HM, window=5))
+    lay = RankPlacement(
+        topology=t, geometry=HM, page_table=build_head_major_pool(kv, topology=t, geometry=HM, window=5)
+    )
     slot = kv[0].numel() * kv.element_size()
     # prompt 16 tokens, 4 blocks: window 5 -> stale_end = (17-5)//4 = 3, only block 3 moves
     plan = plan_transfer(lay, lay, [0, 1, 2, 3], [4, 5, 6, 7], mappers=core_mappers, prompt_len=16)

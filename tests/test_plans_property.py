@@ -46,7 +46,9 @@ def homogeneous_case(draw):
         kv_factor=1 if kind == "mla" else 2,
         block_order="token_major" if kind == "token_major" else "head_major",
     )
-    arrangements = ["token_major_layers", "token_major_layers_kv_first"] if kind == "token_major" else ["head_major_pool"]
+    arrangements = (
+        ["token_major_layers", "token_major_layers_kv_first"] if kind == "token_major" else ["head_major_pool"]
+    )
     ctx_pp, ctx_split = draw(pp_split(num_layers))
     gen_pp, gen_split = draw(pp_split(num_layers))
     ctx = Side(tp, ctx_pp, ctx_split, adp, draw(st.sampled_from(arrangements)))

@@ -314,6 +314,10 @@ class Messenger:
         if self.in_io_thread():
             self._flush_outbox()
 
+    def sending(self) -> bool:
+        """Whether messages wait in the outbox (written at the end of the I/O thread's turn, or when a queue has room)."""
+        return bool(self._outbox)
+
     def in_io_thread(self) -> bool:
         """True when called from this messenger's I/O thread (a handler or the driver)."""
         return threading.get_ident() == self._thread.ident

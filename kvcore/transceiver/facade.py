@@ -295,9 +295,11 @@ class Transceiver:
                 raise E.SessionError(f"start_send({request_id!r}) got parameters of request {params.request_id!r}")
             ticket = params.ticket_bytes if ticket is None else ticket
             mode = mode or params.mode
-        return self._as_sender().start_send(
+        out = self._as_sender().start_send(
             internal_id(request_id), block_ids, prompt_len, state_slot, layers_ready, mode=mode, ticket=ticket, aux=aux
         )
+        self._wake_waiters()  # a request cancelled before it started ends CANCELLED here
+        return out
 
     def set_aux(self, request_id: RequestId, aux: bytes) -> None:
         """Context side: the request's aux payload (first token, draft tokens...), before any receiver has its KV."""
@@ -405,7 +407,13 @@ class Transceiver:
         ``start_send`` of it ends CANCELLED at once.
         """
         self._check_open()
-        return self._role.cancel(internal_id(request_id), str(reason)[:500])
+        accepted = self._role.cancel(internal_id(request_id), str(reason)[:500])
+        self._wake_waiters()  # a cancel may end the request at once: another thread may be in wait()
+        return accepted
+
+    def _wake_waiters(self) -> None:
+        if self._link.waiters:
+            self._link.notify_news()
 
     def status(self, request_id: RequestId) -> RequestStatus | None:
         """This rank's state of a request (None when unknown here or already released); cheap, not collective."""
@@ -508,6 +516,42 @@ class Transceiver:
                 self._role.release(rid)
         return result
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until this rank has news for ``poll``: an outcome not yet reported, or a request to release.
+
+        Returns True when there is news (call ``poll`` or ``poll_local`` now), False when ``timeout`` seconds
+        (None: no bound) passed without any. Not collective and never reports anything itself: it lets an
+        engine thread sleep instead of polling on a timer, and wakes it as soon as this rank's I/O thread ended
+        or settled a request. Under several ranks, ``poll`` is still called by every rank alike; this rank's
+        news may be agreed on only at a later ``poll``. Raises ``SessionError`` once the transceiver is closed
+        (also in a thread blocked here when another thread closes it).
+        """
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+        link = self._link
+        with link.news:
+            link.waiters += 1
+            try:
+                while True:
+                    if self._closed:
+                        raise E.SessionError("transceiver is closed")
+                    if self._has_news():
+                        return True
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    # Bounded sleeps: a notify lost to a race costs at most 50 ms, never a hang.
+                    link.news.wait(0.05 if left is None else min(left, 0.05))
+            finally:
+                link.waiters -= 1
+
+    def _has_news(self) -> bool:
+        """An outcome to report or a release to make on this rank (lock held)."""
+        for s in self._role.sessions.values():
+            if s.terminal and not s.released and (not s.reported or s.quiescent):
+                return True
+        return False
+
     def wait_all(self, request_ids: Iterable[RequestId], timeout: float) -> dict[RequestId, Outcome]:
         """Poll until every id is reported and released (single-rank helper for tests and tools)."""
         want = set(request_ids)
@@ -518,13 +562,18 @@ class Transceiver:
             r = self.poll()
             outcomes.update({o.request_id: o for o in r.outcomes})
             released.update(r.released)
+            if want <= released and want <= set(outcomes):
+                break
             if time.monotonic() > deadline:
                 missing = sorted((want - released) | (want - set(outcomes)), key=_order)
                 raise E.TransferTimeoutError(
                     f"{len(missing)} request(s) not reported and released after {timeout}s: {missing[:8]} "
                     "(wait_all sees only outcomes reported during its own polls)"
                 )
-            time.sleep(0.001)
+            if self.topology.world_size == 1:
+                self.wait(min(0.05, max(0.0, deadline - time.monotonic())))  # poll again as soon as there is news
+            else:
+                time.sleep(0.001)  # collective: the other ranks poll on their own clocks
         return outcomes
 
     def stats(self) -> dict[str, int]:
@@ -553,6 +602,7 @@ class Transceiver:
         if self._closed:
             return
         self._closed = True
+        self._link.notify_news()  # threads blocked in wait() raise SessionError
         self.metrics.close()
         self._link.close(timeout)
         self._role.close()

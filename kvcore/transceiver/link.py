@@ -168,6 +168,12 @@ class Link:
         self.collective = collective or LocalCollective()
         self.mappers = mappers
         self.lock = threading.RLock()
+        # Engine threads blocked in ``Transceiver.wait`` sleep on ``news``; the worker wakes them after a turn that
+        # read a message, ran work or queued a send (anything that can end or settle a session), and at its tick.
+        self.news = threading.Condition(self.lock)
+        self.waiters = 0  # under ``lock``: threads inside ``Transceiver.wait``
+        self._stirred = False  # worker only: this turn dispatched a message
+        self._last_news = 0.0
         self.incarnation = process_incarnation()
         self.counters: Counter[str] = Counter()
         # Work for the worker (the messenger's I/O thread); appended by any thread, taken by the worker alone.
@@ -273,6 +279,7 @@ class Link:
     # --- messages ----------------------------------------------------------------------------
 
     def _on_message(self, source: Source, msg: wire.Message) -> None:
+        self._stirred = True
         handler = self._handlers.get(type(msg))
         if handler is not None:
             handler(source, msg)
@@ -331,6 +338,9 @@ class Link:
         """
         if self._stop.is_set():
             return 0.02
+        stirred = self._stirred or bool(self._work)
+        self._stirred = False
+        now = time.monotonic()
         try:
             # Bounded per turn: work that keeps posting more (or an engine thread flooding us) cannot keep the
             # sockets unread; the rest runs next turn, without waiting.
@@ -358,11 +368,20 @@ class Link:
             self.counters["worker_errors"] += 1
             log.exception("transceiver worker: unexpected error")
             return 0.001  # what was left queued runs next turn; never spin hot on a persistent failure
+        finally:
+            if self.waiters and (stirred or self.messenger.sending() or now - self._last_news > 0.02):
+                self.notify_news()
         if self._work or self._chunk_ready:
             return 0.0  # the next chunk waits only for traffic already there
         if self._polling():
             return 0.0005
         return max(0.0, 0.02 - (time.monotonic() - self._last_tick))
+
+    def notify_news(self) -> None:
+        """Wake the engine threads blocked in ``Transceiver.wait`` (any thread): they look for news again."""
+        with self.lock:
+            self._last_news = time.monotonic()
+            self.news.notify_all()
 
     def _polling(self) -> bool:
         """Whether the worker must poll transfers at its fast period (0.5 ms) rather than every 20 ms.

@@ -41,7 +41,8 @@ def add_parser(sub: Any) -> None:
         "--poll-interval-us",
         type=float,
         default=d.poll_interval_s * 1e6,
-        help="the generation rank's engine loop sleeps this long between poll() calls",
+        help="the generation rank's engine loop sleeps this long between poll() calls; 0 (the default): it "
+        "blocks in Transceiver.wait() until there is news",
     )
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound in seconds on every rank command")
     p.add_argument("--agent-options", default="{}", help='JSON: {"nixl": {...}, "ucx": {...}}')

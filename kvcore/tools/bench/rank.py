@@ -21,13 +21,14 @@ from kvcore.params import derive_ticket
 from kvcore.testing.ranks import Channel, serve
 from kvcore.tools.bench.bare import _BareModes
 from kvcore.tools.bench.blocks import SMALL_SLOTS, _block_ids, _fill_logical, _logical_ids, _region_span
+from kvcore.tools.bench.floor import _FloorModes
 from kvcore.tools.bench.spec import BenchError, BenchSpec, BenchTimeoutError, Shape, _pct
 
 #: The environment variable that carries the run's ticket secret to its rank processes.
 _SECRET_ENV = "KVCORE_BENCH_TICKET_SECRET"
 
 
-class _Rank(_BareModes):
+class _Rank(_BareModes, _FloorModes):
     """One rank process: owns an agent, and per case a pool, a page table and a ``Transceiver``; serves commands."""
 
     def __init__(self, role: str, backend: str, spec: BenchSpec) -> None:
@@ -273,6 +274,7 @@ class _Rank(_BareModes):
         self, done: dict[int, float], released: set[int], not_done: list[str], deadline: float, what: str
     ) -> None:
         """One poll of the generation transceiver: note outcomes (when) and releases; bounded by ``deadline``."""
+        self._pause(deadline)
         r = self.tx.poll()
         now = time.perf_counter()
         for o in r.outcomes:
@@ -282,7 +284,14 @@ class _Rank(_BareModes):
         released.update(r.released)
         if time.monotonic() > deadline:
             raise BenchTimeoutError(f"generation rank: {what} not released")
-        time.sleep(self.spec.poll_interval_s)
+
+    def _pause(self, deadline: float) -> None:
+        """The engine loop's wait before a poll: ``Transceiver.wait`` (the default), or a timer of
+        ``--poll-interval-us`` when that is above 0 (an engine that polls on its own clock)."""
+        if self.spec.poll_interval_s > 0:
+            time.sleep(self.spec.poll_interval_s)
+        else:
+            self.tx.wait(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def op_receive(
         self,
@@ -484,7 +493,7 @@ class _Rank(_BareModes):
             if n:
                 released += n
                 progress = time.monotonic()
-            time.sleep(self.spec.poll_interval_s)
+            time.sleep(self.spec.poll_interval_s or 0.0001)  # cancels are due on a clock: a timer, not wait()
         out["seconds"] = time.monotonic() - t0
         out["started"], out["released"], out["unreleased"] = started, released, len(pending)
         out["unreleased_ids"] = sorted(pending)[:10]
@@ -530,6 +539,7 @@ class _Rank(_BareModes):
 
     def close(self) -> None:
         try:
+            self.op_echo_stop()
             self.op_teardown()
         finally:
             self.agent.close()

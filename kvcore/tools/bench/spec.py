@@ -72,7 +72,7 @@ class BenchSpec:
     small_requests: int = 1000  # one-block requests in flight together
     latency_requests: int = 200  # one-block requests sent one at a time
     hol_requests: int = 20  # the hol case: one-block requests per round (at least 8), alone and beside the big one
-    poll_interval_s: float = 0.0001  # the generation rank's engine loop: poll(), then sleep this long
+    poll_interval_s: float = 0.0  # the generation rank's engine loop: 0 waits in Transceiver.wait, else sleeps
     timeout_s: float = 120.0  # bound on every command a rank runs
     agent_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # backend -> agent options
     seed: int = 1234

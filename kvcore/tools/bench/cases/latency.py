@@ -10,6 +10,7 @@ from typing import Any
 
 from kvcore.tools.bench.blocks import SMALL_SLOTS
 from kvcore.tools.bench.cases.common import shape_verified
+from kvcore.tools.bench.floor import floor_summary
 from kvcore.tools.bench.run import BackendRun, register_case
 from kvcore.tools.bench.spec import _GB, _pct
 
@@ -58,6 +59,13 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
             run.ctx.call("unprepare", mode="agent")
             run.gen.call("dismiss", name=admitted)
         agent_ms = [x * 1e3 for x in a["seconds"][warm:]]
+        # the control plane's floor: a bare ZeroMQ round trip between the same two processes
+        echo = run.ctx.call("echo_start")["endpoint"]
+        try:
+            p = run.gen.call("ping", endpoint=echo, n=spec.latency_requests + warm, timeout_s=spec.timeout_s)
+        finally:
+            run.ctx.call("echo_stop")
+        floor = floor_summary(p["seconds"], warm)
         # throughput: every request in flight together
         run.say(f"{run.backend} small: {spec.small_requests} requests in flight")
         rid = run.rids(spec.small_requests)
@@ -77,6 +85,9 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         "agent_ms_p50": _pct(agent_ms, 50),
         "agent_ms_p99": _pct(agent_ms, 99),
         "overhead_ms_p50": _pct(lat_ms, 50) - _pct(agent_ms, 50),
+        "zmq_round_trip_ms_p50": floor["ms_p50"],
+        "zmq_round_trip_ms_p99": floor["ms_p99"],
+        "overhead_vs_zmq_round_trip": (_pct(lat_ms, 50) - _pct(agent_ms, 50)) / floor["ms_p50"],
         "requests_per_s_one_at_a_time": len(lat_ms) / r["elapsed_s"],
     }
     # Mean ms per request of each step the transceivers time, over the one-at-a-time requests only.

@@ -1,0 +1,101 @@
+"""The control plane's floor: a bare ZeroMQ round trip between the two rank processes, with no kvcore code.
+
+The context rank starts an echo thread (a ROUTER on loopback that sends every frame back, polled like the
+messenger's I/O loop); the generation rank sends one frame of a RequestData's size through a DEALER and waits
+for it with a poll, one at a time. A kvcore one-block request needs at least this round trip, plus the work on
+both sides: the ``small`` case reports its overhead beside this floor, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from kvcore.tools.bench.spec import BenchError, BenchTimeoutError, _pct
+
+#: Bytes per ping: about a one-block RequestData.
+PING_BYTES = 256
+
+
+class _Echo:
+    """A ROUTER on loopback, served by its own thread, that answers every frame with itself."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4096)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="bench-echo", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            if not poller.poll(50):
+                continue
+            for _ in range(1000):
+                try:
+                    parts = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(parts) == 2:
+                    self.sock.send_multipart(parts, zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+
+
+class _FloorModes:
+    """Rank commands of the floor measurement (a mixin of :class:`kvcore.tools.bench.rank._Rank`)."""
+
+    _echo: _Echo | None = None
+
+    def op_echo_start(self) -> dict[str, Any]:
+        """Context: start the echo thread; returns the endpoint to ping."""
+        self.op_echo_stop()
+        self._echo = _Echo()
+        return {"endpoint": self._echo.endpoint}
+
+    def op_echo_stop(self) -> dict[str, Any]:
+        if self._echo is not None:
+            self._echo.close()
+            self._echo = None
+        return {}
+
+    def op_ping(self, endpoint: str, n: int, timeout_s: float) -> dict[str, Any]:
+        """Generation: ``n`` round trips to the echo, one at a time; seconds each."""
+        if not endpoint.startswith("tcp://127.0.0.1:"):
+            raise BenchError(f"ping: the echo must be on loopback, got {endpoint!r}")
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        frame = bytes(PING_BYTES)
+        seconds: list[float] = []
+        try:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                sock.send(frame)
+                if not poller.poll(int(timeout_s * 1000)):
+                    raise BenchTimeoutError(f"ping: no echo from {endpoint} within {timeout_s}s")
+                sock.recv()
+                seconds.append(time.perf_counter() - t0)
+        finally:
+            sock.close(0)
+        return {"seconds": seconds}
+
+
+def floor_summary(seconds: list[float], warm: int) -> dict[str, float]:
+    """p50/p99 in ms of the timed round trips (the first ``warm`` are the warm-up)."""
+    ms = [x * 1e3 for x in seconds[warm:]]
+    return {"round_trips": len(ms), "ms_p50": _pct(ms, 50), "ms_p99": _pct(ms, 99)}
