@@ -14,7 +14,9 @@ own agent, its own sockets) and poll every rank in step.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from kvcore import hookimpl
 from kvcore.errors import TransferFailedError
 from kvcore.extension.plugins import KVCORE_PLUGIN_API, PluginManager, make_plugin_manager
 from kvcore.layout.mapping import MatchingHeadsMapper
-from kvcore.transport.agent import RemoteAgent, TransferHandle, TransferStatus
+from kvcore.transport.agent import AgentCapabilities, RemoteAgent, TransferHandle, TransferStatus
 from kvcore.transport.builtin import plugin as builtin
 from kvcore.transport.builtin.shm import ShmAgent
 
@@ -35,6 +37,7 @@ __all__ = [
     "FailingShmAgent",
     "RaisingShmAgent",
     "OtherBackendShmAgent",
+    "InlineShmAgent",
     "fault_plugin_manager",
     "halves_plugin_manager",
     "ThreadCollective",
@@ -148,6 +151,39 @@ class OtherBackendShmAgent(ShmAgent):
     backend: ClassVar[str] = "shm-other"
 
 
+class InlineShmAgent(ShmAgent):
+    """The shm agent as a transport whose ``submit`` moves every byte before it returns (NIXL or UCX over CMA).
+
+    Not ``async_submit``: the transceiver gets large plans in chunks from its worker loop. ``seconds_per_mib``
+    (an option) slows each copy down, as a small box would, so traffic can arrive while a chunk copies;
+    ``submitted`` records ``(bytes, first local address)`` of every submit, in order.
+    """
+
+    capabilities: ClassVar[AgentCapabilities] = dataclasses.replace(ShmAgent.capabilities, async_submit=False)
+
+    def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
+        super().__init__(name, None)
+        self.seconds_per_mib = float((options or {}).get("seconds_per_mib", 0.0))
+        self.submitted: list[tuple[int, int]] = []
+
+    def _submit(
+        self,
+        handle: TransferHandle,
+        remote: RemoteAgent,
+        local: np.ndarray,
+        remote_addrs: np.ndarray,
+        sizes: np.ndarray,
+    ) -> Any:
+        self.submitted.append((handle.nbytes, int(local[0]) if local.size else 0))
+        xfer = super()._submit(handle, remote, local, remote_addrs, sizes)
+        job = getattr(xfer, "job", None)  # a large copy went to the copy threads: wait for it, as inside submit
+        deadline = time.monotonic() + 60
+        while job is not None and not job.finished and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        time.sleep(self.seconds_per_mib * handle.nbytes / (1 << 20))
+        return xfer
+
+
 class _FaultPlugin:
     KVCORE_PLUGIN_API = KVCORE_PLUGIN_API
 
@@ -158,6 +194,12 @@ class _FaultPlugin:
         registry.add("failing-shm", "_faults:FailingShmAgent", capabilities=caps, description="shm, writes refused")
         registry.add("raising-shm", "_faults:RaisingShmAgent", capabilities=caps, description="shm, submit raises")
         registry.add("other-shm", "_faults:OtherBackendShmAgent", capabilities=caps, description="shm, other name")
+        registry.add(
+            "inline-shm",
+            "_faults:InlineShmAgent",
+            capabilities=InlineShmAgent.capabilities,
+            description="shm, every byte moved inside submit",
+        )
 
 
 class HalvesMatchingHeadsMapper(MatchingHeadsMapper):
@@ -196,7 +238,7 @@ def halves_plugin_manager() -> PluginManager:
 
 
 def fault_plugin_manager() -> PluginManager:
-    """The built-ins, the installed plugins (mappers) and the fault agents: ``held-shm``, ``failing-shm``, ``other-shm``."""
+    """The built-ins, the installed plugins (mappers) and the fault agents (``held-shm``, ``inline-shm``...)."""
     pm = make_plugin_manager()
     pm.register(_FaultPlugin(), name="kvcore-test-faults")
     return pm

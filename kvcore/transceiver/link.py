@@ -18,12 +18,16 @@ callback on the worker thread as soon as the transfer is terminal). An agent
 whose ``submit`` returns before the bytes move (``async_submit``: the shm
 agent's copy threads) gets the plan at once and announces its end; the worker
 then reports it without waiting for a timer. An agent whose ``submit`` moves
-the bytes itself (NIXL or UCX over CMA) gets a large plan in chunks of about
-``CHUNK_BYTES``, one at a time, and the worker serves new requests, results
-and timers between chunks: a small request waits for at most one chunk of a
-large one, never for all of it. When the first chunk is still in flight after
-``submit`` returned (the transport posts asynchronously: RDMA, TCP lanes), the
-rest of the plan follows as one chunk.
+the bytes itself (NIXL or UCX over CMA) gets a large plan in chunks, one at a
+time, and the worker serves new requests, results and timers between chunks: a
+small request waits for at most one chunk of a large one, never for all of it.
+The chunk adapts: ``CHUNK_BYTES`` while this rank has nothing else to do (fewer
+submits, full speed), ``FINE_CHUNK_BYTES`` while other requests come and go
+(a message or a work item beside a chunked transfer within the last
+``BUSY_WINDOW_S``), so that they wait
+for a shorter copy. When the first chunk is still in flight after ``submit``
+returned (the transport posts asynchronously: RDMA, TCP lanes), the rest of the
+plan follows as one chunk.
 """
 
 from __future__ import annotations
@@ -67,7 +71,16 @@ from kvcore.transport.agent import (
 if TYPE_CHECKING:
     from kvcore.extension.registry import LayoutMapperRegistry
 
-__all__ = ["Link", "Handler", "Transfer", "error_from", "CHUNK_BYTES", "chunk_plan"]
+__all__ = [
+    "Link",
+    "Handler",
+    "Transfer",
+    "error_from",
+    "CHUNK_BYTES",
+    "FINE_CHUNK_BYTES",
+    "BUSY_WINDOW_S",
+    "chunk_plan",
+]
 
 log = logging.getLogger("kvcore.transceiver")
 
@@ -76,6 +89,11 @@ Handler = Callable[[Source, Any], None]
 #: Largest chunk of one plan posted to an agent whose submit moves the bytes itself (16 MiB: about 3-4 ms of
 #: CMA copy on a small box, well under 1 ms over RDMA; 32 chunks for a 512 MiB request).
 CHUNK_BYTES = 16 * 1024 * 1024
+#: The chunk while other requests are active on this rank: the longest copy a newcomer can wait behind (4 MiB:
+#: about half a millisecond of CMA copy on a small box).
+FINE_CHUNK_BYTES = 4 * 1024 * 1024
+#: How recent (seconds) a message or a work item must be for the rank to count as busy (fine chunks).
+BUSY_WINDOW_S = 0.01
 #: Work items the worker runs per I/O-loop turn before it serves the sockets again.
 _MAX_WORK_PER_TURN = 4096
 
@@ -108,6 +126,9 @@ def chunk_plan(
 class Transfer:
     """One plan as the data plane moves it: consecutive chunks through the agent, one in flight at a time.
 
+    ``bounds`` cut the plan into fine chunks; the piece in flight is fine chunks ``chunk`` to ``chunk + span``
+    (several fine chunks go as one submit while the rank is quiet).
+
     ``status`` is PENDING until every chunk is terminal at the transport; then DONE (every byte landed) or
     FAILED (``error``; no chunk is in flight and none is posted after it).
     """
@@ -120,7 +141,9 @@ class Transfer:
     bounds: list[int]
     on_done: Callable[[], None] | None
     nbytes: int
-    chunk: int = 0
+    chunk: int = 0  # the first fine chunk of the piece in flight
+    span: int = 1  # fine chunks in the piece in flight
+    posted_at: float = float("inf")  # when the piece in flight was submitted (none yet: nothing came beside it)
     handle: TransferHandle | None = None
     status: TransferStatus = TransferStatus.PENDING
     error: E.TransferError | None = None
@@ -130,6 +153,11 @@ class Transfer:
     @property
     def chunks(self) -> int:
         return len(self.bounds) - 1
+
+    @property
+    def more(self) -> bool:
+        """Fine chunks remain after the piece in flight."""
+        return self.chunk + self.span < self.chunks
 
 
 def error_from(kind: str, message: str) -> E.KvcoreError:
@@ -253,6 +281,8 @@ class Link:
         self._chunked = 0  # transfers with chunks still to post (pumped by the worker loop)
         self._chunk_ready = False  # the last pump posted a chunk: the loop does not sleep before the next
         self.chunk_bytes = 0 if agent.capabilities.async_submit else CHUNK_BYTES
+        self.fine_chunk_bytes = FINE_CHUNK_BYTES
+        self._last_other = 0.0  # worker only: when a message or work last came beside a chunked transfer
         if agent.capabilities.async_submit:
             agent.set_completion_listener(self._agent_event)
 
@@ -280,6 +310,8 @@ class Link:
 
     def _on_message(self, source: Source, msg: wire.Message) -> None:
         self._stirred = True
+        if self._chunked:
+            self._last_other = time.monotonic()  # traffic beside a chunked transfer: the next chunks are fine
         handler = self._handlers.get(type(msg))
         if handler is not None:
             handler(source, msg)
@@ -341,6 +373,8 @@ class Link:
         stirred = self._stirred or bool(self._work)
         self._stirred = False
         now = time.monotonic()
+        if self._work and self._chunked:
+            self._last_other = now
         try:
             # Bounded per turn: work that keeps posting more (or an engine thread flooding us) cannot keep the
             # sockets unread; the rest runs next turn, without waiting.
@@ -409,25 +443,35 @@ class Link:
         that ended inside ``submit`` is seen by the caller's first ``poll_transfer``.
         """
         nbytes = int(np.asarray(sizes, dtype=np.uint64).sum())
-        if self.chunk_bytes and nbytes > self.chunk_bytes:
-            src, dst, sizes, bounds = chunk_plan(src, dst, sizes, self.chunk_bytes)
+        fine = min(self.fine_chunk_bytes, self.chunk_bytes) if self.chunk_bytes else 0
+        if fine and nbytes > fine:
+            src, dst, sizes, bounds = chunk_plan(src, dst, sizes, fine)
         else:
             bounds = [0, len(sizes)]
         x = Transfer(op, remote, src, dst, sizes, bounds, None, nbytes)
         self._post_chunk(x)  # the first chunk's refusal is the caller's error
-        if x.chunks > 1 and x.handle is not None and self.agent.poll(x.handle) is TransferStatus.PENDING:
+        if x.more and x.handle is not None and self.agent.poll(x.handle) is TransferStatus.PENDING:
             # The transport did not move the chunk inside submit (RDMA, a remote lane): it does not hold
             # this thread, so the rest goes as one more chunk rather than paying a submit per chunk.
-            x.bounds = [0, bounds[1], bounds[-1]]
-        elif x.chunks > 1:
+            x.bounds, x.span = [0, x.bounds[x.span], x.bounds[-1]], 1
+        elif x.more:
             x.pumped = True
             self._chunked += 1
         self._xfers[id(x)] = x
         x.on_done = on_done
         return x
 
+    def _span(self, x: Transfer) -> int:
+        """Fine chunks in ``x``'s next submit: one while other requests are active (traffic or work came while its
+        last piece copied, or within ``BUSY_WINDOW_S``), so they wait for less; else a whole ``chunk_bytes``."""
+        if self._last_other >= x.posted_at or time.monotonic() - self._last_other < BUSY_WINDOW_S:
+            return 1
+        return max(1, self.chunk_bytes // max(1, self.fine_chunk_bytes))
+
     def _post_chunk(self, x: Transfer) -> None:
-        a, b = x.bounds[x.chunk], x.bounds[x.chunk + 1]
+        x.span = min(self._span(x), x.chunks - x.chunk)
+        x.posted_at = time.monotonic()
+        a, b = x.bounds[x.chunk], x.bounds[x.chunk + x.span]
         try:
             h = self.agent.submit(x.op, x.remote, x.src[a:b], x.dst[a:b], x.sizes[a:b])
         except E.KvcoreError:
@@ -475,13 +519,14 @@ class Link:
         self._by_handle.pop(h.id, None)
         x.handle = None
         self.agent.release(h)
-        if status is TransferStatus.DONE and x.chunk + 1 < x.chunks and x.stopped:
+        if status is TransferStatus.DONE and x.more and x.stopped:
             status = TransferStatus.FAILED
+            moved = int(x.sizes[: x.bounds[x.chunk + x.span]].sum(dtype=np.uint64))
             error = E.TransferFailedError(
-                f"transfer to {x.remote!r} stopped after chunk {x.chunk + 1} of {x.chunks}: {x.stopped}"
+                f"transfer to {x.remote!r} stopped after {moved} of {x.nbytes} bytes: {x.stopped}"
             )
-        if status is TransferStatus.DONE and x.chunk + 1 < x.chunks:
-            x.chunk += 1
+        if status is TransferStatus.DONE and x.more:
+            x.chunk += x.span
             try:
                 self._post_chunk(x)
                 return

@@ -1,0 +1,100 @@
+"""Adaptive chunks: a transport that copies inside ``submit`` gets a large plan in 16 MiB pieces while the rank is
+quiet, and in 4 MiB pieces while other requests arrive beside it, so that they wait behind a shorter copy.
+
+Real transceivers over real ZeroMQ; the context's agent is the shm agent made to move every byte inside
+``submit`` and to take 2 ms per MiB (``_faults.InlineShmAgent``), as NIXL or UCX over CMA on a small box.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from _faults import RankGroup, fault_plugin_manager
+from _instances import fill_value, ticket_for
+
+from kvcore.transceiver import SessionState
+from kvcore.transceiver.link import CHUNK_BYTES, FINE_CHUNK_BYTES
+
+pytestmark = pytest.mark.timeout(180)
+
+MiB = 1 << 20
+# One block of every layer is one contiguous 4 MiB slot (head-major pool): 4 layers x K,V x 8 heads x 256 x 128 x 2.
+GEOMETRY = dict(num_layers=4, num_kv_heads=8, head_dim=128, tokens_per_block=256, dtype="bfloat16")
+BLOCK = 4 * MiB
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(cache.shape[0], -1).view(torch.uint8)
+
+
+def _pieces(agent: object, base: int, blocks: set[int], since: int) -> list[int]:
+    """Sizes of the submits since ``since`` whose first local byte is in one of ``blocks``."""
+    out = []
+    for nbytes, addr in agent.submitted[since:]:  # type: ignore[attr-defined]
+        if (addr - base) // BLOCK in blocks:
+            out.append(nbytes)
+    return out
+
+
+def test_a_lone_large_request_goes_in_coarse_chunks_and_one_beside_it_makes_them_fine() -> None:
+    assert BLOCK == FINE_CHUNK_BYTES and CHUNK_BYTES == 4 * FINE_CHUNK_BYTES
+    pm = fault_plugin_manager()
+    ctx = RankGroup.build(
+        "context", backend="inline-shm", pm=pm, num_blocks=40, geometry=GEOMETRY,
+        agent_options=[{"seconds_per_mib": 0.002}],
+    )  # fmt: skip
+    gen = RankGroup.build("generation", pm=pm, num_blocks=40, geometry=GEOMETRY, timeout=60.0)
+    try:
+        c, g = ctx.txs[0], gen.txs[0]
+        agent = ctx.agents[0]
+        src, dst = _flat(ctx.caches[0]), _flat(gen.caches[0])
+        assert src.shape[1] == BLOCK
+        base = src.data_ptr()
+        big_src = [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31]  # 16 blocks = 64 MiB, none adjacent
+        big_dst = [30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0]
+        want = fill_value(1, big_src, BLOCK)
+        src[big_src] = torch.from_numpy(want)
+
+        # 1. Alone: four 16 MiB pieces, nothing finer.
+        start = len(agent.submitted)
+        c.start_send(1, big_src, ticket=ticket_for(1))
+        g.start_receive(1, ctx.info_endpoint, big_dst, ticket=ticket_for(1))
+        assert g.wait_all([1], 60)[1].state is SessionState.DONE
+        assert c.wait_all([1], 60)[1].state is SessionState.DONE
+        assert _pieces(agent, base, set(big_src), start) == [CHUNK_BYTES] * 4
+        assert np.array_equal(dst[big_dst].numpy(), want), "request 1: wrong bytes"
+        dst.zero_()
+
+        # 2. The same request again, and a one-block request started while its first piece copies.
+        start = len(agent.submitted)
+        c.start_send(2, big_src, ticket=ticket_for(2))
+        g.start_receive(2, ctx.info_endpoint, big_dst, ticket=ticket_for(2))
+        deadline = time.monotonic() + 30
+        while len(agent.submitted) == start:  # the first piece is copying (32 ms at 2 ms per MiB)
+            assert time.monotonic() < deadline, "the large request never started"
+            time.sleep(0.0005)
+        small_want = fill_value(3, [35], BLOCK)
+        src[[35]] = torch.from_numpy(small_want)
+        c.start_send(3, [35], ticket=ticket_for(3))
+        g.start_receive(3, ctx.info_endpoint, [36], ticket=ticket_for(3))
+        reported: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(reported) < 2:
+            assert time.monotonic() < deadline, f"only {reported} reported"
+            g.wait(1.0)
+            reported += [o.request_id for o in g.poll().done]
+        assert reported == [3, 2], "the one-block request waited for the whole large one"
+        assert c.wait_all([2, 3], 60)[2].state is SessionState.DONE
+        pieces = _pieces(agent, base, set(big_src), start)
+        assert sum(pieces) == 16 * BLOCK
+        assert pieces[0] == CHUNK_BYTES  # started while the rank was quiet
+        assert FINE_CHUNK_BYTES in pieces[1:], f"no fine piece after the request beside it arrived: {pieces}"
+        assert np.array_equal(dst[big_dst].numpy(), want), "request 2: wrong bytes"
+        assert np.array_equal(dst[[36]].numpy(), small_want), "request 3: wrong bytes"
+        assert c.leaks() == {} and g.leaks() == {}
+    finally:
+        gen.close()
+        ctx.close()
