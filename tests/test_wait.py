@@ -119,3 +119,35 @@ def test_wait_times_out_without_news_and_close_wakes_a_waiter_with_an_error() ->
             g.wait(0)
     finally:
         gen.close()
+
+
+def test_a_context_that_closes_as_soon_as_its_request_is_released_still_delivers_the_result() -> None:
+    """The engine wakes after the turn's answers were written, and close() lets them leave: the receiver ends DONE.
+
+    Twenty rounds, each with a fresh context instance that is closed the moment wait() and poll() released its
+    request (the race a test process hit under load: the TransferResult was cut off and the receiver ended
+    PeerLostError).
+    """
+    gen = RankGroup.build("generation", timeout=30.0)
+    try:
+        g = gen.txs[0]
+        for rid in range(20):
+            ctx = RankGroup.build("context")
+            try:
+                c = ctx.txs[0]
+                want = fill_value(rid, [rid + 1], _flat(ctx.caches[0]).shape[1])
+                _flat(ctx.caches[0])[[rid + 1]] = torch.from_numpy(want)
+                c.start_send(rid, [rid + 1], ticket=ticket_for(rid))
+                g.start_receive(rid, ctx.info_endpoint, [rid + 12], ticket=ticket_for(rid))
+                released: list[Any] = []
+                while not released:
+                    assert c.wait(30), f"request {rid}: the context never had news"
+                    released += c.poll().released
+            finally:
+                ctx.close()  # at once: the receiver may not have read the result yet
+            out = g.wait_all([rid], 30)[rid]
+            assert out.state is SessionState.DONE, f"request {rid}: {out}"
+            assert np.array_equal(_flat(gen.caches[0])[rid + 12].numpy(), want[0])
+        assert g.leaks() == {}
+    finally:
+        gen.close()

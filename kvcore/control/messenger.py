@@ -83,6 +83,9 @@ Driver = Callable[[], float]
 
 #: Poll period of a messenger without a driver (seconds): only ``close`` needs the loop to come round.
 _IDLE_POLL_S = 0.1
+#: How long (ms) messages already queued on a socket may still take to leave after ``close`` (a peer that is gone
+#: costs at most this; with a context of our own, ``close`` waits that long for it).
+_CLOSE_LINGER_MS = 250
 #: How long messages to a peer whose socket queue is full are kept for a retry before they are dropped (seconds).
 _SEND_GIVE_UP_S = 5.0
 #: Messages (and bytes) kept for one peer whose queue is full: a peer that sends but never reads (a stranger
@@ -290,6 +293,7 @@ class Messenger:
         self._by_monitor: dict[zmq.Socket[bytes], _Dealer] = {}
         self._stop = threading.Event()
         self._driver: Driver | None = None
+        self._turn_end: Callable[[], None] | None = None
         self._next_wait_s = _IDLE_POLL_S
         self._full_since: dict[tuple[bool, object], float] = {}  # (router?, dest) -> when its queue was first full
         self._thread = threading.Thread(target=self._run, name=f"{name}-messenger", daemon=True)
@@ -298,6 +302,13 @@ class Messenger:
 
     def start(self) -> None:
         self._thread.start()
+
+    def set_turn_end(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the I/O thread at the end of every loop turn, after that turn's messages were written
+        to their sockets (before ``start``). Exceptions are counted (``driver_errors``) and logged."""
+        if self._thread.is_alive():
+            raise ProtocolError(f"messenger {self.name}: set_turn_end after start")
+        self._turn_end = callback
 
     def set_driver(self, driver: Driver) -> None:
         """Run ``driver`` on the I/O thread once per loop turn (before ``start``); it returns the next poll's wait.
@@ -494,6 +505,10 @@ class Messenger:
                 self.counters["io_errors"] += 1
                 self._rlog(logging.ERROR, "io", "messenger %s: I/O loop error (kept serving)", self.name, exc_info=True)
                 time.sleep(0.001)  # never spin hot on a persistent failure
+        try:
+            self._flush_outbox()  # answers queued by the last turns (a final result) still go out
+        except Exception:
+            self.counters["io_errors"] += 1
 
     def _turn(self) -> None:
         wait_s = self._next_wait_s
@@ -545,6 +560,12 @@ class Messenger:
         self._flush_outbox()  # what this turn's handlers and driver sent, without a wake-up
         if self._outbox:
             self._next_wait_s = min(self._next_wait_s, 0.001)  # a full queue: try again soon, without spinning
+        if self._turn_end is not None:
+            try:
+                self._turn_end()
+            except Exception:
+                self.counters["driver_errors"] += 1
+                self._rlog(logging.ERROR, "turn-end", "messenger %s: turn-end error", self.name, exc_info=True)
 
     def _guarded(self, what: str, fn: Callable[..., None], *args: object) -> None:
         try:
@@ -802,12 +823,14 @@ class Messenger:
                 pass
         for d in self._dealers.values():
             d.monitor.close(0)
+        # Messages already written to a socket (the final result of a request whose engine closes the transceiver
+        # as soon as it is released) may still be in ZeroMQ's queue: they get a bounded linger to leave.
         for d in self._dealers.values():
-            d.sock.close(0)
+            d.sock.close(_CLOSE_LINGER_MS)
         self._dealers.clear()
         self._by_sock.clear()
         self._by_monitor.clear()
-        self._router.close(0)
+        self._router.close(_CLOSE_LINGER_MS)
         self._wake_rx.close(0)
         with self._wake_lock:  # another thread may be waking us right now: it sees the flag, not a closed socket
             self._wake_closed = True
@@ -815,4 +838,4 @@ class Messenger:
         if self._zap is not None:
             self._zap.close(0)
         if self._own_ctx:
-            self._ctx.term()  # every socket of it is closed, with linger 0: returns at once
+            self._ctx.term()  # every socket of it is closed: returns once queued messages left, within the linger

@@ -201,6 +201,7 @@ class Link:
         self.news = threading.Condition(self.lock)
         self.waiters = 0  # under ``lock``: threads inside ``Transceiver.wait``
         self._stirred = False  # worker only: this turn dispatched a message
+        self._news_due = False  # worker only: wake the waiters once this turn's messages are written
         self._last_news = 0.0
         self.incarnation = process_incarnation()
         self.counters: Counter[str] = Counter()
@@ -275,6 +276,7 @@ class Link:
         )
         self._last_tick = 0.0
         self.messenger.set_driver(self._turn)
+        self.messenger.set_turn_end(self._turn_end)
         # The data plane (worker thread only): transfers not yet terminal, and the one behind each agent handle.
         self._xfers: dict[int, Transfer] = {}
         self._by_handle: dict[int, Transfer] = {}
@@ -403,13 +405,21 @@ class Link:
             log.exception("transceiver worker: unexpected error")
             return 0.001  # what was left queued runs next turn; never spin hot on a persistent failure
         finally:
-            if self.waiters and (stirred or self.messenger.sending() or now - self._last_news > 0.02):
-                self.notify_news()
+            # Waiters are woken at the end of the messenger's turn, once this turn's answers were written: an
+            # engine that closes as soon as a request is released must not cut off its final result.
+            self._news_due = bool(self.waiters) and (
+                stirred or self.messenger.sending() or now - self._last_news > 0.02
+            )
         if self._work or self._chunk_ready:
             return 0.0  # the next chunk waits only for traffic already there
         if self._polling():
             return 0.0005
         return max(0.0, 0.02 - (time.monotonic() - self._last_tick))
+
+    def _turn_end(self) -> None:
+        if self._news_due:
+            self._news_due = False
+            self.notify_news()
 
     def notify_news(self) -> None:
         """Wake the engine threads blocked in ``Transceiver.wait`` (any thread): they look for news again."""
