@@ -87,3 +87,30 @@ def test_tombstones_are_bounded_in_number_and_age() -> None:
     assert len(t) == 3 and 0 not in t and 4 in t and t.evicted == 2
     t.expire(time.monotonic() + 11)
     assert len(t) == 0
+
+
+def test_session_table_holds_the_ended_sessions_until_they_leave() -> None:
+    """``ended`` gets a session when it becomes terminal (once), in the order they ended, and loses it on pop."""
+    from kvcore.transceiver.sessions import SessionTable
+
+    table: SessionTable[RxSession] = SessionTable()
+    sessions = {rid: RxSession(request_id=rid, deadline=time.monotonic() + 10) for rid in range(5)}
+    for rid, s in sessions.items():
+        table[rid] = s
+    assert list(table.news()) == [] and len(table) == 5
+    sessions[3].transition(SessionState.CANCELLED, RequestCancelledError("x"))
+    sessions[1].transition(SessionState.DONE)
+    sessions[1].transition(SessionState.FAILED)  # committed once: no second entry, no reorder
+    assert [rid for rid, _ in table.news()] == [3, 1]
+    assert table.pop(3) is sessions[3] and 3 not in table
+    assert [rid for rid, _ in table.news()] == [1]
+    # a session that was already terminal when added is news at once; one replaced under its id reports nothing
+    done = RxSession(request_id=7, deadline=0.0, state=SessionState.DONE)
+    table[7] = done
+    stale = sessions[0]
+    table[0] = RxSession(request_id=0, deadline=time.monotonic() + 10)
+    stale.transition(SessionState.DONE)
+    assert [rid for rid, _ in table.news()] == [1, 7]
+    # an id whose session left by another way is dropped from the news as it is met
+    table._live.pop(7)
+    assert [rid for rid, _ in table.news()] == [1] and list(table.ended) == [1]

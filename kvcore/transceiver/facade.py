@@ -460,10 +460,16 @@ class Transceiver:
             return self._report(terminal, set(quiescent))
 
     def _local_view(self) -> tuple[dict[InternalId, int], list[InternalId]]:
+        # Only sessions that ended are looked at (``SessionTable.ended``): a poll costs the same with one request
+        # in flight as with thousands, and holds the lock the I/O thread needs for no longer.
+        terminal: dict[InternalId, int] = {}
+        quiescent: list[InternalId] = []
         with self._link.lock:
-            sessions = self._role.sessions
-            terminal = {rid: _STATUS_CODE[s.state] for rid, s in sessions.items() if s.terminal and not s.reported}
-            quiescent = [rid for rid, s in sessions.items() if s.terminal and s.quiescent and not s.released]
+            for rid, s in self._role.sessions.news():
+                if not s.reported:
+                    terminal[rid] = _STATUS_CODE[s.state]
+                if not s.released and s.quiescent:
+                    quiescent.append(rid)
         return terminal, quiescent
 
     def _poll(self) -> PollResult:
@@ -547,8 +553,8 @@ class Transceiver:
 
     def _has_news(self) -> bool:
         """An outcome to report or a release to make on this rank (lock held)."""
-        for s in self._role.sessions.values():
-            if s.terminal and not s.released and (not s.reported or s.quiescent):
+        for _, s in self._role.sessions.news():
+            if not s.released and (not s.reported or s.quiescent):
                 return True
         return False
 

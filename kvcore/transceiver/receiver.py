@@ -38,7 +38,7 @@ from kvcore.transceiver.peers import CtxInstance, PeerState, writer_fenced
 from kvcore.transceiver.planning import plan_request
 from kvcore.transceiver.role import Role
 from kvcore.transceiver.sender import blocks_digest
-from kvcore.transceiver.sessions import RxSession, SessionState, WriterState
+from kvcore.transceiver.sessions import RxSession, SessionState, SessionTable, WriterState
 from kvcore.transport import bounce
 from kvcore.transport.agent import TransferOp, TransferStatus
 
@@ -55,7 +55,7 @@ class Receiver(Role):
 
     def __init__(self, link: Link) -> None:
         super().__init__(link)
-        self.rx: dict[InternalId, RxSession] = {}
+        self.rx: SessionTable[RxSession] = SessionTable()
         self.instances: dict[str, CtxInstance] = {}  # current incarnation (or refusal) per context endpoint
         self.retired: list[CtxInstance] = []  # lost or replaced instances, unloaded once no request needs them
         self.quarantined: set[InternalId] = set()
@@ -71,7 +71,7 @@ class Receiver(Role):
         self._renew_scan = 0.0
 
     @property
-    def sessions(self) -> dict[InternalId, Any]:
+    def sessions(self) -> SessionTable[Any]:
         return self.rx
 
     def handlers(self) -> dict[type, Handler]:

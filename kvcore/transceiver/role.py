@@ -11,7 +11,7 @@ import numpy as np
 from kvcore import errors as E
 from kvcore.params import InternalId, check_request_id
 from kvcore.transceiver.link import Handler, Link
-from kvcore.transceiver.sessions import Session, SessionState
+from kvcore.transceiver.sessions import Session, SessionState, SessionTable
 
 __all__ = ["Role", "check_request_id", "check_block_ids", "max_slot"]
 
@@ -56,8 +56,8 @@ class Role(ABC):
 
     @property
     @abstractmethod
-    def sessions(self) -> dict[InternalId, Session]:
-        """Live sessions by request id (read under ``link.lock``)."""
+    def sessions(self) -> SessionTable[Session]:
+        """Live sessions by request id, and those that ended (read under ``link.lock``)."""
 
     @abstractmethod
     def handlers(self) -> dict[type, Handler]: ...

@@ -41,6 +41,7 @@ from kvcore.transceiver.sessions import (
     IDLE_TASK_STATES,
     ReceiverTask,
     SessionState,
+    SessionTable,
     TaskState,
     Tombstones,
     TxSession,
@@ -105,7 +106,7 @@ class Sender(Role):
     def __init__(self, link: Link) -> None:
         super().__init__(link)
         cfg = self.config
-        self.tx: dict[InternalId, TxSession] = {}
+        self.tx: SessionTable[TxSession] = SessionTable()
         self.peers: dict[_Key, GenPeer] = {}  # current incarnation (or refusal) per generation rank
         self.retired: list[GenPeer] = []  # lost peers waiting for their transfers to end before unloading
         # RequestData (push) and PullDone (pull: read before start_send ran) that came before start_send
@@ -120,7 +121,7 @@ class Sender(Role):
         self.counters = link.counters
 
     @property
-    def sessions(self) -> dict[InternalId, Any]:
+    def sessions(self) -> SessionTable[Any]:
         return self.tx
 
     def handlers(self) -> dict[type, Handler]:

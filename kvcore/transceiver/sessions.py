@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable, ItemsView, Iterator, KeysView, ValuesView
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
@@ -37,6 +38,7 @@ __all__ = [
     "SessionState",
     "TERMINAL",
     "Session",
+    "SessionTable",
     "RxSession",
     "TxSession",
     "TaskState",
@@ -81,6 +83,8 @@ class Session:
     released: bool = False  # reported to the engine as safe to reuse
     reported: bool = False  # terminal outcome handed to the engine
     nbytes: int = 0  # bytes moved for this request on this rank
+    #: Called once when the session becomes terminal (its ``SessionTable`` notes it as news for ``poll``).
+    on_end: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
     def terminal(self) -> bool:
@@ -98,11 +102,88 @@ class Session:
         if new in TERMINAL:
             self.error = error
             self.finished = time.monotonic()
+            if self.on_end is not None:
+                self.on_end()
         return True
 
     @property
     def quiescent(self) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+S = TypeVar("S", bound=Session)
+
+
+class SessionTable(Generic[S]):
+    """A role's live sessions by request id, and the ids of those that ended and are not yet released.
+
+    ``poll`` and ``wait`` look only at ``ended`` (terminal, not yet released: usually a handful), never at every
+    live session: with thousands of requests in flight an engine's poll stays as cheap as with one, and it
+    holds the lock the I/O thread needs for no longer. A session added here reports its own end
+    (``Session.on_end``); one removed (released) leaves ``ended`` with it.
+    """
+
+    def __init__(self) -> None:
+        self._live: dict[Any, S] = {}
+        #: Request ids of terminal sessions not yet released, in the order they ended.
+        self.ended: dict[Any, None] = {}
+
+    def __setitem__(self, rid: Any, s: S) -> None:
+        old = self._live.get(rid)
+        if old is not None and old is not s:
+            old.on_end = None
+        self._live[rid] = s
+        ended = self.ended
+
+        def note() -> None:
+            if self._live.get(rid) is s:
+                ended[rid] = None
+
+        s.on_end = note
+        if s.terminal:
+            ended[rid] = None
+
+    def __getitem__(self, rid: Any) -> S:
+        return self._live[rid]
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._live)
+
+    def get(self, rid: Any, default: S | None = None) -> S | None:
+        return self._live.get(rid, default)
+
+    def pop(self, rid: Any, default: S | None = None) -> S | None:
+        s = self._live.pop(rid, None)
+        self.ended.pop(rid, None)
+        if s is None:
+            return default
+        s.on_end = None
+        return s
+
+    def values(self) -> ValuesView[S]:
+        return self._live.values()
+
+    def items(self) -> ItemsView[Any, S]:
+        return self._live.items()
+
+    def keys(self) -> KeysView[Any]:
+        return self._live.keys()
+
+    def news(self) -> Iterator[tuple[Any, S]]:
+        """``(rid, session)`` of every ended session still held (terminal, not released), oldest end first."""
+        live = self._live
+        for rid in list(self.ended):
+            s = live.get(rid)
+            if s is None:
+                self.ended.pop(rid, None)
+            else:
+                yield rid, s
 
 
 # --- generation side: one writer per context rank that may write ------------------------------------
