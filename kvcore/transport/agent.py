@@ -25,6 +25,7 @@ splitting it would make authors read several modules for one class.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import os
@@ -278,6 +279,14 @@ def ranges_inside(addrs: np.ndarray, sizes: np.ndarray, starts: np.ndarray, ends
         return np.ones(0, dtype=bool)
     if starts.size == 0:
         return np.zeros(addrs.size, dtype=bool)
+    if addrs.size <= 4:  # a one-block request: plain Python beats six numpy calls on one-element arrays
+        lo, hi = starts.tolist(), ends.tolist()
+        mask = []
+        for addr, size in zip(addrs.tolist(), sizes.tolist(), strict=True):
+            i = bisect.bisect_right(lo, addr) - 1
+            end = addr + size
+            mask.append(i >= 0 and end < 2**64 and end <= hi[i])
+        return np.array(mask, dtype=bool)
     idx = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
     ok = idx >= 0
     safe = np.where(ok, idx, 0)
