@@ -62,6 +62,16 @@ def _check_small_case(case: dict[str, Any], spec: dict[str, Any]) -> None:
     assert thr["requests"] == spec["small_requests"] and thr["seconds"] > 0
     assert thr["requests_per_s"] == pytest.approx(thr["requests"] / thr["seconds"], rel=1e-6)
     assert case["not_done"] == [] and case["leaks"] == {} and case["verified"] is True
+    w = case["warmth"]  # the same planning, hot and after sleeps: every figure measured
+    assert set(w) == {
+        "hot_us_p50",
+        "after_sleep_0.2ms_us_p50",
+        "after_sleep_1ms_us_p50",
+        "after_sleep_5ms_us_p50",
+        "after_sleep_1ms_vs_hot",
+    }
+    assert all(v > 0 for v in w.values())
+    assert w["after_sleep_1ms_vs_hot"] == pytest.approx(w["after_sleep_1ms_us_p50"] / w["hot_us_p50"], rel=1e-9)
 
 
 def _check_result(result: dict[str, Any], backends: list[str]) -> None:

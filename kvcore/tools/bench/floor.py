@@ -1,13 +1,21 @@
-"""The control plane's floor: a bare ZeroMQ round trip between the two rank processes, with no kvcore code.
+"""Floors of the one-block request: a bare ZeroMQ round trip between the two rank processes, with no kvcore code,
+and how much slower the same Python work runs right after its thread slept (``warmth``).
 
 The context rank starts an echo thread (a ROUTER on loopback that sends every frame back, polled like the
 messenger's I/O loop); the generation rank sends one frame of a RequestData's size through a DEALER and waits
 for it with a poll, one at a time. A kvcore one-block request needs at least this round trip, plus the work on
 both sides: the ``small`` case reports its overhead beside this floor, measured in the same run.
+
+Every step of a one-block request runs on a thread that was asleep a moment before (the engine in ``wait``, an
+I/O loop in its poll). On a shared virtual machine such a thread often runs on a core whose caches another
+tenant used meanwhile: the same code then takes several times longer than in a tight loop. ``op_warmth`` times
+one fixed piece of kvcore's per-request work (planning a one-block request with the rank's real page table)
+back to back, and again after sleeps of 0.2, 1 and 5 ms, so a run can tell how much of its fixed cost is this.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from typing import Any
@@ -93,6 +101,32 @@ class _FloorModes:
         finally:
             sock.close(0)
         return {"seconds": seconds}
+
+    def op_warmth(self, n: int) -> dict[str, Any]:
+        """Microseconds (p50) of planning a one-block request, back to back and after sleeping 0.2, 1 and 5 ms."""
+        import numpy as np
+
+        from kvcore.layout.mapping import plan_transfer
+
+        placement = self.tx.placement  # type: ignore[attr-defined]
+        ids = np.asarray(self._blocks("small", 0), dtype=np.int64)  # type: ignore[attr-defined]
+
+        def timed(gap_s: float) -> float:
+            seconds = []
+            for _ in range(n):
+                if gap_s:
+                    time.sleep(gap_s)
+                t0 = time.perf_counter()
+                plan_transfer(placement, placement, ids, ids)
+                seconds.append(time.perf_counter() - t0)
+            return statistics.median(seconds) * 1e6
+
+        timed(0.0)  # imports and the plan cache: not counted
+        out = {"hot_us_p50": timed(0.0)}
+        for gap_ms in (0.2, 1, 5):
+            out[f"after_sleep_{gap_ms:g}ms_us_p50"] = timed(gap_ms / 1e3)
+        out["after_sleep_1ms_vs_hot"] = out["after_sleep_1ms_us_p50"] / out["hot_us_p50"]
+        return out
 
 
 def floor_summary(seconds: list[float], warm: int) -> dict[str, float]:

@@ -33,6 +33,8 @@ def print_result(result: dict[str, Any]) -> None:
         "p99 ms",
         "agent p50 ms",
         "overhead p50",
+        "zmq round trip p50",
+        "plan hot / after 1 ms sleep us",
         "req/s in flight",
         "first contact ms",
         "verified",
@@ -101,6 +103,8 @@ def print_result(result: dict[str, Any]) -> None:
                     f"{lat['kvcore_ms_p99']:.3f}",
                     f"{lat['agent_ms_p50']:.3f}",
                     f"{lat['overhead_ms_p50']:.3f}",
+                    f"{lat['zmq_round_trip_ms_p50']:.3f}",
+                    _warmth(c.get("warmth")),
                     f"{thr['requests_per_s']:.0f} ({thr['requests']})",
                     f"{c['first_contact_ms']:.1f}",
                     "[green]yes[/]" if c["verified"] else "[red]NO[/]",
@@ -113,6 +117,13 @@ def print_result(result: dict[str, Any]) -> None:
     _print_soak(con, result)
     _print_matrix(con, result)
     con.print("[green]OK: every transfer verified, nothing leaked[/]" if result["ok"] else "[red]FAILED[/]")
+
+
+def _warmth(w: dict[str, float] | None) -> str:
+    """``hot / after a 1 ms sleep`` of the warmth probe (``kvcore.tools.bench.floor``), in microseconds."""
+    if not w:
+        return ""
+    return f"{w['hot_us_p50']:.0f} / {w['after_sleep_1ms_us_p50']:.0f} ({w['after_sleep_1ms_vs_hot']:.1f}x)"
 
 
 def _print_hol(con: Any, result: dict[str, Any]) -> None:
