@@ -98,3 +98,35 @@ def test_a_lone_large_request_goes_in_coarse_chunks_and_one_beside_it_makes_them
     finally:
         gen.close()
         ctx.close()
+
+
+def test_a_lone_request_gets_its_next_chunk_at_once_while_nothing_else_waits() -> None:
+    """Chunks that end inside ``submit`` follow each other without a trip round the I/O loop while it is quiet
+    (``chunks_back_to_back``), and a message that arrives meanwhile still gets the loop back (test above)."""
+    pm = fault_plugin_manager()
+    ctx = RankGroup.build(
+        "context", backend="inline-shm", pm=pm, num_blocks=40, geometry=GEOMETRY,
+        agent_options=[{"seconds_per_mib": 0.0001}],
+    )  # fmt: skip
+    gen = RankGroup.build("generation", pm=pm, num_blocks=40, geometry=GEOMETRY, timeout=60.0)
+    try:
+        c, g = ctx.txs[0], gen.txs[0]
+        agent = ctx.agents[0]
+        src, dst = _flat(ctx.caches[0]), _flat(gen.caches[0])
+        big_src = [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31]
+        big_dst = [30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0]
+        want = fill_value(4, big_src, BLOCK)
+        src[big_src] = torch.from_numpy(want)
+        start = len(agent.submitted)
+        c.start_send(4, big_src, ticket=ticket_for(4))
+        g.start_receive(4, ctx.info_endpoint, big_dst, ticket=ticket_for(4))
+        assert g.wait_all([4], 60)[4].state is SessionState.DONE
+        assert c.wait_all([4], 60)[4].state is SessionState.DONE
+        assert _pieces(agent, base=src.data_ptr(), blocks=set(big_src), since=start) == [CHUNK_BYTES] * 4
+        back_to_back = c._link.counters["chunks_back_to_back"]
+        assert 1 <= back_to_back <= 3, f"{back_to_back} of the 3 later chunks followed their predecessor at once"
+        assert np.array_equal(dst[big_dst].numpy(), want), "wrong bytes"
+        assert c.leaks() == {} and g.leaks() == {}
+    finally:
+        gen.close()
+        ctx.close()

@@ -333,6 +333,15 @@ class Messenger:
         """True when called from this messenger's I/O thread (a handler or the driver)."""
         return threading.get_ident() == self._thread.ident
 
+    def has_input(self) -> bool:
+        """Whether a message or a wake-up waits on any socket (I/O thread only: a driver that could go on working
+        asks this to learn whether it should give the loop back). ZMQ_EVENTS on each socket: no syscall."""
+        if not self.in_io_thread():
+            return True
+        if _readable(self._router) or _readable(self._wake_rx):
+            return True
+        return any(not d.sock.closed and _readable(d.sock) for d in self._dealers.values())
+
     def wake(self) -> None:
         """Make the I/O thread come round at once (another thread handed its driver work). Thread-safe."""
         self._wake()

@@ -79,6 +79,7 @@ __all__ = [
     "CHUNK_BYTES",
     "FINE_CHUNK_BYTES",
     "BUSY_WINDOW_S",
+    "PUMP_BUDGET_S",
     "chunk_plan",
 ]
 
@@ -94,6 +95,8 @@ CHUNK_BYTES = 16 * 1024 * 1024
 FINE_CHUNK_BYTES = 4 * 1024 * 1024
 #: How recent (seconds) a message or a work item must be for the rank to count as busy (fine chunks).
 BUSY_WINDOW_S = 0.01
+#: How long (seconds) the worker may post chunks of a transfer back to back while nothing else waits for it.
+PUMP_BUDGET_S = 0.01
 #: Work items the worker runs per I/O-loop turn before it serves the sockets again.
 _MAX_WORK_PER_TURN = 4096
 
@@ -553,17 +556,30 @@ class Link:
             x.on_done()
 
     def _pump(self) -> bool:
-        """Post the next chunk of every chunked transfer whose current chunk ended (one each per turn).
+        """Post the next chunk of every chunked transfer whose current chunk ended.
 
+        One chunk each per turn while several transfers are chunked (they take turns). A transfer chunked alone
+        whose chunks end inside ``submit`` (a copy on this thread) gets its next chunk at once, for up to
+        ``PUMP_BUDGET_S``, as long as no message, wake-up or work waits for this thread: each trip round the
+        loop between two chunks cost about 0.1 ms, 3-4% of a 512 MiB request's time over NIXL on this box.
         True when a chunk was posted: the loop comes back without sleeping. When every current chunk is still
         in flight (a remote that must progress first), the loop sleeps as for any busy wait.
         """
         posted = False
+        alone = self._chunked == 1
+        until = time.monotonic() + PUMP_BUDGET_S
         for x in list(self._xfers.values()):
-            if x.pumped:
+            if not x.pumped:
+                continue
+            while True:
                 before = x.chunk
                 self._advance(x)
-                posted = posted or x.chunk != before
+                if x.chunk == before:
+                    break  # still in flight, or finished
+                posted = True
+                if not (alone and x.pumped) or self._work or self.messenger.has_input() or time.monotonic() > until:
+                    break
+                self.counters["chunks_back_to_back"] += 1
         return posted
 
     def _agent_event(self, handle_id: int) -> None:
