@@ -139,3 +139,21 @@ def test_cli_reports_an_unknown_backend_as_a_failed_backend() -> None:
     result = json.loads(proc.stdout)
     assert result["ok"] is False
     assert "no-such-agent" in result["backends"]["no-such-agent"]["error"]
+
+
+def test_a_bench_error_raised_while_handling_another_names_both() -> None:
+    """A case that fails, then fails again checking its shape in ``finally``, reports the first failure too."""
+    from kvcore.errors import ResourceExhaustedError
+    from kvcore.tools.bench.run import _describe
+    from kvcore.tools.bench.spec import BenchTimeoutError
+
+    try:
+        try:
+            raise ResourceExhaustedError("4096 requests in flight reach max_inflight_requests=4096")
+        finally:
+            raise BenchTimeoutError("context rank: 200 request(s) never released")
+    except BenchTimeoutError as exc:
+        text = _describe(exc)
+    assert text.startswith("BenchTimeoutError: context rank: 200 request(s) never released")
+    assert "earlier error: ResourceExhaustedError: 4096 requests in flight" in text
+    assert _describe(ValueError("alone")) == "ValueError: alone"

@@ -250,6 +250,16 @@ def run_bench(
     return _run_bench(spec, backends, say or (lambda _msg: None), None)
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` and of the error it interrupted, if any (a case that failed, then failed again
+    checking its shape in ``finally``, reports the first failure as well as the second)."""
+    text = f"{type(exc).__name__}: {exc}"
+    first = exc.__context__
+    if first is not None and first is not exc.__cause__:
+        text += f"\n(raised while handling an earlier error: {type(first).__name__}: {first})"
+    return text
+
+
 def _run_bench(
     spec: BenchSpec, backends: list[str], say: Callable[[str], None], tick: Callable[[int], None] | None
 ) -> dict[str, Any]:
@@ -272,7 +282,7 @@ def _run_bench(
             entry["ok"] = all(c.get("verified") and not c.get("leaks") for c in entry["cases"].values())
         except (KvcoreError, OSError, EOFError) as exc:
             entry["ok"] = False
-            entry["error"] = f"{type(exc).__name__}: {exc}"
+            entry["error"] = _describe(exc)
         finally:
             if run is not None:
                 run.close()
