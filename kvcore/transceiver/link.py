@@ -577,7 +577,9 @@ class Link:
                 if x.chunk == before:
                     break  # still in flight, or finished
                 posted = True
-                if not (alone and x.pumped) or self._work or self.messenger.has_input() or time.monotonic() > until:
+                if not (alone and x.pumped) or self._work or self._stop.is_set() or self.messenger.has_input():
+                    break
+                if time.monotonic() > until:
                     break
                 self.counters["chunks_back_to_back"] += 1
         return posted
