@@ -156,7 +156,8 @@ class InlineShmAgent(ShmAgent):
 
     Not ``async_submit``: the transceiver gets large plans in chunks from its worker loop. ``seconds_per_mib``
     (an option) slows each copy down, as a small box would, so traffic can arrive while a chunk copies;
-    ``submitted`` records ``(bytes, first local address)`` of every submit, in order.
+    ``submitted`` records ``(bytes, first local address)`` of every submit, in order, and ``seconds`` how long
+    each took.
     """
 
     capabilities: ClassVar[AgentCapabilities] = dataclasses.replace(ShmAgent.capabilities, async_submit=False)
@@ -165,6 +166,7 @@ class InlineShmAgent(ShmAgent):
         super().__init__(name, None)
         self.seconds_per_mib = float((options or {}).get("seconds_per_mib", 0.0))
         self.submitted: list[tuple[int, int]] = []
+        self.seconds: list[float] = []
 
     def _submit(
         self,
@@ -175,12 +177,14 @@ class InlineShmAgent(ShmAgent):
         sizes: np.ndarray,
     ) -> Any:
         self.submitted.append((handle.nbytes, int(local[0]) if local.size else 0))
+        t0 = time.monotonic()
         xfer = super()._submit(handle, remote, local, remote_addrs, sizes)
         job = getattr(xfer, "job", None)  # a large copy went to the copy threads: wait for it, as inside submit
         deadline = time.monotonic() + 60
         while job is not None and not job.finished and time.monotonic() < deadline:
             time.sleep(0.0002)
         time.sleep(self.seconds_per_mib * handle.nbytes / (1 << 20))
+        self.seconds.append(time.monotonic() - t0)
         return xfer
 
 

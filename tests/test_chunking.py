@@ -1,5 +1,6 @@
-"""Adaptive chunks: a transport that copies inside ``submit`` gets a large plan in 16 MiB pieces while the rank is
-quiet, and in 4 MiB pieces while other requests arrive beside it, so that they wait behind a shorter copy.
+"""Adaptive chunks: a transport that copies inside ``submit`` gets a large plan in pieces sized by its copy rate
+while the rank is quiet (``QUIET_PIECE_S`` of copy each; 16 MiB until the rate is known), and in 4 MiB pieces
+while other requests arrive beside it, so that they wait behind a shorter copy.
 
 Real transceivers over real ZeroMQ; the context's agent is the shm agent made to move every byte inside
 ``submit`` and to take 2 ms per MiB (``_faults.InlineShmAgent``), as NIXL or UCX over CMA on a small box.
@@ -16,7 +17,8 @@ from _faults import RankGroup, fault_plugin_manager
 from _instances import fill_value, ticket_for
 
 from kvcore.transceiver import SessionState
-from kvcore.transceiver.link import CHUNK_BYTES, FINE_CHUNK_BYTES
+from kvcore.transceiver import link as link_module
+from kvcore.transceiver.link import CHUNK_BYTES, FINE_CHUNK_BYTES, MAX_QUIET_CHUNKS, QUIET_PIECE_S
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,8 +41,13 @@ def _pieces(agent: object, base: int, blocks: set[int], since: int) -> list[int]
     return out
 
 
-def test_a_lone_large_request_goes_in_coarse_chunks_and_one_beside_it_makes_them_fine() -> None:
+def test_a_lone_large_request_goes_in_coarse_chunks_and_one_beside_it_makes_them_fine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert BLOCK == FINE_CHUNK_BYTES and CHUNK_BYTES == 4 * FINE_CHUNK_BYTES
+    # At 2 ms per MiB (at most 0.5 GB/s) a quiet piece of 64 ms is 3 to 7 fine chunks: coarse, yet the request
+    # beside the large one arrives while one is still copying.
+    monkeypatch.setattr(link_module, "QUIET_PIECE_S", 0.064)
     pm = fault_plugin_manager()
     ctx = RankGroup.build(
         "context", backend="inline-shm", pm=pm, num_blocks=40, geometry=GEOMETRY,
@@ -58,13 +65,16 @@ def test_a_lone_large_request_goes_in_coarse_chunks_and_one_beside_it_makes_them
         want = fill_value(1, big_src, BLOCK)
         src[big_src] = torch.from_numpy(want)
 
-        # 1. Alone: four 16 MiB pieces, nothing finer.
+        # 1. Alone: 16 MiB first (no rate known yet), then pieces of several fine chunks.
         start = len(agent.submitted)
         c.start_send(1, big_src, ticket=ticket_for(1))
         g.start_receive(1, ctx.info_endpoint, big_dst, ticket=ticket_for(1))
         assert g.wait_all([1], 60)[1].state is SessionState.DONE
         assert c.wait_all([1], 60)[1].state is SessionState.DONE
-        assert _pieces(agent, base, set(big_src), start) == [CHUNK_BYTES] * 4
+        pieces = _pieces(agent, base, set(big_src), start)
+        assert pieces[0] == CHUNK_BYTES and sum(pieces) == 16 * BLOCK
+        # (the first piece to a new peer also maps its memory: its rate, and so the next piece, may come out small)
+        assert max(pieces[1:]) >= 2 * FINE_CHUNK_BYTES, f"quiet pieces were not coarse: {pieces}"
         assert np.array_equal(dst[big_dst].numpy(), want), "request 1: wrong bytes"
         dst.zero_()
 
@@ -90,7 +100,7 @@ def test_a_lone_large_request_goes_in_coarse_chunks_and_one_beside_it_makes_them
         assert c.wait_all([2, 3], 60)[2].state is SessionState.DONE
         pieces = _pieces(agent, base, set(big_src), start)
         assert sum(pieces) == 16 * BLOCK
-        assert pieces[0] == CHUNK_BYTES  # started while the rank was quiet
+        assert pieces[0] >= 2 * FINE_CHUNK_BYTES, f"started while the rank was quiet, yet fine: {pieces}"
         assert FINE_CHUNK_BYTES in pieces[1:], f"no fine piece after the request beside it arrived: {pieces}"
         assert np.array_equal(dst[big_dst].numpy(), want), "request 2: wrong bytes"
         assert np.array_equal(dst[[36]].numpy(), small_want), "request 3: wrong bytes"
@@ -100,9 +110,10 @@ def test_a_lone_large_request_goes_in_coarse_chunks_and_one_beside_it_makes_them
         ctx.close()
 
 
-def test_a_lone_request_gets_its_next_chunk_at_once_while_nothing_else_waits() -> None:
+def test_a_lone_request_gets_its_next_chunk_at_once_while_nothing_else_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks that end inside ``submit`` follow each other without a trip round the I/O loop while it is quiet
     (``chunks_back_to_back``), and a message that arrives meanwhile still gets the loop back (test above)."""
+    monkeypatch.setattr(link_module, "QUIET_PIECE_S", 0.0)  # every piece after the first is one fine chunk
     pm = fault_plugin_manager()
     ctx = RankGroup.build(
         "context", backend="inline-shm", pm=pm, num_blocks=40, geometry=GEOMETRY,
@@ -122,9 +133,55 @@ def test_a_lone_request_gets_its_next_chunk_at_once_while_nothing_else_waits() -
         g.start_receive(4, ctx.info_endpoint, big_dst, ticket=ticket_for(4))
         assert g.wait_all([4], 60)[4].state is SessionState.DONE
         assert c.wait_all([4], 60)[4].state is SessionState.DONE
-        assert _pieces(agent, base=src.data_ptr(), blocks=set(big_src), since=start) == [CHUNK_BYTES] * 4
+        assert _pieces(agent, base=src.data_ptr(), blocks=set(big_src), since=start) == [CHUNK_BYTES] + [BLOCK] * 12
         back_to_back = c._link.counters["chunks_back_to_back"]
-        assert 1 <= back_to_back <= 3, f"{back_to_back} of the 3 later chunks followed their predecessor at once"
+        assert 1 <= back_to_back <= 11, f"{back_to_back} of the 12 later chunks followed their predecessor at once"
+        assert np.array_equal(dst[big_dst].numpy(), want), "wrong bytes"
+        assert c.leaks() == {} and g.leaks() == {}
+    finally:
+        gen.close()
+        ctx.close()
+
+
+@pytest.mark.parametrize("seconds_per_mib", [0.002, 0.0005])
+def test_quiet_pieces_last_about_quiet_piece_s_at_the_measured_copy_rate(seconds_per_mib: float) -> None:
+    """Each quiet piece after the first holds as many fine chunks as the agent copied in ``QUIET_PIECE_S`` at
+    the rate of the piece before it (one at least, ``MAX_QUIET_CHUNKS`` at most): a slower copy, smaller pieces."""
+    pm = fault_plugin_manager()
+    ctx = RankGroup.build(
+        "context", backend="inline-shm", pm=pm, num_blocks=40, geometry=GEOMETRY,
+        agent_options=[{"seconds_per_mib": seconds_per_mib}],
+    )  # fmt: skip
+    gen = RankGroup.build("generation", pm=pm, num_blocks=40, geometry=GEOMETRY, timeout=60.0)
+    try:
+        c, g = ctx.txs[0], gen.txs[0]
+        agent = ctx.agents[0]
+        src, dst = _flat(ctx.caches[0]), _flat(gen.caches[0])
+        big_src = list(range(1, 33, 2))
+        big_dst = list(range(30, -1, -2))
+        want = fill_value(5, big_src, BLOCK)
+        src[big_src] = torch.from_numpy(want)
+        start = len(agent.submitted)
+        c.start_send(5, big_src, ticket=ticket_for(5))
+        g.start_receive(5, ctx.info_endpoint, big_dst, ticket=ticket_for(5))
+        assert g.wait_all([5], 60)[5].state is SessionState.DONE
+        assert c.wait_all([5], 60)[5].state is SessionState.DONE
+        pieces = [n for n, _ in agent.submitted[start:]]
+        seconds = agent.seconds[start:]
+        assert pieces[0] == CHUNK_BYTES and sum(pieces) == 16 * BLOCK
+        left = 16 * BLOCK - CHUNK_BYTES
+        for i in range(1, len(pieces)):
+            rate = pieces[i - 1] / seconds[i - 1]  # the agent's own copy time: the link's is a little longer
+            rule = max(1, min(MAX_QUIET_CHUNKS, int(rate * QUIET_PIECE_S) // FINE_CHUNK_BYTES))
+            chunks = pieces[i] // FINE_CHUNK_BYTES
+            assert (
+                chunks == min(rule, left // FINE_CHUNK_BYTES)
+                or chunks == min(rule - 1, left // BLOCK)
+                or (chunks == left // BLOCK)
+            ), f"piece {i}: {chunks} fine chunks, the rule at {rate / 1e9:.2f} GB/s gives {rule} ({pieces})"
+            left -= pieces[i]
+        if seconds_per_mib == 0.002:  # at most 0.5 GB/s: 8 ms of copy is less than one fine chunk
+            assert pieces[1:] == [FINE_CHUNK_BYTES] * 12
         assert np.array_equal(dst[big_dst].numpy(), want), "wrong bytes"
         assert c.leaks() == {} and g.leaks() == {}
     finally:

@@ -77,6 +77,7 @@ __all__ = [
     "Transfer",
     "error_from",
     "CHUNK_BYTES",
+    "QUIET_PIECE_S",
     "FINE_CHUNK_BYTES",
     "BUSY_WINDOW_S",
     "PUMP_BUDGET_S",
@@ -87,9 +88,15 @@ log = logging.getLogger("kvcore.transceiver")
 
 Handler = Callable[[Source, Any], None]
 
-#: Largest chunk of one plan posted to an agent whose submit moves the bytes itself (16 MiB: about 3-4 ms of
-#: CMA copy on a small box, well under 1 ms over RDMA; 32 chunks for a 512 MiB request).
+#: The first piece of a plan posted to an agent whose submit moves the bytes itself, before this rank has
+#: measured how fast that agent copies (16 MiB: about 2.5 ms of CMA copy on a small box).
 CHUNK_BYTES = 16 * 1024 * 1024
+#: How long one piece may copy while the rank is quiet, once the agent's copy rate is known: the longest a
+#: request arriving beside a large one waits before the pieces turn fine (8 ms: about 56 MiB over NIXL on this
+#: box, 9 pieces for a 512 MiB request instead of 32 of 16 MiB; each piece costs NIXL about 0.2 ms to set up).
+QUIET_PIECE_S = 0.008
+#: The most fine chunks in one quiet piece (256 MiB).
+MAX_QUIET_CHUNKS = 64
 #: The chunk while other requests are active on this rank: the longest copy a newcomer can wait behind (4 MiB:
 #: about half a millisecond of CMA copy on a small box).
 FINE_CHUNK_BYTES = 4 * 1024 * 1024
@@ -287,6 +294,8 @@ class Link:
         self._chunk_ready = False  # the last pump posted a chunk: the loop does not sleep before the next
         self.chunk_bytes = 0 if agent.capabilities.async_submit else CHUNK_BYTES
         self.fine_chunk_bytes = FINE_CHUNK_BYTES
+        #: Worker only: per peer, bytes/s of the last piece the agent copied inside submit (absent: not known yet).
+        self.copy_rates: dict[str, float] = {}
         self._last_other = 0.0  # worker only: when a message or work last came beside a chunked transfer
         if agent.capabilities.async_submit:
             agent.set_completion_listener(self._agent_event)
@@ -476,17 +485,23 @@ class Link:
 
     def _span(self, x: Transfer) -> int:
         """Fine chunks in ``x``'s next submit: one while other requests are active (traffic or work came while its
-        last piece copied, or within ``BUSY_WINDOW_S``), so they wait for less; else a whole ``chunk_bytes``."""
+        last piece copied, or within ``BUSY_WINDOW_S``), so they wait for less; else as many as the agent copies in
+        ``QUIET_PIECE_S`` at its measured rate (``chunk_bytes`` until a rate is known), at most ``MAX_QUIET_CHUNKS``.
+        """
         if self._last_other >= x.posted_at or time.monotonic() - self._last_other < BUSY_WINDOW_S:
             return 1
-        return max(1, self.chunk_bytes // max(1, self.fine_chunk_bytes))
+        fine = max(1, self.fine_chunk_bytes)
+        rate = self.copy_rates.get(x.remote, 0.0)
+        quiet = rate * QUIET_PIECE_S if rate > 0 else self.chunk_bytes
+        return max(1, min(MAX_QUIET_CHUNKS, int(quiet) // fine))
 
     def _post_chunk(self, x: Transfer) -> None:
         x.span = min(self._span(x), x.chunks - x.chunk)
-        x.posted_at = time.monotonic()
         a, b = x.bounds[x.chunk], x.bounds[x.chunk + x.span]
+        x.posted_at = time.monotonic()
         try:
             h = self.agent.submit(x.op, x.remote, x.src[a:b], x.dst[a:b], x.sizes[a:b])
+            took = time.monotonic() - x.posted_at
         except E.KvcoreError:
             raise
         except Exception as exc:
@@ -501,6 +516,19 @@ class Link:
             ) from exc
         x.handle = h
         self._by_handle[h.id] = x
+        if x.chunks > 1 and took > 0:
+            self._note_rate(x, h, a, b, took)
+
+    def _note_rate(self, x: Transfer, h: TransferHandle, a: int, b: int, took: float) -> None:
+        """A piece the agent copied inside submit (DONE at once) sizes this peer's next quiet pieces by its rate."""
+        try:
+            done = self.agent.poll(h) is TransferStatus.DONE
+        except E.KvcoreError:
+            return  # the piece's end (and error) is the worker's to see when it advances the transfer
+        if done:
+            if len(self.copy_rates) >= 4096:
+                self.copy_rates.clear()  # bounded: peers come and go
+            self.copy_rates[x.remote] = float(x.sizes[a:b].sum(dtype=np.uint64)) / took
 
     def poll_transfer(self, x: Transfer) -> TransferStatus:
         """Advance ``x`` (post its next chunk when one ended) and report its state; never calls ``on_done``.
