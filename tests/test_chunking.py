@@ -41,6 +41,41 @@ def _pieces(agent: object, base: int, blocks: set[int], since: int) -> list[int]
     return out
 
 
+BIG_SRC = list(range(1, 33, 2))  # 16 blocks = 64 MiB, none adjacent
+BIG_DST = list(range(30, -1, -2))
+
+
+def _pair(seconds_per_mib: float) -> tuple[RankGroup, RankGroup]:
+    """A context rank on the inline-copy agent at ``seconds_per_mib`` and a generation rank, 4 MiB blocks."""
+    pm = fault_plugin_manager()
+    ctx = RankGroup.build(
+        "context", backend="inline-shm", pm=pm, num_blocks=40, geometry=GEOMETRY,
+        agent_options=[{"seconds_per_mib": seconds_per_mib}],
+    )  # fmt: skip
+    try:
+        gen = RankGroup.build("generation", pm=pm, num_blocks=40, geometry=GEOMETRY, timeout=60.0)
+    except BaseException:
+        ctx.close()
+        raise
+    return ctx, gen
+
+
+def _move_alone(ctx: RankGroup, gen: RankGroup, rid: int) -> tuple[list[int], list[float]]:
+    """Move the 64 MiB request ``rid`` with nothing beside it; check its bytes; its pieces and their copy times."""
+    c, g, agent = ctx.txs[0], gen.txs[0], ctx.agents[0]
+    src, dst = _flat(ctx.caches[0]), _flat(gen.caches[0])
+    want = fill_value(rid, BIG_SRC, BLOCK)
+    src[BIG_SRC] = torch.from_numpy(want)
+    start = len(agent.submitted)
+    c.start_send(rid, BIG_SRC, ticket=ticket_for(rid))
+    g.start_receive(rid, ctx.info_endpoint, BIG_DST, ticket=ticket_for(rid))
+    assert g.wait_all([rid], 60)[rid].state is SessionState.DONE
+    assert c.wait_all([rid], 60)[rid].state is SessionState.DONE
+    assert np.array_equal(dst[BIG_DST].numpy(), want), f"request {rid}: wrong bytes"
+    dst.zero_()
+    return _pieces(agent, src.data_ptr(), set(BIG_SRC), start), agent.seconds[start:]
+
+
 def test_a_lone_large_request_goes_in_coarse_chunks_and_one_beside_it_makes_them_fine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -48,37 +83,23 @@ def test_a_lone_large_request_goes_in_coarse_chunks_and_one_beside_it_makes_them
     # At 2 ms per MiB (at most 0.5 GB/s) a quiet piece of 64 ms is 3 to 7 fine chunks: coarse, yet the request
     # beside the large one arrives while one is still copying.
     monkeypatch.setattr(link_module, "QUIET_PIECE_S", 0.064)
-    pm = fault_plugin_manager()
-    ctx = RankGroup.build(
-        "context", backend="inline-shm", pm=pm, num_blocks=40, geometry=GEOMETRY,
-        agent_options=[{"seconds_per_mib": 0.002}],
-    )  # fmt: skip
-    gen = RankGroup.build("generation", pm=pm, num_blocks=40, geometry=GEOMETRY, timeout=60.0)
+    ctx, gen = _pair(0.002)
     try:
         c, g = ctx.txs[0], gen.txs[0]
         agent = ctx.agents[0]
         src, dst = _flat(ctx.caches[0]), _flat(gen.caches[0])
         assert src.shape[1] == BLOCK
         base = src.data_ptr()
-        big_src = [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31]  # 16 blocks = 64 MiB, none adjacent
-        big_dst = [30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0]
-        want = fill_value(1, big_src, BLOCK)
-        src[big_src] = torch.from_numpy(want)
+        big_src, big_dst = BIG_SRC, BIG_DST
 
         # 1. Alone: 16 MiB first (no rate known yet), then pieces of several fine chunks.
-        start = len(agent.submitted)
-        c.start_send(1, big_src, ticket=ticket_for(1))
-        g.start_receive(1, ctx.info_endpoint, big_dst, ticket=ticket_for(1))
-        assert g.wait_all([1], 60)[1].state is SessionState.DONE
-        assert c.wait_all([1], 60)[1].state is SessionState.DONE
-        pieces = _pieces(agent, base, set(big_src), start)
+        pieces, _ = _move_alone(ctx, gen, 1)
         assert pieces[0] == CHUNK_BYTES and sum(pieces) == 16 * BLOCK
         # (the first piece to a new peer also maps its memory: its rate, and so the next piece, may come out small)
         assert max(pieces[1:]) >= 2 * FINE_CHUNK_BYTES, f"quiet pieces were not coarse: {pieces}"
-        assert np.array_equal(dst[big_dst].numpy(), want), "request 1: wrong bytes"
-        dst.zero_()
 
         # 2. The same request again, and a one-block request started while its first piece copies.
+        want = fill_value(1, big_src, BLOCK)  # the same source blocks as request 1
         start = len(agent.submitted)
         c.start_send(2, big_src, ticket=ticket_for(2))
         g.start_receive(2, ctx.info_endpoint, big_dst, ticket=ticket_for(2))
@@ -114,30 +135,13 @@ def test_a_lone_request_gets_its_next_chunk_at_once_while_nothing_else_waits(mon
     """Chunks that end inside ``submit`` follow each other without a trip round the I/O loop while it is quiet
     (``chunks_back_to_back``), and a message that arrives meanwhile still gets the loop back (test above)."""
     monkeypatch.setattr(link_module, "QUIET_PIECE_S", 0.0)  # every piece after the first is one fine chunk
-    pm = fault_plugin_manager()
-    ctx = RankGroup.build(
-        "context", backend="inline-shm", pm=pm, num_blocks=40, geometry=GEOMETRY,
-        agent_options=[{"seconds_per_mib": 0.0001}],
-    )  # fmt: skip
-    gen = RankGroup.build("generation", pm=pm, num_blocks=40, geometry=GEOMETRY, timeout=60.0)
+    ctx, gen = _pair(0.0001)
     try:
-        c, g = ctx.txs[0], gen.txs[0]
-        agent = ctx.agents[0]
-        src, dst = _flat(ctx.caches[0]), _flat(gen.caches[0])
-        big_src = [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31]
-        big_dst = [30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0]
-        want = fill_value(4, big_src, BLOCK)
-        src[big_src] = torch.from_numpy(want)
-        start = len(agent.submitted)
-        c.start_send(4, big_src, ticket=ticket_for(4))
-        g.start_receive(4, ctx.info_endpoint, big_dst, ticket=ticket_for(4))
-        assert g.wait_all([4], 60)[4].state is SessionState.DONE
-        assert c.wait_all([4], 60)[4].state is SessionState.DONE
-        assert _pieces(agent, base=src.data_ptr(), blocks=set(big_src), since=start) == [CHUNK_BYTES] + [BLOCK] * 12
-        back_to_back = c._link.counters["chunks_back_to_back"]
+        pieces, _ = _move_alone(ctx, gen, 4)
+        assert pieces == [CHUNK_BYTES] + [BLOCK] * 12
+        back_to_back = ctx.txs[0]._link.counters["chunks_back_to_back"]
         assert 1 <= back_to_back <= 11, f"{back_to_back} of the 12 later chunks followed their predecessor at once"
-        assert np.array_equal(dst[big_dst].numpy(), want), "wrong bytes"
-        assert c.leaks() == {} and g.leaks() == {}
+        assert ctx.txs[0].leaks() == {} and gen.txs[0].leaks() == {}
     finally:
         gen.close()
         ctx.close()
@@ -147,43 +151,22 @@ def test_a_lone_request_gets_its_next_chunk_at_once_while_nothing_else_waits(mon
 def test_quiet_pieces_last_about_quiet_piece_s_at_the_measured_copy_rate(seconds_per_mib: float) -> None:
     """Each quiet piece after the first holds as many fine chunks as the agent copied in ``QUIET_PIECE_S`` at
     the rate of the piece before it (one at least, ``MAX_QUIET_CHUNKS`` at most): a slower copy, smaller pieces."""
-    pm = fault_plugin_manager()
-    ctx = RankGroup.build(
-        "context", backend="inline-shm", pm=pm, num_blocks=40, geometry=GEOMETRY,
-        agent_options=[{"seconds_per_mib": seconds_per_mib}],
-    )  # fmt: skip
-    gen = RankGroup.build("generation", pm=pm, num_blocks=40, geometry=GEOMETRY, timeout=60.0)
+    ctx, gen = _pair(seconds_per_mib)
     try:
-        c, g = ctx.txs[0], gen.txs[0]
-        agent = ctx.agents[0]
-        src, dst = _flat(ctx.caches[0]), _flat(gen.caches[0])
-        big_src = list(range(1, 33, 2))
-        big_dst = list(range(30, -1, -2))
-        want = fill_value(5, big_src, BLOCK)
-        src[big_src] = torch.from_numpy(want)
-        start = len(agent.submitted)
-        c.start_send(5, big_src, ticket=ticket_for(5))
-        g.start_receive(5, ctx.info_endpoint, big_dst, ticket=ticket_for(5))
-        assert g.wait_all([5], 60)[5].state is SessionState.DONE
-        assert c.wait_all([5], 60)[5].state is SessionState.DONE
-        pieces = [n for n, _ in agent.submitted[start:]]
-        seconds = agent.seconds[start:]
+        pieces, seconds = _move_alone(ctx, gen, 5)
         assert pieces[0] == CHUNK_BYTES and sum(pieces) == 16 * BLOCK
         left = 16 * BLOCK - CHUNK_BYTES
         for i in range(1, len(pieces)):
             rate = pieces[i - 1] / seconds[i - 1]  # the agent's own copy time: the link's is a little longer
             rule = max(1, min(MAX_QUIET_CHUNKS, int(rate * QUIET_PIECE_S) // FINE_CHUNK_BYTES))
-            chunks = pieces[i] // FINE_CHUNK_BYTES
-            assert (
-                chunks == min(rule, left // FINE_CHUNK_BYTES)
-                or chunks == min(rule - 1, left // BLOCK)
-                or (chunks == left // BLOCK)
-            ), f"piece {i}: {chunks} fine chunks, the rule at {rate / 1e9:.2f} GB/s gives {rule} ({pieces})"
+            chunks, room = pieces[i] // FINE_CHUNK_BYTES, left // FINE_CHUNK_BYTES
+            assert chunks in (min(rule, room), min(max(1, rule - 1), room)), (
+                f"piece {i}: {chunks} fine chunks, the rule at {rate / 1e9:.2f} GB/s gives {rule} ({pieces})"
+            )
             left -= pieces[i]
         if seconds_per_mib == 0.002:  # at most 0.5 GB/s: 8 ms of copy is less than one fine chunk
             assert pieces[1:] == [FINE_CHUNK_BYTES] * 12
-        assert np.array_equal(dst[big_dst].numpy(), want), "wrong bytes"
-        assert c.leaks() == {} and g.leaks() == {}
+        assert ctx.txs[0].leaks() == {} and gen.txs[0].leaks() == {}
     finally:
         gen.close()
         ctx.close()
