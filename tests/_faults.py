@@ -188,6 +188,38 @@ class InlineShmAgent(ShmAgent):
         return xfer
 
 
+class PollCopyShmAgent(InlineShmAgent):
+    """:class:`InlineShmAgent` whose slow part happens in the first ``poll`` of a transfer, not in ``submit`` (as the
+    UCX agent copies while it progresses its worker): ``submit`` returns at once, the copy time comes after."""
+
+    def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
+        super().__init__(name, options)
+        self._delay: dict[int, float] = {}
+
+    def _submit(
+        self,
+        handle: TransferHandle,
+        remote: RemoteAgent,
+        local: np.ndarray,
+        remote_addrs: np.ndarray,
+        sizes: np.ndarray,
+    ) -> Any:
+        delay, self.seconds_per_mib = self.seconds_per_mib, 0.0
+        try:
+            xfer = super()._submit(handle, remote, local, remote_addrs, sizes)
+        finally:
+            self.seconds_per_mib = delay
+        self._delay[handle.id] = delay * handle.nbytes / (1 << 20)
+        return xfer
+
+    def _poll(self, handle: TransferHandle) -> TransferStatus:
+        delay = self._delay.pop(handle.id, 0.0)
+        if delay:
+            time.sleep(delay)
+            self.seconds[-1] += delay
+        return super()._poll(handle)
+
+
 class _FaultPlugin:
     KVCORE_PLUGIN_API = KVCORE_PLUGIN_API
 
@@ -203,6 +235,12 @@ class _FaultPlugin:
             "_faults:InlineShmAgent",
             capabilities=InlineShmAgent.capabilities,
             description="shm, every byte moved inside submit",
+        )
+        registry.add(
+            "pollcopy-shm",
+            "_faults:PollCopyShmAgent",
+            capabilities=InlineShmAgent.capabilities,
+            description="shm, the copy's time spent in the first poll",
         )
 
 

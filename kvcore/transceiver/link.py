@@ -501,7 +501,6 @@ class Link:
         x.posted_at = time.monotonic()
         try:
             h = self.agent.submit(x.op, x.remote, x.src[a:b], x.dst[a:b], x.sizes[a:b])
-            took = time.monotonic() - x.posted_at
         except E.KvcoreError:
             raise
         except Exception as exc:
@@ -516,16 +515,18 @@ class Link:
             ) from exc
         x.handle = h
         self._by_handle[h.id] = x
-        if x.chunks > 1 and took > 0:
-            self._note_rate(x, h, a, b, took)
+        if x.chunks > 1:
+            self._note_rate(x, h, a, b)
 
-    def _note_rate(self, x: Transfer, h: TransferHandle, a: int, b: int, took: float) -> None:
-        """A piece the agent copied inside submit (DONE at once) sizes this peer's next quiet pieces by its rate."""
+    def _note_rate(self, x: Transfer, h: TransferHandle, a: int, b: int) -> None:
+        """A piece that is DONE at its first poll was copied on this thread (inside ``submit``, or inside that poll
+        as the UCX agent's progress does): its rate, from submit to that poll, sizes this peer's next quiet pieces."""
         try:
             done = self.agent.poll(h) is TransferStatus.DONE
         except E.KvcoreError:
             return  # the piece's end (and error) is the worker's to see when it advances the transfer
-        if done:
+        took = time.monotonic() - x.posted_at
+        if done and took > 0:
             if len(self.copy_rates) >= 4096:
                 self.copy_rates.clear()  # bounded: peers come and go
             self.copy_rates[x.remote] = float(x.sizes[a:b].sum(dtype=np.uint64)) / took
