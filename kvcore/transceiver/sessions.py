@@ -131,7 +131,8 @@ class SessionTable(Generic[S]):
     def __setitem__(self, rid: Any, s: S) -> None:
         old = self._live.get(rid)
         if old is not None and old is not s:
-            old.on_end = None
+            old.on_end = None  # the session it replaces reports nothing any more, ended or not
+            self.ended.pop(rid, None)
         self._live[rid] = s
         ended = self.ended
 
@@ -180,7 +181,7 @@ class SessionTable(Generic[S]):
         live = self._live
         for rid in list(self.ended):
             s = live.get(rid)
-            if s is None:
+            if s is None or not s.terminal:
                 self.ended.pop(rid, None)
             else:
                 yield rid, s
