@@ -458,7 +458,9 @@ def test_the_survivor_releases_everything_when_the_other_host_dies(hosts: TwoHos
     Across hosts no pid proves the writer dead: the generation side releases a lost context rank's pages
     ``fencing_grace_s`` after it was declared lost (shortened here), never sooner.
     """
-    spec = {**_pair_spec(backend, 1, 1), "requests": 32, "tokens": 256, "layers": 8, "timeout_s": 20.0}
+    # 128 requests of 4 MiB (512 MiB, about half a second across the veth link): with 32 (128 MiB) every request
+    # could end between two status looks on a loaded box, and the kill then found nothing in flight.
+    spec = {**_pair_spec(backend, 1, 1), "requests": 128, "tokens": 256, "layers": 8, "timeout_s": 20.0}
     lifecycle = {"peer_lost_timeout_s": 1.0, "fencing_grace_s": 4.0, "transfer_timeout_s": 3.0}
     requests = list(range(spec["requests"]))
     ctx: list[Any] = []
