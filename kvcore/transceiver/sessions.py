@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, ItemsView, Iterator, KeysView, ValuesView
+from collections.abc import Callable, ItemsView, Iterator, ValuesView
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -172,9 +172,6 @@ class SessionTable(Generic[S]):
 
     def items(self) -> ItemsView[Any, S]:
         return self._live.items()
-
-    def keys(self) -> KeysView[Any]:
-        return self._live.keys()
 
     def news(self) -> Iterator[tuple[Any, S]]:
         """``(rid, session)`` of every ended session still held (terminal, not released), oldest end first."""
