@@ -8,6 +8,7 @@ one poll reads on the engine's thread (the ``terminal`` and ``quiescent`` proper
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -62,4 +63,52 @@ def test_poll_and_wait_read_only_the_requests_that_ended(monkeypatch: pytest.Mon
         assert not (r.cancelled or r.released) and counting.reads == 0
         assert c.stats()["tx_sessions"] == 1997
     finally:
+        ctx.close()
+
+
+class _IoCounting:
+    """Counts the reads of a session's ``terminal`` made on one thread (a transceiver's I/O thread)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, thread: threading.Thread) -> None:
+        self.reads = 0
+        fget = Session.terminal.fget
+        assert fget is not None
+
+        def read(s: Session) -> bool:
+            if threading.current_thread() is thread:
+                self.reads += 1
+            return bool(fget(s))
+
+        monkeypatch.setattr(Session, "terminal", property(read))
+
+
+def test_the_worker_timers_read_only_the_requests_that_are_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 2000 requests in flight on each side and none due, the I/O threads' timers (deadlines, lease renewals,
+    fencing), which run 50 times a second, read next to no session; a scan of every live session reads 2000 per
+    tick on each side."""
+    pm = fault_plugin_manager()
+    ctx = RankGroup.build("context", pm=pm, num_blocks=64, max_early_per_peer=2048)
+    try:
+        gen = RankGroup.build("generation", pm=pm, num_blocks=64)
+    except BaseException:
+        ctx.close()
+        raise
+    try:
+        c: Any = ctx.txs[0]
+        g: Any = gen.txs[0]
+        for rid in range(1, 2001):  # the context holds them; no receiver asks
+            c.start_send(rid, [rid % 64], ticket=ticket_for(rid))
+        for rid in range(10_001, 12_001):  # the receiver asks; the context has not started them (early requests)
+            g.start_receive(rid, ctx.info_endpoint, [rid % 64], ticket=ticket_for(rid))
+        deadline = time.monotonic() + 30
+        while c.stats()["early_requests"] < 2000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats()["early_requests"] == 2000, (c.stats(), g.stats())
+        counters = [_IoCounting(monkeypatch, tx._link.messenger._thread) for tx in (c, g)]
+        time.sleep(0.5)  # about 25 timer ticks on each side
+        reads = [n.reads for n in counters]
+        assert reads[0] < 200 and reads[1] < 200, f"idle timers read {reads} sessions (context, generation) in 0.5 s"
+        assert c.stats()["tx_sessions"] == 2000 and g.stats()["rx_sessions"] == 2000
+    finally:
+        gen.close()
         ctx.close()

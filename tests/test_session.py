@@ -120,3 +120,50 @@ def test_session_table_holds_the_ended_sessions_until_they_leave() -> None:
     # an id whose session left by another way is dropped from the news as it is met
     table._live.pop(7)
     assert list(table.news()) == [] and list(table.ended) == []
+
+
+def test_session_table_finds_the_sessions_whose_deadline_passed() -> None:
+    """``due`` returns the held, non-terminal sessions past their deadline, each once, and follows moved deadlines."""
+    from kvcore.transceiver.sessions import SessionTable
+
+    table: SessionTable[TxSession] = SessionTable()
+    t0 = 1000.0
+    for rid in range(10):
+        table[rid] = TxSession(request_id=rid, deadline=t0 + rid)
+    assert table.due(t0) == []
+    assert [s.request_id for s in table.due(t0 + 2.5)] == [0, 1, 2]
+    # left non-terminal by the caller: found again; once terminal, never again
+    assert [s.request_id for s in table.due(t0 + 2.6)] == [0, 1, 2]
+    for rid in (0, 1, 2):
+        table[rid].transition(SessionState.TIMED_OUT)
+    assert table.due(t0 + 2.7) == []
+    # a deadline moved later is not due at its old time, but at its new one
+    table[3].deadline = t0 + 20
+    assert [s.request_id for s in table.due(t0 + 4.5)] == [4]
+    table[4].transition(SessionState.TIMED_OUT)
+    assert sorted(s.request_id for s in table.due(t0 + 20.5)) == [3, 5, 6, 7, 8, 9]
+    # a deadline moved earlier (set_deadline) is due at the earlier time
+    table[20] = TxSession(request_id=20, deadline=t0 + 100)
+    table.set_deadline(table[20], t0 + 30)
+    assert 20 in [s.request_id for s in table.due(t0 + 31)]
+    # released sessions, and one replaced under its id, are not reported; the replacement keeps its own deadline
+    table.pop(5)
+    old = table[6]
+    table[6] = TxSession(request_id=6, deadline=t0 + 500)
+    due = table.due(t0 + 40)
+    assert 5 not in [s.request_id for s in due] and old not in due and table[6] not in due
+
+
+def test_session_table_deadline_heap_stays_bounded() -> None:
+    """Entries of sessions that left are dropped once the heap outgrows the sessions held."""
+    from kvcore.transceiver.sessions import SessionTable
+
+    table: SessionTable[TxSession] = SessionTable()
+    for rid in range(20_000):
+        table[rid] = TxSession(request_id=rid, deadline=1e9 + rid)
+        if rid >= 10:
+            table.pop(rid - 10)
+        table.due(0.0)
+    assert len(table) == 10
+    assert len(table.deadlines) <= 2 * len(table) + 1024 + 1
+    assert {s.request_id for s in table.due(2e9)} == set(range(19_990, 20_000))

@@ -38,7 +38,7 @@ from kvcore.transceiver.peers import CtxInstance, PeerState, writer_fenced
 from kvcore.transceiver.planning import plan_request
 from kvcore.transceiver.role import Role
 from kvcore.transceiver.sender import blocks_digest
-from kvcore.transceiver.sessions import RxSession, SessionState, SessionTable, WriterState
+from kvcore.transceiver.sessions import RxSession, SessionState, SessionTable, TimerHeap, WriterState
 from kvcore.transport import bounce
 from kvcore.transport.agent import TransferOp, TransferStatus
 
@@ -69,6 +69,7 @@ class Receiver(Role):
         self._plan_shape: dict[tuple[str, int], tuple[float, float]] = {}
         self.reads: dict[tuple[int, int], tuple[RxSession, int]] = {}  # pull: (id(session), ctx rank) -> in flight
         self._renew_scan = 0.0
+        self._renewals = TimerHeap()  # request ids under their next lease renewal
 
     @property
     def sessions(self) -> SessionTable[Any]:
@@ -137,7 +138,7 @@ class Receiver(Role):
                 s.block_ids, s.state_slot, s.prompt_len = blocks, int(state_slot), int(prompt_len)
                 s.ctx_block_ids, s.ctx_state_slot, s.ctx_incarnation = ctx_blocks, int(ctx_state_slot), ctx_incarnation
                 if not s.terminal:
-                    s.deadline = now + self.config.request_timeout_s
+                    self.rx.set_deadline(s, now + self.config.request_timeout_s)
             else:
                 self.admit()
                 s = RxSession(
@@ -159,6 +160,7 @@ class Receiver(Role):
                     renew_every=(lease_s or self.config.lease_s) / 3.0,
                 )
                 self.rx[rid] = s
+                self._renewals.file(rid, now + s.renew_every)
                 self.link.metrics.request_started()
             if s.terminal:
                 return  # e.g. its lease ran out while it was expected: poll() reports that
@@ -930,13 +932,20 @@ class Receiver(Role):
         if now - self._renew_scan < 0.1:
             return  # leases are seconds long: a scan every 100 ms is plenty, even when the worker ticks faster
         self._renew_scan = now
-        for s in self.rx.values():
-            if s.terminal or not s.ticket or now - s.last_renew < s.renew_every:
+        renewals = self._renewals
+        for rid in renewals.take(now):  # only the requests whose renewal is due, not every live one
+            s = self.rx.get(rid)
+            if s is None or s.terminal or not s.ticket:
+                continue  # gone, ended or never leased: not filed again
+            if now - s.last_renew < s.renew_every:
+                renewals.file(rid, s.last_renew + s.renew_every)
                 continue
             inst = self.instances.get(s.ctx_endpoint)
             if inst is None or inst.state is not PeerState.READY:
+                renewals.file(rid, now + 0.1)  # renewed once its instance is (again) ready
                 continue
             s.last_renew = now
+            renewals.file(rid, now + s.renew_every)
             try:
                 ranks = list(s.nonces) or peer_ranks(self.link.topology, inst.ranks[0].topology, s.ctx_dp_rank)
             except E.KvcoreError:
@@ -954,6 +963,11 @@ class Receiver(Role):
                         nonce=s.renew_nonce,
                     ),
                 )
+
+        if len(renewals) > 2 * len(self.rx) + 1024:
+            renewals.rebuild(
+                (x.last_renew + x.renew_every, k) for k, x in self.rx.items() if not x.terminal and x.ticket
+            )
 
     def _unpack(self, rid: InternalId) -> None:
         """Worker: scatter every bounced writer's lease into the pools, then the request is DONE."""
@@ -984,16 +998,18 @@ class Receiver(Role):
             self._check_read(s, r, now)
         with self.link.lock:
             self._renew(now)
-            for s in self.rx.values():
-                if not s.terminal and now > s.deadline:
-                    asked = ", ".join(f"{r}={w.value}" for r, w in s.writers.items()) or "none contacted"
-                    s.transition(
-                        SessionState.TIMED_OUT,
-                        E.TransferTimeoutError(
-                            f"request {s.request_id} not complete after {cfg.request_timeout_s}s (writers: {asked})"
-                        ),
-                    )
-                if s.terminal and not s.quiescent:
+            # Only the sessions whose deadline passed, then those that ended and still wait for a writer's
+            # final word (terminal, not quiescent): never a scan of every live session.
+            for s in self.rx.due(now):
+                asked = ", ".join(f"{r}={w.value}" for r, w in s.writers.items()) or "none contacted"
+                s.transition(
+                    SessionState.TIMED_OUT,
+                    E.TransferTimeoutError(
+                        f"request {s.request_id} not complete after {cfg.request_timeout_s}s (writers: {asked})"
+                    ),
+                )
+            for _, s in self.rx.news():
+                if not s.quiescent:
                     self._fence(s, now)
                     self._note_quarantine(s)
             for endpoint, inst in list(self.instances.items()):
@@ -1006,9 +1022,10 @@ class Receiver(Role):
                 elif inst.state is PeerState.REFUSED:
                     del self.instances[endpoint]
                     self.retired.append(inst)
-            in_use = {id(s.instance) for s in self.rx.values() if s.instance is not None}
-            unload = [i for i in self.retired if id(i) not in in_use]
-            self.retired = [i for i in self.retired if id(i) in in_use]
+            if self.retired:
+                in_use = {id(s.instance) for s in self.rx.values() if s.instance is not None}
+                unload = [i for i in self.retired if id(i) not in in_use]
+                self.retired = [i for i in self.retired if id(i) in in_use]
         for inst in unload:
             self._unload(inst)
 

@@ -789,7 +789,7 @@ class Sender(Role):
             if key not in s.renewers and len(s.renewers) >= 4096:
                 return
             s.renewers[key] = msg.nonce
-            s.deadline = min(max(s.deadline, now + self.config.lease_s), s.hold_until)
+            self.tx.set_deadline(s, min(max(s.deadline, now + self.config.lease_s), s.hold_until))
 
     def on_cancel(self, source: Source, msg: wire.Cancel) -> None:
         """A receiver cancels (or asks for the final word on) its part of a request."""
@@ -1184,8 +1184,8 @@ class Sender(Role):
 
     def _reap(self, now: float) -> None:
         cfg = self.config
-        for s in self.tx.values():
-            if not s.terminal and now > s.deadline:
+        for s in self.tx.due(now):  # only the sessions whose deadline passed, not every live one
+            if not s.terminal:
                 done = sum(1 for t in s.tasks.values() if t.state is TaskState.DONE)
                 want = "?" if s.expected_receivers is None else s.expected_receivers
                 self._end(

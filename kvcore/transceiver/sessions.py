@@ -20,9 +20,11 @@ rank's :class:`WriterState` (one per context rank that may write).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, ItemsView, Iterator, ValuesView
+from collections.abc import Callable, ItemsView, Iterable, Iterator, ValuesView
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -114,6 +116,36 @@ class Session:
 S = TypeVar("S", bound=Session)
 
 
+class TimerHeap:
+    """Request ids filed under a time (a heap): ``take`` yields those whose time came, earliest first.
+
+    The worker's timers use it instead of scanning every live session on every tick. An id may be filed several
+    times and may have left by the time it comes up: the caller checks what it takes, files it again when its
+    time moved, and ``rebuild``s the heap from what it still holds when ``len`` outgrows that (bounded memory).
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Any]] = []
+        self._seq = itertools.count()  # ties never compare ids
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def file(self, rid: Any, at: float) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), rid))
+
+    def take(self, now: float) -> Iterator[Any]:
+        """Pop and yield every id filed before ``now``; one filed again at ``now`` or later is not met again."""
+        heap = self._heap
+        while heap and heap[0][0] < now:
+            yield heapq.heappop(heap)[2]
+
+    def rebuild(self, entries: Iterable[tuple[float, Any]]) -> None:
+        """Replace every entry by ``entries`` (``(time, rid)``)."""
+        self._heap = [(at, next(self._seq), rid) for at, rid in entries]
+        heapq.heapify(self._heap)
+
+
 class SessionTable(Generic[S]):
     """A role's live sessions by request id, and the ids of those that ended and are not yet released.
 
@@ -121,12 +153,18 @@ class SessionTable(Generic[S]):
     live session: with thousands of requests in flight an engine's poll stays as cheap as with one, and it
     holds the lock the I/O thread needs for no longer. A session added here reports its own end
     (``Session.on_end``); one removed (released) leaves ``ended`` with it.
+
+    The worker's timers find the sessions whose deadline passed the same way, through ``due``: a heap of
+    deadlines, not a scan of every live session 50 times a second. A deadline that moves later needs nothing
+    (``due`` re-files it when its old time comes); one that moves earlier goes through ``set_deadline``.
     """
 
     def __init__(self) -> None:
         self._live: dict[Any, S] = {}
         #: Request ids of terminal sessions not yet released, in the order they ended.
         self.ended: dict[Any, None] = {}
+        #: Every live, non-terminal session is filed at or before its deadline.
+        self.deadlines = TimerHeap()
 
     def __setitem__(self, rid: Any, s: S) -> None:
         old = self._live.get(rid)
@@ -143,6 +181,8 @@ class SessionTable(Generic[S]):
         s.on_end = note
         if s.terminal:
             ended[rid] = None
+        else:
+            self.deadlines.file(rid, s.deadline)
 
     def __getitem__(self, rid: Any) -> S:
         return self._live[rid]
@@ -172,6 +212,34 @@ class SessionTable(Generic[S]):
 
     def items(self) -> ItemsView[Any, S]:
         return self._live.items()
+
+    def set_deadline(self, s: S, deadline: float) -> None:
+        """Move held session ``s``'s deadline to ``deadline`` (earlier or later); ``due`` finds it then."""
+        if deadline < s.deadline and self._live.get(s.request_id) is s and not s.terminal:
+            self.deadlines.file(s.request_id, deadline)
+        s.deadline = deadline
+
+    def due(self, now: float) -> list[S]:
+        """Held sessions, not yet terminal, whose deadline passed (``now > deadline``), each once.
+
+        Looks only at entries whose time came: a session whose deadline moved later is filed again under its
+        new one. One returned stays filed, so a caller that leaves it non-terminal sees it again next time.
+        """
+        live = self._live
+        out: dict[Any, S] = {}
+        for rid in self.deadlines.take(now):
+            s = live.get(rid)
+            if s is None or s.terminal or rid in out:
+                continue
+            if now > s.deadline:
+                out[rid] = s
+            else:
+                self.deadlines.file(rid, s.deadline)
+        for rid in out:
+            self.deadlines.file(rid, now)
+        if len(self.deadlines) > 2 * len(live) + 1024:
+            self.deadlines.rebuild((s.deadline, rid) for rid, s in live.items() if not s.terminal)
+        return list(out.values())
 
     def news(self) -> Iterator[tuple[Any, S]]:
         """``(rid, session)`` of every ended session still held (terminal, not released), oldest end first."""
