@@ -221,6 +221,8 @@ class MetricsSnapshot(msgspec.Struct, frozen=True):
     requests_started: int
     total: PeerMetrics
     peers: Mapping[str, PeerMetrics]
+    #: CPU time the transceiver's I/O thread (its control plane and worker) has used, seconds.
+    io_thread_cpu_seconds: float = 0.0
 
 
 # --- the recorder --------------------------------------------------------------------------------
@@ -387,6 +389,9 @@ class TransceiverMetrics:
         self.max_peers = max_peers
         #: Live counts exported as gauges (``kvcore_live_objects``): typically ``Transceiver.stats``.
         self.gauges = gauges
+        #: The I/O thread's CPU seconds so far (``kvcore_io_thread_cpu_seconds``): typically ``Messenger.cpu_seconds``.
+        self.cpu_seconds: Callable[[], float] | None = None
+        self._cpu_seen = 0.0  # the highest reading: the counter never goes back when the thread has ended
         self._local = threading.local()
         self._lock = threading.Lock()  # shard list and peer labels only: never taken on the hot path's common case
         self._shards: list[_Shard] = []
@@ -559,6 +564,11 @@ class TransceiverMetrics:
         total = _Acc()
         for acc in per.values():
             total.add(acc)
+        if self.cpu_seconds is not None:
+            try:
+                self._cpu_seen = max(self._cpu_seen, float(self.cpu_seconds()))
+            except Exception:  # a provider that fails must not break a scrape
+                pass
         return MetricsSnapshot(
             backend=self.backend,
             role=self.role,
@@ -567,6 +577,7 @@ class TransceiverMetrics:
             requests_started=started,
             total=total.freeze(),
             peers={label: acc.freeze() for label, acc in sorted(per.items())},
+            io_thread_cpu_seconds=self._cpu_seen,
         )
 
     def close(self) -> None:
@@ -634,6 +645,11 @@ def _families(recorders: Iterable[TransceiverMetrics]) -> Iterator[Any]:
     fenced = CounterMetricFamily(
         "kvcore_fencing_events", "Writers fenced, by reason.", labels=[*base, "peer", "reason"]
     )
+    cpu = CounterMetricFamily(
+        "kvcore_io_thread_cpu_seconds",
+        "CPU time used by the transceiver's I/O thread (control plane and worker).",
+        labels=base,
+    )
     hists = {field: HistogramMetricFamily(name, help_, labels=[*base, "peer"]) for field, name, help_ in _HIST_METRICS}
     live = GaugeMetricFamily(
         "kvcore_live_objects", "Live sessions, leases, tombstones, peers, transfers (stats()).", labels=[*base, "kind"]
@@ -651,6 +667,7 @@ def _families(recorders: Iterable[TransceiverMetrics]) -> Iterator[Any]:
         snap = r.snapshot()
         b = [snap.backend, snap.role, str(snap.rank)]
         started.add_metric(b, snap.requests_started)
+        cpu.add_metric(b, snap.io_thread_cpu_seconds)
         for label, pm in snap.peers.items():
             p = [*b, label]
             for oc in pm.requests_finished:
@@ -679,6 +696,7 @@ def _families(recorders: Iterable[TransceiverMetrics]) -> Iterator[Any]:
                 if not kind.endswith("_total"):
                     live.add_metric([*b, kind], float(v))
     yield started
+    yield cpu
     yield finished
     yield req_seconds
     yield posted

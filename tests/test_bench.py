@@ -62,6 +62,12 @@ def _check_small_case(case: dict[str, Any], spec: dict[str, Any]) -> None:
     assert thr["requests"] == spec["small_requests"] and thr["seconds"] > 0
     assert thr["requests_per_s"] == pytest.approx(thr["requests"] / thr["seconds"], rel=1e-6)
     assert case["not_done"] == [] and case["leaks"] == {} and case["verified"] is True
+    cpu = case["cpu_us_per_request"]  # CPU time per one-at-a-time request, by side and thread
+    assert set(cpu) == {f"{side}.{t}" for side in ("context", "generation") for t in ("io", "engine", "process")}
+    for side in ("context", "generation"):
+        # the I/O thread does each request's work on both sides; it is part of its process (some slack: the
+        # two clocks are read one after the other)
+        assert 0 < cpu[f"{side}.io"] <= cpu[f"{side}.process"] * 1.05 + 50, cpu
     w = case["warmth"]  # the same planning, hot and after sleeps: every figure measured
     assert set(w) == {
         "hot_us_p50",

@@ -171,3 +171,38 @@ def test_a_peer_that_floods_and_never_reads_gets_its_answers_dropped_past_the_ca
         ctx.term()
         a.close()
         b.close()
+
+
+def test_cpu_seconds_counts_the_io_thread_alone_and_keeps_its_total_after_close() -> None:
+    """A driver that burns CPU on the I/O thread shows in ``cpu_seconds``; CPU burnt on another thread does not."""
+    import time
+
+    burn = threading.Event()
+
+    def driver() -> float:
+        if burn.is_set():
+            t_end = time.thread_time() + 0.2  # 200 ms of this thread's CPU
+            while time.thread_time() < t_end:
+                pass
+            burn.clear()
+        return 0.01
+
+    m = Messenger(lambda s, x: None, name="cpu")
+    m.set_driver(driver)
+    assert m.cpu_seconds() == 0.0  # not started
+    m.start()
+    try:
+        t_end = time.thread_time() + 0.3  # 300 ms on this thread: not the I/O thread's
+        while time.thread_time() < t_end:
+            pass
+        before = m.cpu_seconds()
+        assert before < 0.15, before
+        burn.set()
+        deadline = time.monotonic() + 20
+        while burn.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        after = m.cpu_seconds()
+        assert after - before >= 0.2, (before, after)
+    finally:
+        m.close()
+    assert m.cpu_seconds() >= after  # the thread ended: its total stays

@@ -89,6 +89,8 @@ def test_scraped_metrics_of_a_transceiver_pair_count_real_transfers() -> None:
         assert _sum(g, "kvcore_live_objects", kind="rx_sessions", **lab) == 0
         snap = gen.metrics.snapshot()
         assert snap.requests_started == 4 and snap.total.outcomes() == {"DONE": 4}
+        assert _sum(g, "kvcore_io_thread_cpu_seconds_total", **lab) > 0
+        assert 0 < snap.io_thread_cpu_seconds <= time.process_time()  # one thread's share of this process
         assert "" not in {p for p, m in snap.peers.items() if m.round_trip_seconds.count}  # labelled by peer
 
         # context side: its own process, scraped over HTTP; its outcomes are reported once it has released them
@@ -111,7 +113,11 @@ def test_scraped_metrics_of_a_transceiver_pair_count_real_transfers() -> None:
         assert _sum(c, "kvcore_writer_service_seconds_count", **lab) == 4
         assert _sum(c, "kvcore_first_contact_duration_seconds_count", **lab) == 1
         assert _sum(c, "kvcore_live_objects", kind="tx_sessions", **lab) == 0
+        cpu = _sum(c, "kvcore_io_thread_cpu_seconds_total", **lab)
+        assert cpu > 0 and _sum(_scrape(hello["port"]), "kvcore_io_thread_cpu_seconds_total", **lab) >= cpu
     finally:
         ctx.close(20.0)
         gen.close()
         agent.close()
+    # once the transceiver is closed its I/O thread has ended: the counter keeps the thread's total
+    assert gen.metrics.snapshot().io_thread_cpu_seconds >= snap.io_thread_cpu_seconds

@@ -297,6 +297,7 @@ class Messenger:
         self._next_wait_s = _IDLE_POLL_S
         self._full_since: dict[tuple[bool, object], float] = {}  # (router?, dest) -> when its queue was first full
         self._thread = threading.Thread(target=self._run, name=f"{name}-messenger", daemon=True)
+        self._cpu_at_exit = 0.0
 
     # --- public, thread-safe ----------------------------------------------------------------
 
@@ -341,6 +342,17 @@ class Messenger:
         if _readable(self._router) or _readable(self._wake_rx):
             return True
         return any(not d.sock.closed and _readable(d.sock) for d in self._dealers.values())
+
+    def cpu_seconds(self) -> float:
+        """CPU time (seconds) the I/O thread has used so far (its total once it ended; 0.0 before it started or
+        where the platform has no per-thread CPU clock). Thread-safe."""
+        ident = self._thread.ident
+        if ident is None or not self._thread.is_alive():
+            return self._cpu_at_exit
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except (OSError, AttributeError):  # the thread ended meanwhile; no such clock on this platform
+            return 0.0
 
     def wake(self) -> None:
         """Make the I/O thread come round at once (another thread handed its driver work). Thread-safe."""
@@ -518,6 +530,7 @@ class Messenger:
             self._flush_outbox()  # answers queued by the last turns (a final result) still go out
         except Exception:
             self.counters["io_errors"] += 1
+        self._cpu_at_exit = time.thread_time()
 
     def _turn(self) -> None:
         wait_s = self._next_wait_s

@@ -199,6 +199,7 @@ class Transceiver:
         link.on_auth_failed = self._role.on_auth_failed
         self.metrics = link.metrics
         self.metrics.gauges = self.stats
+        self.metrics.cpu_seconds = self._link.messenger.cpu_seconds
         self._poll_lock = threading.Lock()
         self._closed = False
         link.start()

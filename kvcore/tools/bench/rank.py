@@ -534,6 +534,11 @@ class _Rank(_BareModes, _FloorModes):
         out["request"] = [done.sum, done.count] if done is not None else [0.0, 0]
         return out
 
+    def op_cpu(self) -> dict[str, Any]:
+        """CPU seconds used so far: this process, the thread serving commands (the engine's), the I/O thread."""
+        io = self.tx.metrics.snapshot().io_thread_cpu_seconds if self.tx is not None else 0.0
+        return {"process": time.process_time(), "engine": time.thread_time(), "io": io}
+
     def op_stats(self) -> dict[str, Any]:
         return {"stats": self.tx.stats() if self.tx is not None else {}}
 

@@ -35,6 +35,7 @@ def print_result(result: dict[str, Any]) -> None:
         "overhead p50",
         "zmq round trip p50",
         "plan hot / after 1 ms sleep us",
+        "CPU us/req ctx / gen",
         "req/s in flight",
         "first contact ms",
         "verified",
@@ -105,6 +106,7 @@ def print_result(result: dict[str, Any]) -> None:
                     f"{lat['overhead_ms_p50']:.3f}",
                     f"{lat['zmq_round_trip_ms_p50']:.3f}",
                     _warmth(c.get("warmth")),
+                    _cpu(c.get("cpu_us_per_request")),
                     f"{thr['requests_per_s']:.0f} ({thr['requests']})",
                     f"{c['first_contact_ms']:.1f}",
                     "[green]yes[/]" if c["verified"] else "[red]NO[/]",
@@ -124,6 +126,16 @@ def _warmth(w: dict[str, float] | None) -> str:
     if not w:
         return ""
     return f"{w['hot_us_p50']:.0f} / {w['after_sleep_1ms_us_p50']:.0f} ({w['after_sleep_1ms_vs_hot']:.1f}x)"
+
+
+def _cpu(cpu: dict[str, float] | None) -> str:
+    """CPU microseconds per one-at-a-time request, each side's whole process (its I/O thread in brackets)."""
+    if not cpu:
+        return ""
+    return (
+        f"{cpu['context.process']:.0f} ({cpu['context.io']:.0f}) / "
+        f"{cpu['generation.process']:.0f} ({cpu['generation.io']:.0f})"
+    )
 
 
 def _print_hol(con: Any, result: dict[str, Any]) -> None:

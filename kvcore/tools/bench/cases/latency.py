@@ -44,9 +44,11 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         rid = run.rids(spec.latency_requests)
         run.ctx.call("send", rid0=rid, n=spec.latency_requests, region="small")
         steps0 = {"context": run.ctx.call("steps"), "generation": run.gen.call("steps")}
+        cpu0 = {"context": run.ctx.call("cpu"), "generation": run.gen.call("cpu")}
         r = run.gen.call(
             "receive", endpoint=run.endpoint, rid0=rid, n=spec.latency_requests, region="small", pipelined=False
         )
+        cpu1 = {"context": run.ctx.call("cpu"), "generation": run.gen.call("cpu")}
         steps1 = {"context": run.ctx.call("steps"), "generation": run.gen.call("steps")}
         lat_ms = [x * 1e3 for x in r["latency_s"]]
         not_done = list(r["not_done"])
@@ -100,6 +102,15 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         for side, names in steps1.items()
         for name, v in names.items()
         if v[1] > steps0[side][name][1]
+    }
+    # CPU time per one-at-a-time request, by side and thread: the work kvcore does per request, which this shared
+    # box's wake-ups and contention do not blur as they blur the latency (the generation's engine thread is the
+    # bench loop that starts and waits; the context's is idle but for its engine poll every millisecond).
+    n_lat = max(1, len(lat_ms))
+    out["cpu_us_per_request"] = {
+        f"{side}.{what}": (cpu1[side][what] - cpu0[side][what]) / n_lat * 1e6
+        for side in ("context", "generation")
+        for what in ("io", "engine", "process")
     }
     out["throughput"] = {
         "requests": spec.small_requests,
