@@ -399,10 +399,10 @@ class Link:
                 fn(*args)
                 if self._stop.is_set():
                     return 0.02
+            # Answers this turn's work produced (a small request's result) leave now: before the next chunk's
+            # copy holds this thread for a few ms, and before the agent's progress and the timers.
+            self.messenger.flush()
             if self._chunked:
-                # Answers this turn's work produced (a small request's result) leave before the next chunk's
-                # copy holds this thread for a few ms.
-                self.messenger.flush()
                 self._chunk_ready = self._pump()
             else:
                 self._chunk_ready = False
