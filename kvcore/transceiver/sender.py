@@ -33,6 +33,7 @@ from kvcore.layout.blocks import decode_group_ids, normalize_block_ids, normaliz
 from kvcore.layout.mapping import validate_compatible
 from kvcore.layout.peer import peer_ranks
 from kvcore.params import InternalId, TransferParams, api_id, check_ticket, new_ticket
+from kvcore.transceiver.early import EarlyRequests
 from kvcore.transceiver.link import Handler, Link
 from kvcore.transceiver.peers import GenPeer, PeerState, writer_fenced
 from kvcore.transceiver.planning import plan_request
@@ -70,11 +71,6 @@ log = logging.getLogger("kvcore.transceiver")
 _Key = tuple[str, int]
 
 
-def _early_size(msg: wire.RequestData | wire.PullDone) -> int:
-    """Bytes an early message is charged against ``max_early_bytes`` (its block list; a PullDone a fixed 256)."""
-    return _ids_bytes(msg) if isinstance(msg, wire.RequestData) else 256
-
-
 def _event_done(event: Any) -> bool:
     """Whether a CUDA event (anything with ``query()``) completed; an event that raises counts as done (logged)."""
     try:
@@ -110,8 +106,7 @@ class Sender(Role):
         self.peers: dict[_Key, GenPeer] = {}  # current incarnation (or refusal) per generation rank
         self.retired: list[GenPeer] = []  # lost peers waiting for their transfers to end before unloading
         # RequestData (push) and PullDone (pull: read before start_send ran) that came before start_send
-        self.early: dict[InternalId, list[tuple[float, wire.RequestData | wire.PullDone, Source]]] = {}
-        self.early_bytes = 0
+        self.early = EarlyRequests(cfg.max_early_requests, cfg.max_early_per_peer, cfg.max_early_bytes)
         self.tombstones = Tombstones(cfg.max_tombstones, cfg.request_timeout_s)
         self.inflight: dict[int, tuple[TxSession, ReceiverTask]] = {}  # id(task) -> its submitted write
         self.orphans: list[Any] = []  # handles of abandoned transfers to dead peers, released once terminal
@@ -193,8 +188,7 @@ class Sender(Role):
             tomb = self.tombstones.pop(rid)
             if tomb is not None and tomb.state is SessionState.CANCELLED and self._ticket_ok(tk, tomb.ticket):
                 self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled earlier"))
-            for _, req, source in self.early.pop(rid, []):
-                self.early_bytes -= _early_size(req)
+            for _, req, source in self.early.pop(rid):
                 if isinstance(req, wire.PullDone):
                     self._take_pull_done(s, req, source)
                 else:
@@ -294,8 +288,7 @@ class Sender(Role):
             if s is None:
                 # Not started here (yet): a later start_send ends CANCELLED; waiting receivers are told now.
                 self.tombstones.put(rid, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid}: {reason}"))
-                for _, req, source in self.early.pop(rid, []):
-                    self.early_bytes -= _early_size(req)
+                for _, req, source in self.early.pop(rid):
                     self._answer_unheld(req, source, self.tombstones.get(rid))
                 return False
             if s.terminal:
@@ -527,25 +520,11 @@ class Sender(Role):
 
         Kept until ``ttl`` (the receiver's deadline, bounded by ours); then it is answered with a failure.
         """
-        per_peer = sum(1 for lst in self.early.values() for _, r, _ in lst if (r.gen_instance, r.gen_rank) == key)
-        count = sum(len(v) for v in self.early.values())
-        cfg = self.config
-        size = _early_size(msg)
-        if (
-            count >= cfg.max_early_requests
-            or per_peer >= cfg.max_early_per_peer
-            or self.early_bytes + size > cfg.max_early_bytes
-        ):
-            self._refuse_request(
-                source,
-                msg.request_id,
-                msg.nonce,
-                "ResourceExhaustedError",
-                f"{count} requests ({self.early_bytes} bytes) already wait for start_send here",
-            )
+        why = self.early.refusal(msg)
+        if why is not None:
+            self._refuse_request(source, msg.request_id, msg.nonce, "ResourceExhaustedError", why)
             return
-        self.early.setdefault(msg.request_id, []).append((time.monotonic() + ttl, msg, source))
-        self.early_bytes += size
+        self.early.add(msg, source, time.monotonic() + ttl)
 
     def _decline(self, peer: GenPeer, msg: wire.Cancel, source: Source) -> None:
         """A receiver that never asked for a request says it never will (lock held).
@@ -805,13 +784,10 @@ class Sender(Role):
             s = self.tx.get(msg.request_id)
             t = s.tasks.get(key) if s is not None else None
             if t is None or t.peer is not peer:
-                early = self.early.get(msg.request_id, [])
-                mine = [e for e in early if (e[1].gen_instance, e[1].gen_rank) == key and e[1].nonce == msg.nonce]
-                for e in mine:
-                    early.remove(e)
-                    self.early_bytes -= _early_size(e[1])
-                if not early:
-                    self.early.pop(msg.request_id, None)
+                mine = self.early.take(
+                    msg.request_id,
+                    lambda e: (e[1].gen_instance, e[1].gen_rank) != key or e[1].nonce != msg.nonce,
+                )
                 tomb = self.tombstones.get(msg.request_id)
                 if s is None and tomb is None and mine:
                     # Cancelled before start_send: remember, so the engine's later start_send ends CANCELLED
@@ -884,13 +860,7 @@ class Sender(Role):
                 if t.state in IDLE_TASK_STATES:
                     t.move(TaskState.FAILED)  # nobody to answer
                 self._end(s, SessionState.FAILED, error)
-        for rid in list(self.early):
-            lst = [e for e in self.early[rid] if (e[1].gen_instance, e[1].gen_rank) != key]
-            self.early_bytes -= sum(_early_size(e[1]) for e in self.early[rid] if e not in lst)
-            if lst:
-                self.early[rid] = lst
-            else:
-                del self.early[rid]
+        self.early.drop_peer(key)
 
     # --- worker thread -----------------------------------------------------------------------------
 
@@ -1196,16 +1166,8 @@ class Sender(Role):
                         f"{now - s.created:.1f}s; request_timeout_s={cfg.request_timeout_s}, lease_s={cfg.lease_s})"
                     ),
                 )
-        for rid in [r for r, lst in self.early.items() if lst and now > min(d for d, _, _ in lst)]:
-            keep = []
-            for expiry, req, source in self.early.pop(rid):
-                if now > expiry:
-                    self.early_bytes -= _early_size(req)
-                    self._answer_unheld(req, source, None)
-                else:
-                    keep.append((expiry, req, source))
-            if keep:
-                self.early[rid] = keep
+        for _, req, source in self.early.expired(now):
+            self._answer_unheld(req, source, None)
         self.tombstones.expire(now)
         for key, peer in list(self.peers.items()):
             if peer.state is PeerState.SUSPECT and peer.deadline is not None and now > peer.deadline:
@@ -1260,8 +1222,8 @@ class Sender(Role):
         with self.link.lock:
             return {
                 "tx_sessions": len(self.tx),
-                "early_requests": sum(len(v) for v in self.early.values()),
-                "early_request_bytes": self.early_bytes,
+                "early_requests": len(self.early),
+                "early_request_bytes": self.early.bytes,
                 "pending_events": len(self.events),
                 "tombstones": len(self.tombstones),
                 "gen_peers": sum(1 for p in self.peers.values() if not p.gone),
@@ -1274,11 +1236,6 @@ class Sender(Role):
         for peer in list(self.peers.values()) + self.retired:
             if peer.agent_name:
                 self.link.unload_agent(peer.agent_name, peer.incarnation)
-
-
-def _ids_bytes(msg: wire.RequestData) -> int:
-    """Bytes of block ids a receiver's request carries (both wire forms)."""
-    return len(msg.block_ids) + sum(len(v) for v in msg.group_block_ids.values())
 
 
 def _single(ids: dict[str, np.ndarray]) -> np.ndarray:
