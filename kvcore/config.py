@@ -27,6 +27,8 @@ __all__ = ["TransceiverConfig", "resolve_backend", "create_agent"]
 log = logging.getLogger("kvcore.config")
 
 # A host name, an IPv4 address, or an IPv6 address with or without brackets.
+#: The largest ``gil_switch_interval_s`` accepted (the interpreter's default is 0.005).
+MAX_GIL_SWITCH_INTERVAL_S = 0.1
 #: The hard bound on ``max_aux_bytes``: an aux payload travels in one control frame.
 MAX_AUX_BYTES = 1024 * 1024
 
@@ -80,6 +82,10 @@ class TransceiverConfig:
     auth_allowed_keys: list[str] = field(default_factory=list)  # and/or their Z85 public keys
     auth_server_key: str = ""  # Z85 public key peers' control sockets serve with; empty: our own (one shared pair)
     allow_insecure_bind: bool = False  # True: a non-loopback host without authentication is accepted (warned)
+    # The interpreter's GIL switch interval, lowered to this (seconds) when the transceiver starts; 0: left alone.
+    # An engine thread running Python holds the GIL up to the interval each time the I/O thread gives it up
+    # (every ZeroMQ or transport call): 5 ms by default, about 10 ms per one-block request (docs/engine-guide.md).
+    gil_switch_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -139,6 +145,11 @@ class TransceiverConfig:
             raise ConfigError(f"transfer_mode must be 'push' or 'pull', got {self.transfer_mode!r}")
         if not 0 <= int(self.max_aux_bytes) <= MAX_AUX_BYTES:
             raise ConfigError(f"max_aux_bytes must be in 0..{MAX_AUX_BYTES}, got {self.max_aux_bytes!r}")
+        if not 0.0 <= float(self.gil_switch_interval_s) <= MAX_GIL_SWITCH_INTERVAL_S:
+            raise ConfigError(
+                f"gil_switch_interval_s must be 0 (leave the interpreter's alone) or at most "
+                f"{MAX_GIL_SWITCH_INTERVAL_S} s, got {self.gil_switch_interval_s!r}"
+            )
         if float(self.max_lease_s) < float(self.lease_s):
             raise ConfigError(f"max_lease_s ({self.max_lease_s}) must be >= lease_s ({self.lease_s})")
         if not isinstance(self.auth_allowed_keys, list):

@@ -163,3 +163,24 @@ def test_a_bench_error_raised_while_handling_another_names_both() -> None:
     assert text.startswith("BenchTimeoutError: context rank: 200 request(s) never released")
     assert "earlier error: ResourceExhaustedError: 4096 requests in flight" in text
     assert _describe(ValueError("alone")) == "ValueError: alone"
+
+
+@pytest.mark.timeout(120)
+def test_busy_case_times_each_busy_engine_and_switch_interval() -> None:
+    """The ``busy`` case: a row with nothing busy, then each rank busy at the interpreter's switch interval and at
+    each lowered one; every row measured, the intervals the ranks really ran with, every byte verified."""
+    from kvcore.tools.bench.cases.latency import BUSY_SWITCH_S
+
+    result = run_bench(
+        BenchSpec(backends=["shm"], cases=["busy"], tokens=64, layers=1, latency_requests=10, timeout_s=60)
+    )
+    case = result["backends"]["shm"]["cases"]["busy"]
+    rows = case["rows"]
+    assert [(r["busy"], pytest.approx(r["switch_interval_s"], rel=1e-6)) for r in rows] == [
+        ("none", sys.getswitchinterval())
+    ] + [(side, sw) for side in ("context", "generation") for sw in (sys.getswitchinterval(), *BUSY_SWITCH_S)]
+    for r in rows:
+        assert r["kvcore_ms_p50"] > 0 and r["kvcore_ms_p99"] >= r["kvcore_ms_p50"] and r["zmq_round_trip_ms_p50"] > 0
+        assert r["kvcore_vs_idle_p50"] == pytest.approx(r["kvcore_ms_p50"] / rows[0]["kvcore_ms_p50"], rel=1e-9)
+    assert case["requests_per_row"] == 10 and case["not_done"] == [] and case["leaks"] == {}
+    assert case["verified"] is True and result["ok"] is True

@@ -81,6 +81,14 @@ def test_bad_env_value_names_variable() -> None:
         ({"transfer_timeout_s": 0}, "transfer_timeout_s must be > 0, got 0"),
         ({"max_message_bytes": -1}, "max_message_bytes must be > 0, got -1"),
         ({"agent_options": []}, "agent_options must be a mapping, got list"),
+        (
+            {"gil_switch_interval_s": -0.001},
+            "gil_switch_interval_s must be 0 (leave the interpreter's alone) or at most 0.1 s, got -0.001",
+        ),
+        (
+            {"gil_switch_interval_s": 0.5},
+            "gil_switch_interval_s must be 0 (leave the interpreter's alone) or at most 0.1 s, got 0.5",
+        ),
     ],
 )
 def test_validation(kwargs: dict[str, object], message: str) -> None:
@@ -155,3 +163,34 @@ def test_plugin_switches_use_the_same_words() -> None:
     assert make_plugin_manager(load_entry_points=False, env={"KVCORE_STRICT_PLUGINS": "off"}).strict is False
     with pytest.raises(ConfigError, match="KVCORE_STRICT_PLUGINS='sometimes' is not a boolean"):
         make_plugin_manager(load_entry_points=False, env={"KVCORE_STRICT_PLUGINS": "sometimes"})
+
+
+def test_gil_switch_interval_is_lowered_by_a_transceiver_never_raised() -> None:
+    """``gil_switch_interval_s`` lowers the process's switch interval when a transceiver starts; a lower one set
+    by the engine stays; 0 leaves it alone; the environment variable reaches it."""
+    import sys
+
+    from kvcore.transceiver.facade import lower_switch_interval
+
+    assert TransceiverConfig.load(env={"KVCORE_GIL_SWITCH_INTERVAL_S": "0.0005"}).gil_switch_interval_s == 0.0005
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert lower_switch_interval(0.0) == 0.005  # 0: left alone
+        assert lower_switch_interval(0.002) == pytest.approx(0.002)
+        assert lower_switch_interval(0.004) == pytest.approx(0.002)  # never raised
+        sys.setswitchinterval(0.005)
+        from _faults import RankGroup
+
+        group = RankGroup.build("context", gil_switch_interval_s=0.0007)
+        try:
+            assert sys.getswitchinterval() == pytest.approx(0.0007)
+        finally:
+            group.close()
+        group = RankGroup.build("context")  # the default: nothing changes
+        try:
+            assert sys.getswitchinterval() == pytest.approx(0.0007)
+        finally:
+            group.close()
+    finally:
+        sys.setswitchinterval(before)

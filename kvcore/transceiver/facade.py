@@ -22,6 +22,8 @@ times.
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -47,7 +49,18 @@ from kvcore.transceiver.sender import Sender
 from kvcore.transceiver.sessions import FINAL_TASK_STATES, RxSession, SessionState, TaskState, TxSession
 from kvcore.transport.agent import TransferAgent
 
-__all__ = ["Transceiver", "PollResult", "Outcome", "RequestStatus", "CACHE_GAUGES", "COUNTERS", "leaks"]
+__all__ = [
+    "Transceiver",
+    "PollResult",
+    "Outcome",
+    "RequestStatus",
+    "CACHE_GAUGES",
+    "COUNTERS",
+    "leaks",
+    "lower_switch_interval",
+]
+
+log = logging.getLogger("kvcore.transceiver")
 
 #: ``stats()`` keys of bounded caches (peers, loaded agents, connections, tombstones), not per-request resources.
 CACHE_GAUGES = frozenset(
@@ -139,6 +152,21 @@ class _Agreement(msgspec.Struct, array_like=True):
     quiescent: list[wire.RequestId]
 
 
+def lower_switch_interval(seconds: float) -> float:
+    """Lower the interpreter's GIL switch interval to ``seconds`` (never raise it); returns the interval now.
+
+    Process-wide, so only on request (``TransceiverConfig.gil_switch_interval_s``): a thread waiting for the GIL
+    waits up to this long for a thread that runs Python to give it up. The transceiver's I/O thread gives the GIL
+    up at every ZeroMQ and transport call, so beside a busy engine thread each one-block request waits several
+    intervals (docs/engine-guide.md, "A busy engine thread").
+    """
+    now = sys.getswitchinterval()
+    if 0 < seconds < now:
+        sys.setswitchinterval(seconds)
+        log.info("GIL switch interval lowered from %.4f s to %.4f s (gil_switch_interval_s)", now, seconds)
+    return sys.getswitchinterval()
+
+
 class Transceiver:
     """Moves KV between a context instance and generation instances; one per rank."""
 
@@ -159,6 +187,8 @@ class Transceiver:
     ) -> None:
         if role not in ("context", "generation"):
             raise E.ConfigError(f"role must be 'context' or 'generation', got {role!r}")
+        if config.gil_switch_interval_s > 0:
+            lower_switch_interval(config.gil_switch_interval_s)
         from kvcore.extension.plugins import get_plugin_manager
 
         pm = pm or get_plugin_manager()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import heapq
 import os
+import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -53,6 +55,10 @@ class _Rank(_BareModes, _FloorModes):
         self.pending: dict[int, float] = {}  # context: requests started, not yet released
         self.outcomes: dict[str, int] = {}
         self.errors: list[str] = []
+        # the busy case (op_busy): a thread that runs Python without pause, and the interpreter's switch interval
+        self._busy_thread: threading.Thread | None = None
+        self._busy_stop = threading.Event()
+        self._switch0 = sys.getswitchinterval()
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -539,11 +545,42 @@ class _Rank(_BareModes, _FloorModes):
         io = self.tx.metrics.snapshot().io_thread_cpu_seconds if self.tx is not None else 0.0
         return {"process": time.process_time(), "engine": time.thread_time(), "io": io}
 
+    def op_busy(self, on: bool, switch_s: float = 0.0) -> dict[str, Any]:
+        """Start (``on``) or stop a thread that runs Python without pause, as an engine's step loop does.
+
+        ``switch_s`` > 0 lowers the GIL switch interval meanwhile (what ``gil_switch_interval_s`` does);
+        stopping restores the interpreter's interval. Returns the interval in force.
+        """
+        import sys
+
+        if self._busy_thread is not None:
+            self._busy_stop.set()
+            self._busy_thread.join(10)
+            self._busy_thread = None
+            sys.setswitchinterval(self._switch0)
+        if on:
+            from kvcore.transceiver.facade import lower_switch_interval
+
+            if switch_s > 0:
+                lower_switch_interval(switch_s)
+            stop = self._busy_stop = threading.Event()
+
+            def spin() -> None:
+                x = 0
+                while not stop.is_set():
+                    for i in range(2000):  # pure Python: the GIL is given up only when another thread asks
+                        x ^= i
+
+            self._busy_thread = threading.Thread(target=spin, name="bench-busy-engine", daemon=True)
+            self._busy_thread.start()
+        return {"switch_s": sys.getswitchinterval()}
+
     def op_stats(self) -> dict[str, Any]:
         return {"stats": self.tx.stats() if self.tx is not None else {}}
 
     def close(self) -> None:
         try:
+            self.op_busy(False)
             self.op_echo_stop()
             self.op_teardown()
         finally:

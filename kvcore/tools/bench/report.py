@@ -116,6 +116,7 @@ def print_result(result: dict[str, Any]) -> None:
     if s.row_count:
         con.print(s)
     _print_hol(con, result)
+    _print_busy(con, result)
     _print_soak(con, result)
     _print_matrix(con, result)
     con.print("[green]OK: every transfer verified, nothing leaked[/]" if result["ok"] else "[red]FAILED[/]")
@@ -136,6 +137,33 @@ def _cpu(cpu: dict[str, float] | None) -> str:
         f"{cpu['context.process']:.0f} ({cpu['context.io']:.0f}) / "
         f"{cpu['generation.process']:.0f} ({cpu['generation.io']:.0f})"
     )
+
+
+def _print_busy(con: Any, result: dict[str, Any]) -> None:
+    """The busy case: one-block latency while one rank's engine thread runs Python, per GIL switch interval."""
+    from rich.table import Table
+
+    t = Table(title="one-block requests beside a busy engine thread (GIL switch interval)")
+    for col in ("backend", "busy engine", "switch ms", "kvcore p50 ms", "p99 ms", "vs idle", "zmq p50 ms", "verified"):
+        t.add_column(col, justify="left" if col in ("backend", "busy engine") else "right")
+    for backend, entry in result["backends"].items():
+        c = entry.get("cases", {}).get("busy")
+        if not c or "rows" not in c:
+            continue
+        for i, row in enumerate(c["rows"]):
+            t.add_row(
+                backend if i == 0 else "",
+                row["busy"],
+                f"{row['switch_interval_s'] * 1e3:g}",
+                f"{row['kvcore_ms_p50']:.2f}",
+                f"{row['kvcore_ms_p99']:.2f}",
+                f"{row['kvcore_vs_idle_p50']:.1f}x",
+                f"{row['zmq_round_trip_ms_p50']:.2f}",
+                ("[green]yes[/]" if c["verified"] else "[red]NO[/]") if i == 0 else "",
+                end_section=i == len(c["rows"]) - 1,
+            )
+    if t.row_count:
+        con.print(t)
 
 
 def _print_hol(con: Any, result: dict[str, Any]) -> None:

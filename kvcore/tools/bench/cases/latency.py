@@ -1,5 +1,5 @@
-"""Latency cases: one-block requests alone and many in flight (``small``, ``small_auth`` with CURVE), and head of
-line beside a big request (``hol``).
+"""Latency cases: one-block requests alone and many in flight (``small``, ``small_auth`` with CURVE), head of
+line beside a big request (``hol``), and one-block requests beside a busy engine thread (``busy``).
 """
 
 from __future__ import annotations
@@ -179,6 +179,75 @@ def case_hol(run: BackendRun) -> dict[str, Any]:
     }
     out["big_ms_median"] = statistics.median(big_ms)
     out["big_gbps_median"] = shape.nbytes / (statistics.median(big_ms) / 1e3) / _GB
+    out["not_done"] = not_done
+    out.update(shape_checks)
+    out["verified"] = ok and not not_done and shape_verified(out, shape_checks)
+    return out
+
+
+#: The lowered GIL switch intervals the ``busy`` case measures beside the interpreter's (``gil_switch_interval_s``).
+BUSY_SWITCH_S = (0.0005, 0.0001)
+
+
+@register_case("busy")
+def case_busy(run: BackendRun) -> dict[str, Any]:
+    """One-block requests one at a time while one rank's engine thread runs Python without pause.
+
+    An engine's step loop is Python that rarely sleeps. The transceiver's I/O thread shares the GIL with it and
+    gives it up at every ZeroMQ and transport call; getting it back can take the interpreter's whole switch
+    interval (5 ms by default). Rows: nothing busy; the context's engine busy, then the generation's, each at
+    the interpreter's interval and at each of ``BUSY_SWITCH_S``. Each row also times the bare ZeroMQ round trip under
+    the same conditions. Only one rank is busy at a time, so a spinning thread never has both cores of a small
+    box.
+    """
+    assert run.ctx is not None and run.gen is not None
+    spec = run.spec
+    shape = replace(spec.frag16k_shape(), name="busy", tokens=32)
+    n = max(10, min(spec.latency_requests, 100))
+    out: dict[str, Any] = {"shape": asdict(shape), "block_bytes": shape.block_bytes, "requests_per_row": n}
+    out.update(run.open(shape))
+    rows: list[dict[str, Any]] = []
+    not_done: list[str] = []
+    try:
+        rid = run.rids(10)  # warm-up, not counted
+        run.ctx.call("send", rid0=rid, n=10, region="small")
+        run.gen.call("receive", endpoint=run.endpoint, rid0=rid, n=10, region="small", pipelined=False)
+        settings = [("none", 0.0)] + [(side, sw) for side in ("context", "generation") for sw in (0.0, *BUSY_SWITCH_S)]
+        for busy, switch in settings:
+            run.say(f"{run.backend} busy: {busy} engine thread busy, switch interval {switch or 'default'}")
+            rank = run.ctx if busy == "context" else run.gen
+            interval = rank.call("busy", on=busy != "none", switch_s=switch)["switch_s"]
+            try:
+                rid = run.rids(n)
+                run.ctx.call("send", rid0=rid, n=n, region="small")
+                r = run.gen.call("receive", endpoint=run.endpoint, rid0=rid, n=n, region="small", pipelined=False)
+                echo = run.ctx.call("echo_start")["endpoint"]
+                try:
+                    p = run.gen.call("ping", endpoint=echo, n=n, timeout_s=spec.timeout_s)
+                finally:
+                    run.ctx.call("echo_stop")
+            finally:
+                rank.call("busy", on=False)
+            not_done += r["not_done"]
+            lat = [x * 1e3 for x in r["latency_s"]]
+            ping = [x * 1e3 for x in p["seconds"]]
+            rows.append(
+                {
+                    "busy": busy,
+                    "switch_interval_s": interval,
+                    "kvcore_ms_p50": _pct(lat, 50),
+                    "kvcore_ms_p99": _pct(lat, 99),
+                    "zmq_round_trip_ms_p50": _pct(ping, 50),
+                    "zmq_round_trip_ms_p99": _pct(ping, 99),
+                }
+            )
+        ok = run.gen.call("verify", region="small")["ok"]
+    finally:
+        shape_checks = run.close_shape()
+    base = rows[0]["kvcore_ms_p50"]
+    for row in rows:
+        row["kvcore_vs_idle_p50"] = row["kvcore_ms_p50"] / base
+    out["rows"] = rows
     out["not_done"] = not_done
     out.update(shape_checks)
     out["verified"] = ok and not not_done and shape_verified(out, shape_checks)
