@@ -7,6 +7,7 @@ environment variables, a YAML or TOML file, then the defaults below.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -33,6 +34,12 @@ MAX_GIL_SWITCH_INTERVAL_S = 0.1
 MAX_AUX_BYTES = 1024 * 1024
 
 _ADVERTISE_RE = re.compile(r"\A(?:[A-Za-z0-9.\-]+|\[?[0-9A-Fa-f:.]+\]?)\Z")
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    """``TransceiverConfig``'s field types, resolved once."""
+    return typing.get_type_hints(TransceiverConfig)
 
 
 @dataclass
@@ -92,6 +99,7 @@ class TransceiverConfig:
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first invalid field."""
+        self._check_kinds()
         if not isinstance(self.backend, str) or not self.backend:
             raise ConfigError(f"backend must be a non-empty string, got {self.backend!r}")
         if not isinstance(self.agent_options, dict):
@@ -165,6 +173,28 @@ class TransceiverConfig:
                 "reach the port could drive this rank. Set auth_key_file (see `kvcore keygen`, docs/security.md) "
                 "or, on an isolated network, allow_insecure_bind=True (KVCORE_ALLOW_INSECURE_BIND=1)"
             )
+
+    def _check_kinds(self) -> None:
+        """Every boolean, integer and float field holds a value of its kind (``ConfigError`` naming it otherwise).
+
+        Integers may be any integral type (numpy's too) and floats any real number; a bool is never taken for a
+        number, and nothing else for a bool.
+        """
+        import numbers
+
+        hints = _field_types()
+        for f in dataclasses.fields(self):
+            kind, value = hints[f.name], getattr(self, f.name)
+            if kind is bool:
+                ok, want = isinstance(value, bool), "true or false"
+            elif kind is int:
+                ok, want = isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"
+            elif kind is float:
+                ok, want = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
+            else:
+                continue
+            if not ok:
+                raise ConfigError(f"{f.name} must be {want}, got {value!r} ({type(value).__name__})")
 
     def control_port(self, rank: int) -> int:
         """The control-plane port rank ``rank`` binds: ``ports[rank]``, else ``port + rank * port_stride``, else 0 (free)."""

@@ -81,6 +81,11 @@ def test_bad_env_value_names_variable() -> None:
         ({"transfer_timeout_s": 0}, "transfer_timeout_s must be > 0, got 0"),
         ({"max_message_bytes": -1}, "max_message_bytes must be > 0, got -1"),
         ({"agent_options": []}, "agent_options must be a mapping, got list"),
+        ({"port": "5600"}, "port must be an integer, got '5600' (str)"),
+        ({"max_peers": True}, "max_peers must be an integer, got True (bool)"),
+        ({"lease_s": "60"}, "lease_s must be a number, got '60' (str)"),
+        ({"gil_switch_interval_s": None}, "gil_switch_interval_s must be a number, got None (NoneType)"),
+        ({"require_tickets": 1}, "require_tickets must be true or false, got 1 (int)"),
         (
             {"gil_switch_interval_s": -0.001},
             "gil_switch_interval_s must be 0 (leave the interpreter's alone) or at most 0.1 s, got -0.001",
@@ -194,3 +199,11 @@ def test_gil_switch_interval_is_lowered_by_a_transceiver_never_raised() -> None:
             group.close()
     finally:
         sys.setswitchinterval(before)
+
+
+def test_numbers_of_any_numeric_type_are_accepted() -> None:
+    """numpy integers and floats, and ints for float fields, are numbers like any other."""
+    import numpy as np
+
+    cfg = TransceiverConfig(port=np.int64(5600), lease_s=30, request_timeout_s=np.float32(5.0))
+    assert cfg.control_port(1) == 5601 and cfg.lease_s == 30
