@@ -55,9 +55,11 @@ class EarlyRequests:
 
     def refusal(self, msg: EarlyMessage) -> str | None:
         """Why ``msg`` may not be kept (a cap is reached), or None."""
-        if self._count >= self.max_messages or self._per_peer[_sender(msg)] >= self.max_per_peer:
-            return f"{self._count} requests ({self.bytes} bytes) already wait for start_send here"
-        if self.bytes + early_size(msg) > self.max_bytes:
+        if (
+            self._count >= self.max_messages
+            or self._per_peer[_sender(msg)] >= self.max_per_peer
+            or self.bytes + early_size(msg) > self.max_bytes
+        ):
             return f"{self._count} requests ({self.bytes} bytes) already wait for start_send here"
         return None
 

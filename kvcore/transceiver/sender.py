@@ -499,7 +499,7 @@ class Sender(Role):
                 if tomb is not None:
                     self._answer_unheld(msg, source, tomb)
                     return
-                self._keep_early(key, msg, source, min(msg.timeout_ms / 1000.0, self.config.request_timeout_s))
+                self._keep_early(msg, source, min(msg.timeout_ms / 1000.0, self.config.request_timeout_s))
                 return
             self._attach(s, msg, source)
         link.post(self._drive, msg.request_id)
@@ -515,7 +515,7 @@ class Sender(Role):
             return tomb
         return None
 
-    def _keep_early(self, key: _Key, msg: wire.RequestData | wire.PullDone, source: Source, ttl: float) -> None:
+    def _keep_early(self, msg: wire.RequestData | wire.PullDone, source: Source, ttl: float) -> None:
         """Keep a receiver's message for a request not started here yet, within the caps (lock held).
 
         Kept until ``ttl`` (the receiver's deadline, bounded by ours); then it is answered with a failure.
@@ -658,7 +658,7 @@ class Sender(Role):
                 if tomb is None and msg.status == "ok":
                     # Read before start_send ran here (the engine handed out the parameters first, as vLLM's
                     # request_finished does): kept until start_send, which checks it like any other.
-                    self._keep_early(key, msg, source, self.config.request_timeout_s)
+                    self._keep_early(msg, source, self.config.request_timeout_s)
                     return
                 if tomb is not None and tomb.state is SessionState.DONE:
                     tomb = None  # released after every receiver reported: this one is not among them
