@@ -458,8 +458,10 @@ def test_the_survivor_releases_everything_when_the_other_host_dies(hosts: TwoHos
     Across hosts no pid proves the writer dead: the generation side releases a lost context rank's pages
     ``fencing_grace_s`` after it was declared lost (shortened here), never sooner.
     """
-    # 128 requests of 4 MiB (512 MiB, about half a second across the veth link): with 32 (128 MiB) every request
-    # could end between two status looks on a loaded box, and the kill then found nothing in flight.
+    # The first request goes alone and must end DONE (the two hosts really talk); the other 127 (4 MiB each,
+    # about half a second across the veth link) are handed to the context's engine loop and the victim is killed
+    # at once, so some are being written and the rest not yet started. Killing once the first of all 128 had
+    # ended failed twice in full runs: every request could end between two status looks.
     spec = {**_pair_spec(backend, 1, 1), "requests": 128, "tokens": 256, "layers": 8, "timeout_s": 20.0}
     lifecycle = {"peer_lost_timeout_s": 1.0, "fencing_grace_s": 4.0, "transfer_timeout_s": 3.0}
     requests = list(range(spec["requests"]))
@@ -469,12 +471,14 @@ def test_the_survivor_releases_everything_when_the_other_host_dies(hosts: TwoHos
         ctx, ctx_info = _start_instance(hosts.a, backend, "context", 1, spec, config=lifecycle)
         gen, _ = _start_instance(hosts.b, backend, "generation", 1, spec, config=lifecycle)
         gen[0].call("rank_receive", requests=requests, endpoint=ctx_info[0]["info_endpoint"])
-        ctx[0].call("rank_send", requests=requests)
+        ctx[0].call("rank_send", requests=requests[:1])
         victim, survivor = (gen, ctx) if killed == "generation" else (ctx, gen)
         deadline = time.monotonic() + 60
-        while not survivor[0].call("rank_status")["outcomes"]:  # kill once the first request is through
-            assert time.monotonic() < deadline, "no request finished before the kill"
+        while not survivor[0].call("rank_status")["outcomes"]:  # the first request is through
+            assert time.monotonic() < deadline, "the first request did not finish"
             time.sleep(0.005)
+        assert survivor[0].call("rank_status")["outcomes"][str(requests[0])][0] == "DONE"
+        ctx[0].call("rank_send", requests=requests[1:])
         victim[0].kill()
         killed_at = time.monotonic()
         deadline = time.monotonic() + 2 * spec["timeout_s"] + 30
