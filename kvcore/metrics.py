@@ -223,6 +223,10 @@ class MetricsSnapshot(msgspec.Struct, frozen=True):
     peers: Mapping[str, PeerMetrics]
     #: CPU time the transceiver's I/O thread (its control plane and worker) has used, seconds.
     io_thread_cpu_seconds: float = 0.0
+    #: Time the I/O thread was ready to run inside its loop turns but did not (the GIL, a core, a lock), seconds.
+    io_thread_stall_seconds: float = 0.0
+    #: How late the I/O thread ran after each timed sleep that ended without traffic (seconds).
+    io_thread_wake_lag: Histogram = msgspec.field(default_factory=_empty_hist)
 
 
 # --- the recorder --------------------------------------------------------------------------------
@@ -392,6 +396,9 @@ class TransceiverMetrics:
         #: The I/O thread's CPU seconds so far (``kvcore_io_thread_cpu_seconds``): typically ``Messenger.cpu_seconds``.
         self.cpu_seconds: Callable[[], float] | None = None
         self._cpu_seen = 0.0  # the highest reading: the counter never goes back when the thread has ended
+        #: The I/O thread's stall seconds and wake-lag histogram (``kvcore_io_thread_stall_seconds``,
+        #: ``kvcore_io_thread_wake_lag_seconds``): typically ``Messenger.io_timing``.
+        self.io_timing: Callable[[], tuple[float, Histogram]] | None = None
         self._local = threading.local()
         self._lock = threading.Lock()  # shard list and peer labels only: never taken on the hot path's common case
         self._shards: list[_Shard] = []
@@ -569,6 +576,12 @@ class TransceiverMetrics:
                 self._cpu_seen = max(self._cpu_seen, float(self.cpu_seconds()))
             except Exception:  # a provider that fails must not break a scrape
                 pass
+        stall, lag = 0.0, _empty_hist()
+        if self.io_timing is not None:
+            try:
+                stall, lag = self.io_timing()
+            except Exception:  # as above
+                pass
         return MetricsSnapshot(
             backend=self.backend,
             role=self.role,
@@ -578,6 +591,8 @@ class TransceiverMetrics:
             total=total.freeze(),
             peers={label: acc.freeze() for label, acc in sorted(per.items())},
             io_thread_cpu_seconds=self._cpu_seen,
+            io_thread_stall_seconds=float(stall),
+            io_thread_wake_lag=lag,
         )
 
     def close(self) -> None:
@@ -650,6 +665,17 @@ def _families(recorders: Iterable[TransceiverMetrics]) -> Iterator[Any]:
         "CPU time used by the transceiver's I/O thread (control plane and worker).",
         labels=base,
     )
+    stall = CounterMetricFamily(
+        "kvcore_io_thread_stall_seconds",
+        "Time the I/O thread was ready to run inside its loop turns but was not on a CPU "
+        "(waiting for the GIL, a core or a lock).",
+        labels=base,
+    )
+    lag = HistogramMetricFamily(
+        "kvcore_io_thread_wake_lag_seconds",
+        "How late the I/O thread ran Python again after a timed sleep that ended without traffic.",
+        labels=base,
+    )
     hists = {field: HistogramMetricFamily(name, help_, labels=[*base, "peer"]) for field, name, help_ in _HIST_METRICS}
     live = GaugeMetricFamily(
         "kvcore_live_objects", "Live sessions, leases, tombstones, peers, transfers (stats()).", labels=[*base, "kind"]
@@ -668,6 +694,9 @@ def _families(recorders: Iterable[TransceiverMetrics]) -> Iterator[Any]:
         b = [snap.backend, snap.role, str(snap.rank)]
         started.add_metric(b, snap.requests_started)
         cpu.add_metric(b, snap.io_thread_cpu_seconds)
+        stall.add_metric(b, snap.io_thread_stall_seconds)
+        if snap.io_thread_wake_lag.count:
+            lag.add_metric(b, buckets(snap.io_thread_wake_lag), snap.io_thread_wake_lag.sum)
         for label, pm in snap.peers.items():
             p = [*b, label]
             for oc in pm.requests_finished:
@@ -697,6 +726,8 @@ def _families(recorders: Iterable[TransceiverMetrics]) -> Iterator[Any]:
                     live.add_metric([*b, kind], float(v))
     yield started
     yield cpu
+    yield stall
+    yield lag
     yield finished
     yield req_seconds
     yield posted

@@ -206,3 +206,81 @@ def test_cpu_seconds_counts_the_io_thread_alone_and_keeps_its_total_after_close(
     finally:
         m.close()
     assert m.cpu_seconds() >= after  # the thread ended: its total stays
+
+
+def test_io_timing_counts_the_gil_a_busy_thread_holds_and_a_lock_wait_but_not_cpu() -> None:
+    """``wake_lag`` sees a thread that holds the GIL; ``stall_seconds`` a lock wait on the I/O thread, not its CPU."""
+    import sys
+    import time
+
+    gate = threading.Lock()
+    wait_once, burn_once = threading.Event(), threading.Event()
+
+    def driver() -> float:
+        if wait_once.is_set():
+            with gate:  # held by the test thread for 0.3 s: the I/O thread waits without using a CPU
+                pass
+            wait_once.clear()
+        if burn_once.is_set():
+            t_end = time.thread_time() + 0.2  # 200 ms of this thread's CPU: work, not a stall
+            while time.thread_time() < t_end:
+                pass
+            burn_once.clear()
+        return 0.005  # timed sleeps, each one a wake-lag sample
+
+    def until_clear(ev: threading.Event) -> None:
+        deadline = time.monotonic() + 20
+        while ev.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ev.is_set()
+
+    m = Messenger(lambda s, x: None, name="timing")
+    m.set_driver(driver)
+    assert m.io_timing()[1].count == 0  # not started
+    m.start()
+    try:
+        time.sleep(0.3)
+        stall0, idle = m.io_timing()
+        assert idle.count > 0
+
+        gate.acquire()
+        wait_once.set()
+        time.sleep(0.3)
+        gate.release()
+        until_clear(wait_once)
+        stall1, _ = m.io_timing()
+        assert stall1 - stall0 >= 0.2, (stall0, stall1)
+
+        cpu0 = m.cpu_seconds()
+        burn_once.set()
+        until_clear(burn_once)
+        stall2, before_busy = m.io_timing()
+        assert m.cpu_seconds() - cpu0 >= 0.2
+        assert stall2 - stall1 < m.cpu_seconds() - cpu0, (stall1, stall2)  # the burn's CPU is not a stall
+
+        # A thread that runs Python without pause keeps the GIL until the switch interval (20 ms here) forces it
+        # off: every timed wake-up of the I/O thread waits for that.
+        stop = threading.Event()
+
+        def spin() -> None:
+            while not stop.is_set():
+                pass
+
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(0.02)
+        spinner = threading.Thread(target=spin)
+        try:
+            spinner.start()
+            time.sleep(0.6)
+        finally:
+            stop.set()
+            spinner.join()
+            sys.setswitchinterval(old)
+        _, after_busy = m.io_timing()
+    finally:
+        m.close()
+    n = after_busy.count - before_busy.count
+    assert n >= 3, n
+    busy_mean = (after_busy.sum - before_busy.sum) / n
+    assert busy_mean >= 0.005, busy_mean
+    assert busy_mean > idle.mean, (busy_mean, idle.mean)

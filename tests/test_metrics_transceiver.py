@@ -91,13 +91,19 @@ def test_scraped_metrics_of_a_transceiver_pair_count_real_transfers() -> None:
         assert snap.requests_started == 4 and snap.total.outcomes() == {"DONE": 4}
         assert _sum(g, "kvcore_io_thread_cpu_seconds_total", **lab) > 0
         assert 0 < snap.io_thread_cpu_seconds <= time.process_time()  # one thread's share of this process
+        # the I/O thread slept between requests (timers): its wake-ups were timed; a stall is never negative
+        assert snap.io_thread_wake_lag.count > 0 and snap.io_thread_stall_seconds >= 0
+        assert 0 < _sum(g, "kvcore_io_thread_wake_lag_seconds_count", **lab) <= snap.io_thread_wake_lag.count
+        assert any(n == "kvcore_io_thread_stall_seconds_total" for n, _, _ in g)
         assert "" not in {p for p, m in snap.peers.items() if m.round_trip_seconds.count}  # labelled by peer
 
         # context side: its own process, scraped over HTTP; its outcomes are reported once it has released them
         deadline = time.monotonic() + 30
         while True:
             c = _scrape(hello["port"])
-            if _sum(c, "kvcore_requests_finished_total", role="context") == 4 or time.monotonic() > deadline:
+            done = _sum(c, "kvcore_requests_finished_total", role="context") == 4
+            slept = _sum(c, "kvcore_io_thread_wake_lag_seconds_count", role="context") > 0  # an idle timer's sleep
+            if (done and slept) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         lab = {"role": "context", "backend": "shm"}
@@ -113,6 +119,8 @@ def test_scraped_metrics_of_a_transceiver_pair_count_real_transfers() -> None:
         assert _sum(c, "kvcore_writer_service_seconds_count", **lab) == 4
         assert _sum(c, "kvcore_first_contact_duration_seconds_count", **lab) == 1
         assert _sum(c, "kvcore_live_objects", kind="tx_sessions", **lab) == 0
+        assert _sum(c, "kvcore_io_thread_wake_lag_seconds_count", **lab) > 0
+        assert any(n == "kvcore_io_thread_stall_seconds_total" and lab_["role"] == "context" for n, lab_, _ in c)
         cpu = _sum(c, "kvcore_io_thread_cpu_seconds_total", **lab)
         assert cpu > 0 and _sum(_scrape(hello["port"]), "kvcore_io_thread_cpu_seconds_total", **lab) >= cpu
     finally:

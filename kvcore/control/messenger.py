@@ -35,6 +35,7 @@ import itertools
 import logging
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ import zmq
 from kvcore.control import wire
 from kvcore.control.auth import AuthConfig, is_loopback_host, z85_key
 from kvcore.errors import ConfigError, KvcoreError, ProtocolError
+from kvcore.metrics import DURATION_BUCKETS, Histogram
 
 __all__ = ["Messenger", "Source"]
 
@@ -298,6 +300,11 @@ class Messenger:
         self._full_since: dict[tuple[bool, object], float] = {}  # (router?, dest) -> when its queue was first full
         self._thread = threading.Thread(target=self._run, name=f"{name}-messenger", daemon=True)
         self._cpu_at_exit = 0.0
+        # Written by the I/O thread only (see ``io_timing``): seconds it was ready to run but did not, and how late
+        # its timed sleeps ended (bucket counts over DURATION_BUCKETS, then their sum).
+        self._stall_s = 0.0
+        self._lag = [0] * (len(DURATION_BUCKETS) + 1)
+        self._lag_sum = 0.0
 
     # --- public, thread-safe ----------------------------------------------------------------
 
@@ -353,6 +360,17 @@ class Messenger:
             return time.clock_gettime(time.pthread_getcpuclockid(ident))
         except (OSError, AttributeError):  # the thread ended meanwhile; no such clock on this platform
             return 0.0
+
+    def io_timing(self) -> tuple[float, Histogram]:
+        """How long the I/O thread waited to run: ``(stall_seconds, wake_lag)``. Thread-safe; totals since start.
+
+        ``stall_seconds``: time inside its loop turns (from the end of a poll to the start of the next) that was
+        not CPU time on this thread: waiting for the GIL after a ZeroMQ or transport call released it, for a core,
+        or for a lock an engine thread held. ``wake_lag``: for every poll that ended because its wait ran out
+        (no traffic), how much later than due the thread ran Python again: the GIL (up to the interpreter's
+        switch interval beside a busy engine thread) plus the scheduler's wake-up.
+        """
+        return self._stall_s, Histogram(DURATION_BUCKETS, tuple(self._lag), self._lag_sum)
 
     def wake(self) -> None:
         """Make the I/O thread come round at once (another thread handed its driver work). Thread-safe."""
@@ -537,6 +555,7 @@ class Messenger:
         # zmq_poll counts whole milliseconds: a shorter wait (the driver polling transfers every 0.5 ms) is a
         # look at the sockets and a sleep, so traffic waits at most that long and the loop never spins hot.
         timeout_ms = 0 if wait_s < 0.001 else int(wait_s * 1000)
+        polled_at = time.monotonic()
         try:
             events = dict(self._poller.poll(timeout_ms))
         except zmq.ZMQError as exc:
@@ -544,8 +563,25 @@ class Messenger:
                 self._stop.set()
                 return
             raise
-        if not events and 0 < wait_s < 0.001:
-            time.sleep(wait_s)
+        due = 0.0
+        if not events:
+            if 0 < wait_s < 0.001:
+                time.sleep(wait_s)
+                due = polled_at + wait_s
+            elif timeout_ms:
+                due = polled_at + timeout_ms / 1000
+        woke, cpu0 = time.monotonic(), time.thread_time()
+        if due:
+            lag = max(0.0, woke - due)
+            self._lag[bisect_left(DURATION_BUCKETS, lag)] += 1
+            self._lag_sum += lag
+        try:
+            self._serve(events)
+        finally:
+            self._stall_s += max(0.0, (time.monotonic() - woke) - (time.thread_time() - cpu0))
+
+    def _serve(self, events: dict[zmq.Socket[bytes], int]) -> None:
+        """The rest of a loop turn, after the poll: wake-ups, sockets, the driver, the outbox, the turn's end."""
         if self._wake_rx in events:
             for _ in range(10_000):  # bounded; the wake-ups carry nothing, they only end the poll
                 try:

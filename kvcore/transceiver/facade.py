@@ -230,6 +230,7 @@ class Transceiver:
         self.metrics = link.metrics
         self.metrics.gauges = self.stats
         self.metrics.cpu_seconds = self._link.messenger.cpu_seconds
+        self.metrics.io_timing = self._link.messenger.io_timing
         self._poll_lock = threading.Lock()
         self._closed = False
         link.start()

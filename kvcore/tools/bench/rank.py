@@ -545,6 +545,14 @@ class _Rank(_BareModes, _FloorModes):
         io = self.tx.metrics.snapshot().io_thread_cpu_seconds if self.tx is not None else 0.0
         return {"process": time.process_time(), "engine": time.thread_time(), "io": io}
 
+    def op_io_timing(self) -> dict[str, Any]:
+        """The I/O thread's waits so far (``Messenger.io_timing``): stall seconds, wake-lag sum and count."""
+        if self.tx is None:
+            return {"stall_s": 0.0, "lag_sum_s": 0.0, "lag_count": 0}
+        snap = self.tx.metrics.snapshot()
+        lag = snap.io_thread_wake_lag
+        return {"stall_s": snap.io_thread_stall_seconds, "lag_sum_s": lag.sum, "lag_count": lag.count}
+
     def op_busy(self, on: bool, switch_s: float = 0.0) -> dict[str, Any]:
         """Start (``on``) or stop a thread that runs Python without pause, as an engine's step loop does.
 

@@ -139,12 +139,18 @@ def _cpu(cpu: dict[str, float] | None) -> str:
     )
 
 
+def _lags(lag: dict[str, float] | None) -> str:
+    """Mean wake lag of the context's and the generation's I/O threads (ms), from their own metrics."""
+    return f"{lag['context']:.2f} / {lag['generation']:.2f}" if lag else ""
+
+
 def _print_busy(con: Any, result: dict[str, Any]) -> None:
     """The busy case: one-block latency while one rank's engine thread runs Python, per GIL switch interval."""
     from rich.table import Table
 
     t = Table(title="one-block requests beside a busy engine thread (GIL switch interval)")
-    for col in ("backend", "busy engine", "switch ms", "kvcore p50 ms", "p99 ms", "vs idle", "zmq p50 ms", "verified"):
+    cols = ("backend", "busy engine", "switch ms", "kvcore p50 ms", "p99 ms", "vs idle", "zmq p50 ms")
+    for col in (*cols, "I/O wake lag ms ctx/gen", "verified"):
         t.add_column(col, justify="left" if col in ("backend", "busy engine") else "right")
     for backend, entry in result["backends"].items():
         c = entry.get("cases", {}).get("busy")
@@ -159,6 +165,7 @@ def _print_busy(con: Any, result: dict[str, Any]) -> None:
                 f"{row['kvcore_ms_p99']:.2f}",
                 f"{row['kvcore_vs_idle_p50']:.1f}x",
                 f"{row['zmq_round_trip_ms_p50']:.2f}",
+                _lags(row.get("io_wake_lag_ms_mean")),
                 ("[green]yes[/]" if c["verified"] else "[red]NO[/]") if i == 0 else "",
                 end_section=i == len(c["rows"]) - 1,
             )
