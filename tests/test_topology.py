@@ -81,6 +81,8 @@ def test_geometry_heads_per_rank_gqa_mla_adp():
     ("field", "value", "match"),
     [
         ("dtype", "float4", "dtype: expected one of"),
+        ("dtype", 16, "dtype: expected a dtype name such as 'bfloat16' or a torch.dtype, got int 16"),
+        ("dtype", None, "dtype: expected a dtype name"),
         ("kv_factor", 3, "kv_factor"),
         ("block_order", "sideways", "block_order"),
         ("head_dim", 0, "head_dim"),
@@ -91,6 +93,31 @@ def test_geometry_validation(field, value, match):
     kw[field] = value
     with pytest.raises(LayoutError, match=match):
         AttentionGeometry(**kw)
+
+
+def test_geometry_takes_a_torch_dtype_and_keeps_its_name():
+    """Engines hold ``torch.bfloat16``, not ``"bfloat16"``: both (and ``"torch.bfloat16"``) make the same geometry,
+    which holds and sends the name; a torch dtype a KV cache cannot use is refused by name."""
+    import msgspec
+    import torch
+
+    kw = dict(num_layers=2, num_kv_heads=8, head_dim=128, tokens_per_block=32)
+    named = AttentionGeometry(**kw, dtype="bfloat16")
+    for given in (torch.bfloat16, "torch.bfloat16"):
+        g = AttentionGeometry(**kw, dtype=given)
+        assert g == named and g.dtype == "bfloat16" and type(g.dtype) is str and g.element_bytes == 2
+        assert msgspec.msgpack.encode(g) == msgspec.msgpack.encode(named)
+    assert AttentionGeometry(**kw, dtype=torch.float8_e4m3fn).element_bytes == 1
+    with pytest.raises(LayoutError, match=r"dtype: expected one of .* got torch.complex64"):
+        AttentionGeometry(**kw, dtype=torch.complex64)
+    mg = MambaGeometry(
+        layers=(1,), conv_sections=(8,), d_conv=4, nheads=4, head_dim=2, d_state=3,
+        conv_dtype=torch.float32, ssm_dtype="torch.float16",
+    )  # fmt: skip
+    assert (mg.conv_dtype, mg.ssm_dtype) == ("float32", "float16")
+    with pytest.raises(LayoutError, match="ssm_dtype: expected a dtype name"):
+        MambaGeometry(layers=(1,), conv_sections=(8,), d_conv=4, nheads=4, head_dim=2, d_state=3,
+                      conv_dtype="float32", ssm_dtype=2)  # fmt: skip
 
 
 def test_mamba_geometry_shares():

@@ -28,6 +28,7 @@ __all__ = [
     "MambaGeometry",
     "Topology",
     "dtype_bytes",
+    "dtype_name",
     "require_no_cp",
 ]
 
@@ -49,13 +50,27 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
+def dtype_name(dtype: object, field: str = "dtype") -> str:
+    """The name ``dtype`` stands for: a name as given (``torch.`` prefix dropped), or a ``torch.dtype``'s name.
+
+    Raises ``LayoutError`` naming ``field`` for anything else, or a dtype a KV cache may not use.
+    """
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+    elif type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
+        name = str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"; no torch import needed here
+    else:
+        raise LayoutError(
+            f"{field}: expected a dtype name such as 'bfloat16' or a torch.dtype, got {type(dtype).__name__} {dtype!r}"
+        )
+    if name not in DTYPE_BYTES:
+        raise LayoutError(f"{field}: expected one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    return name
+
+
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of the dtype called ``dtype`` (a torch dtype name, ``torch.`` prefix allowed)."""
-    name = dtype.removeprefix("torch.")
-    try:
-        return DTYPE_BYTES[name]
-    except KeyError:
-        raise LayoutError(f"dtype: expected one of {sorted(DTYPE_BYTES)}, got {dtype!r}") from None
+    return DTYPE_BYTES[dtype_name(dtype)]
 
 
 def _check_range(field: str, value: int, size: int) -> None:
@@ -212,6 +227,7 @@ class AttentionGeometry(msgspec.Struct, frozen=True, kw_only=True, metaclass=Ren
     """Model-wide attention KV geometry: totals over the model, not per rank.
 
     ``kv_factor`` is 2 (K and V) or 1 (MLA: one latent buffer, replicated over TP).
+    ``dtype`` is the element type's name (``"bfloat16"``); a ``torch.dtype`` is accepted and kept as its name.
     ``block_order`` is the order of the axes inside one block of one layer's buffer:
     ``head_major`` ``[heads, tokens, dim]`` or ``token_major`` ``[tokens, heads, dim]``.
     (Called ``layout`` before; the keyword ``layout=`` still works, with a ``DeprecationWarning``,
@@ -239,7 +255,10 @@ class AttentionGeometry(msgspec.Struct, frozen=True, kw_only=True, metaclass=Ren
             raise LayoutError(f"num_kv_heads: expected 1 with kv_factor=1 (MLA), got {self.num_kv_heads}")
         if self.block_order not in ("head_major", "token_major"):
             raise LayoutError(f"block_order: expected 'head_major' or 'token_major', got {self.block_order!r}")
-        dtype_bytes(self.dtype)
+        # A torch.dtype (as engines hold it) or a "torch."-prefixed name is kept, compared and sent as its name.
+        name = dtype_name(self.dtype)
+        if name is not self.dtype:
+            msgspec.structs.force_setattr(self, "dtype", name)
 
     @property
     def layout(self) -> BlockOrder:
@@ -313,8 +332,11 @@ class MambaGeometry(msgspec.Struct, frozen=True, kw_only=True):
                 raise LayoutError(f"{name}: expected an integer >= 1, got {value!r}")
         if self.d_conv < 2:
             raise LayoutError(f"d_conv: expected >= 2, got {self.d_conv}")
-        dtype_bytes(self.conv_dtype)
-        dtype_bytes(self.ssm_dtype)
+        for field in ("conv_dtype", "ssm_dtype"):
+            value = getattr(self, field)
+            name = dtype_name(value, field)
+            if name is not value:
+                msgspec.structs.force_setattr(self, field, name)
         if not isinstance(self.layers, tuple):
             msgspec.structs.force_setattr(self, "layers", tuple(self.layers))
         if not isinstance(self.conv_sections, tuple):
