@@ -68,6 +68,8 @@ def _check_small_case(case: dict[str, Any], spec: dict[str, Any]) -> None:
         # the I/O thread does each request's work on both sides; it is part of its process (some slack: the
         # two clocks are read one after the other)
         assert 0 < cpu[f"{side}.io"] <= cpu[f"{side}.process"] * 1.05 + 50, cpu
+    assert set(case["io_stall_us_per_request"]) == {"context", "generation"}
+    assert all(v >= 0 for v in case["io_stall_us_per_request"].values())
     w = case["warmth"]  # the same planning, hot and after sleeps: every figure measured
     assert set(w) == {
         "hot_us_p50",

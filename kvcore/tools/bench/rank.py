@@ -541,9 +541,11 @@ class _Rank(_BareModes, _FloorModes):
         return out
 
     def op_cpu(self) -> dict[str, Any]:
-        """CPU seconds used so far: this process, the thread serving commands (the engine's), the I/O thread."""
-        io = self.tx.metrics.snapshot().io_thread_cpu_seconds if self.tx is not None else 0.0
-        return {"process": time.process_time(), "engine": time.thread_time(), "io": io}
+        """CPU seconds used so far: this process, the thread serving commands (the engine's), the I/O thread; and
+        the I/O thread's stall seconds (ready to run, not on a CPU: ``kvcore_io_thread_stall_seconds``)."""
+        snap = self.tx.metrics.snapshot() if self.tx is not None else None
+        io, stall = (snap.io_thread_cpu_seconds, snap.io_thread_stall_seconds) if snap is not None else (0.0, 0.0)
+        return {"process": time.process_time(), "engine": time.thread_time(), "io": io, "io_stall": stall}
 
     def op_io_timing(self) -> dict[str, Any]:
         """The I/O thread's waits so far (``Messenger.io_timing``): stall seconds, wake-lag sum and count."""

@@ -112,6 +112,10 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         for side in ("context", "generation")
         for what in ("io", "engine", "process")
     }
+    # ... and the time each I/O thread was ready to run per request but waited (the GIL, a core, a lock).
+    out["io_stall_us_per_request"] = {
+        side: (cpu1[side]["io_stall"] - cpu0[side]["io_stall"]) / n_lat * 1e6 for side in ("context", "generation")
+    }
     out["throughput"] = {
         "requests": spec.small_requests,
         "seconds": t["elapsed_s"],
