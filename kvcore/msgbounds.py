@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvcore.errors import KvcoreError, ProtocolError
 
-__all__ = ["check_msgpack_bounds", "MAX_DEPTH", "MAX_CONTAINER_ENTRIES", "MAX_ITEMS"]
+__all__ = ["check_msgpack_bounds", "cannot_exceed_bounds", "MAX_DEPTH", "MAX_CONTAINER_ENTRIES", "MAX_ITEMS"]
 
 #: Bounds on peer-supplied msgpack. The deepest legitimate control message (InstanceInfo -> RankInfo ->
 #: PageTable -> PoolView -> ViewSharding -> section_bytes) nests 9 deep.
@@ -38,6 +38,29 @@ _SIZED: dict[int, tuple[int, int]] = {
 }  # fmt: skip
 # Containers with a length field: width of the field, entries per count (a map entry is a key and a value).
 _CONTAINERS: dict[int, tuple[int, int]] = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
+
+
+# 1 for every byte value that starts a container (fixmap, fixarray, array 16/32, map 16/32), else 0.
+_CONTAINER_STARTS = bytes(1 if 0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF else 0 for b in range(256))
+
+
+def cannot_exceed_bounds(
+    data: bytes,
+    *,
+    max_depth: int = MAX_DEPTH,
+    max_entries: int = MAX_CONTAINER_ENTRIES,
+    max_items: int = MAX_ITEMS,
+) -> bool:
+    """True when ``data`` is too small to break any bound of :func:`check_msgpack_bounds`, whatever it holds.
+
+    A sufficient test at C speed (about 1 µs for a control message, against 10 µs for the walk): an object takes
+    at least one byte, so no container or frame of ``n <= min(max_entries, max_items)`` bytes holds more entries
+    or objects than the bounds; and every nesting level starts with a container byte, so fewer such byte values
+    anywhere in the data (inside strings too: it over-counts, never under-counts) than ``max_depth`` bound the
+    depth. It says nothing of well-formedness: the caller's typed decoder must reject truncated, reserved or
+    trailing bytes itself (msgspec does, with ``DecodeError``).
+    """
+    return len(data) <= min(max_entries, max_items) and data.translate(_CONTAINER_STARTS).count(1) < max_depth
 
 
 def check_msgpack_bounds(

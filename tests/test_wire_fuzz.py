@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvcore.control import wire
 from kvcore.control.messenger import Messenger
 from kvcore.errors import KvcoreError, MessageDecodeError, ProtocolError, RemoteAgentError
-from kvcore.msgbounds import MAX_DEPTH, check_msgpack_bounds
+from kvcore.msgbounds import MAX_DEPTH, cannot_exceed_bounds, check_msgpack_bounds
 from kvcore.params import BytesId
 from kvcore.transport.agent import TransferAgent
 
@@ -140,6 +140,35 @@ def test_depth_bound_admits_every_real_message_and_refuses_one_more_level() -> N
     check_msgpack_bounds(_nested(MAX_DEPTH - 1))
     with pytest.raises(ProtocolError, match="nesting deeper"):
         check_msgpack_bounds(_nested(MAX_DEPTH))
+
+
+def test_small_real_messages_skip_the_walk_and_deep_or_large_frames_do_not() -> None:
+    """``cannot_exceed_bounds`` (wire.decode's shortcut) holds for the per-request messages and fails for a frame
+    whose depth or size could break a bound: those still get the walk."""
+    assert all(cannot_exceed_bounds(wire.encode(m)) for m in _valid_messages())
+    assert cannot_exceed_bounds(_nested(MAX_DEPTH - 1))
+    assert not cannot_exceed_bounds(_nested(MAX_DEPTH))
+    assert not cannot_exceed_bounds(b"\x82" * 40 + b"\xc0")  # container bytes anywhere count, inside strings too
+    assert not cannot_exceed_bounds(HOSTILE["a million nils"])  # larger than the entries bound
+    assert not cannot_exceed_bounds(b"\xc0" * 9, max_entries=8)
+
+
+_SMALL = {"max_depth": 3, "max_entries": 40, "max_items": 40}
+_BOUND_ERRORS = ("nesting deeper", "exceeds the bound", "more than")
+
+
+@FUZZ
+@given(structures | message_like | st.binary(max_size=64))
+def test_what_skips_the_walk_never_breaks_a_bound(obj: Any) -> None:
+    """Whenever the shortcut says a frame cannot break the bounds, the full walk finds no bound broken (it may
+    still find the frame malformed, which the typed decoder refuses on its own)."""
+    data = obj if isinstance(obj, bytes) else enc(obj)
+    if not cannot_exceed_bounds(data, **_SMALL):
+        return
+    try:
+        check_msgpack_bounds(data, **_SMALL)
+    except ProtocolError as exc:
+        assert not any(m in str(exc) for m in _BOUND_ERRORS), exc
 
 
 @FUZZ

@@ -17,7 +17,7 @@ from kvcore.errors import MessageDecodeError, MessageTooLargeError, ProtocolErro
 from kvcore.layout.mapping import RankPlacement
 from kvcore.layout.page import PageTable
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
-from kvcore.msgbounds import MAX_CONTAINER_ENTRIES, MAX_DEPTH, MAX_ITEMS, check_msgpack_bounds
+from kvcore.msgbounds import MAX_CONTAINER_ENTRIES, MAX_DEPTH, MAX_ITEMS, cannot_exceed_bounds, check_msgpack_bounds
 from kvcore.params import BytesId
 
 __all__ = [
@@ -263,13 +263,20 @@ def decode(frame: bytes, max_bytes: int = 16 * 1024 * 1024) -> Message:
     The raw bytes are walked first (``check_msgpack_bounds``): nesting depth,
     entries per container, objects per frame and every declared length are
     bounded before msgspec allocates anything, so no frame can exhaust the
-    stack (a RecursionError used to escape here) or memory.
+    stack (a RecursionError used to escape here) or memory. A frame too small
+    to break any bound (``cannot_exceed_bounds``) is left to msgspec's own
+    checks of truncated, reserved and trailing bytes.
     """
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise MessageDecodeError(f"control frame must be bytes, got {type(frame).__name__}")
     if len(frame) > max_bytes:
         raise MessageTooLargeError(f"control frame of {len(frame)} bytes exceeds the {max_bytes}-byte bound")
-    check_msgpack_bounds(frame, error=MessageDecodeError, what=f"malformed control frame ({len(frame)} bytes)")
+    if not isinstance(frame, bytes):
+        frame = bytes(frame)
+    # A frame too small to break a bound (every RequestData or TransferResult of a few blocks) skips the walk:
+    # msgspec itself refuses what is malformed, and such a frame cannot nest deep enough to exhaust its stack.
+    if not cannot_exceed_bounds(frame):
+        check_msgpack_bounds(frame, error=MessageDecodeError, what=f"malformed control frame ({len(frame)} bytes)")
     try:
         msg = _decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
