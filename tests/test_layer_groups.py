@@ -142,6 +142,32 @@ def test_a_plain_list_means_the_only_group():
     assert list(normalize_block_ids((5,), table)) == ["full"]
 
 
+@pytest.mark.parametrize("n", [65, 300, 4096])
+def test_long_block_lists_refuse_every_duplicate_wherever_it_is(n: int) -> None:
+    """Lists longer than the short-list path (> 64 ids) find duplicates without sorting; every position of a
+    repeated id, the top slot and a permutation of every slot are checked against ``len(set(ids))``."""
+    from kvcore.layout.blocks import _check_ids
+
+    rng = np.random.default_rng(n)
+    slots = n + 7
+    ids = rng.permutation(slots)[:n].astype(np.int64)
+    _check_ids(ids, slots, "ids")  # distinct: accepted
+    _check_ids(rng.permutation(slots).astype(np.int64), slots, "ids")  # every slot once, the top one too
+    for i, j in [(0, 1), (0, n - 1), (n // 2, n // 3), (n - 2, n - 1)]:
+        dup = ids.copy()
+        dup[j] = dup[i]
+        assert len(set(dup.tolist())) == n - 1
+        with pytest.raises(LayoutError, match=rf"ids: block id {int(dup[i])} appears 2 times"):
+            _check_ids(dup, slots, "ids")
+    with pytest.raises(LayoutError, match=rf"ids: block ids must be in 0\.\.{slots - 1}, got {slots}"):
+        _check_ids(np.append(ids[:-1], slots), slots, "ids")
+    huge = np.array([(1 << 40) + k for k in range(n)], dtype=np.int64)  # beyond the table's reach: sorted instead
+    _check_ids(huge, 1 << 41, "ids")
+    huge[-1] = huge[0]
+    with pytest.raises(LayoutError, match="appears 2 times"):
+        _check_ids(huge, 1 << 41, "ids")
+
+
 def test_normalize_block_ids_checks_each_group_against_its_own_pools():
     _, lay = build(Topology.create(1, 1, 0, 4))
     table = lay.page_table
