@@ -120,3 +120,28 @@ def test_each_fallback_is_counted(why: str) -> None:
     finally:
         gen.close()
         ctx.close()
+
+
+def test_the_receiver_forgets_a_lost_instances_plan_shape() -> None:
+    """The receiver caches each writer's plan shape for its bounce pre-check; an instance that is lost takes its
+    entries with it, so the cache holds live instances only (and a new instance there is planned afresh)."""
+    import time
+
+    ctx = RankGroup.build("context", pm=fault_plugin_manager(), bounce_buffer_bytes=1 << 20, **FORCE)
+    gen = RankGroup.build(
+        "generation", pm=fault_plugin_manager(), bounce_buffer_bytes=1 << 20, peer_lost_timeout_s=0.5, **FORCE
+    )
+    try:
+        _move(ctx, gen, 1, [3, 7, 1], [0, 9, 4])
+        shapes = gen.txs[0]._role._plan_shape  # private: no counter says what this cache holds
+        assert [k[0] for k in shapes] == [ctx.info_endpoint]
+        ctx.close()
+        deadline = time.monotonic() + 30
+        while gen.txs[0].stats()["peers_lost"] < 1 and time.monotonic() < deadline:
+            gen.txs[0].poll()
+            time.sleep(0.05)
+        assert gen.txs[0].stats()["peers_lost"] >= 1, "the closed context instance was never declared lost"
+        assert shapes == {}
+    finally:
+        gen.close()
+        ctx.close()

@@ -45,7 +45,7 @@ def test_a_cache_hit_plans_what_a_fresh_computation_plans() -> None:
         s, d = rng.permutation(BLOCKS)[:n], rng.permutation(BLOCKS)[:n]
         kw = {"layer_range": (1, 3)} if i % 3 == 0 else {}
         hit = _plan(a, b, s, d, **kw)
-        mapping._plan_cache.clear()
+        mapping.clear_plan_cache()
         fresh = _plan(a, b, s, d, **kw)
         assert hit == fresh
         # the same parts in new RankPlacement objects (as RankInfo.placement builds them) plan the same bytes
@@ -81,6 +81,33 @@ def test_bad_block_ids_still_raise_on_a_cache_hit() -> None:
         _plan(a, b, np.array([BLOCKS]), np.array([0]))
     with pytest.raises(LayoutError):
         _plan(a, b, np.array([0]), np.array([-1]))
+
+
+def test_the_cache_is_bounded_in_bytes_and_counts_what_it_keeps_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries count their arrays and the page tables they keep alive; over the byte cap the least recently used
+    go first, and an entry larger than the cap is planned but never kept."""
+    mapping.clear_plan_cache()
+    (a, _ka), (b, _kb) = _placement(), _placement()
+    s = d = np.array([1, 2])
+    _plan(a, b, s, d)
+    ((parts, plans, one),) = mapping._plan_cache.values()
+    assert one == mapping._entry_bytes(parts, plans) and one >= 2 * mapping._table_bytes(a.page_table)
+    assert mapping._plan_cache_bytes == one
+    # room for two entries: a third pair evicts the least recently used (the first), never more than the cap
+    monkeypatch.setattr(mapping, "_PLAN_CACHE_BYTES", 2 * one + one // 2)
+    (c, _kc), (e, _ke) = _placement(), _placement()
+    _plan(a, c, s, d)
+    _plan(a, b, s, d)  # a hit: now the most recently used
+    _plan(a, e, s, d)
+    kept = [entry[0][4] for entry in mapping._plan_cache.values()]  # each entry's destination page table
+    assert len(kept) == 2 and kept[0] is b.page_table and kept[1] is e.page_table
+    assert mapping._plan_cache_bytes == sum(entry[2] for entry in mapping._plan_cache.values()) <= 2.5 * one
+    # an entry larger than the whole cap: planned exactly as before, not kept, nothing else evicted
+    monkeypatch.setattr(mapping, "_PLAN_CACHE_BYTES", one - 1)
+    mapping.clear_plan_cache()
+    first = _plan(a, b, s, d)
+    assert _plan(a, b, s, d) == first and first[2] == [first[2][0]] * len(first[2])  # planned again, alike
+    assert mapping._plan_cache == {} and mapping._plan_cache_bytes == 0
 
 
 def test_the_cache_is_bounded() -> None:

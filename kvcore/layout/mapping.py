@@ -464,8 +464,41 @@ class _Deferred:
 
 
 _PLAN_CACHE_ENTRIES = 256
-_plan_cache: dict[tuple[int, ...], tuple[tuple[object, ...], tuple[_PairPlan | _Deferred, ...]]] = {}
+#: The most bytes the plan cache may hold (its arrays and, by estimate, the page tables its entries keep alive).
+_PLAN_CACHE_BYTES = 64 * 1024 * 1024
+_CacheEntry = tuple[tuple[object, ...], tuple[_PairPlan | _Deferred, ...], int]
+_plan_cache: dict[tuple[int, ...], _CacheEntry] = {}
+_plan_cache_bytes = 0
 _plan_cache_lock = threading.Lock()
+
+
+def clear_plan_cache() -> None:
+    """Empty the plan cache (tests, and a process that wants its memory back)."""
+    global _plan_cache_bytes
+    with _plan_cache_lock:
+        _plan_cache.clear()
+        _plan_cache_bytes = 0
+
+
+def _table_bytes(table: PageTable | None) -> int:
+    """An upper estimate of what ``table`` takes in memory: its tuples of Python ints, its pools and views."""
+    if table is None:
+        return 0
+    ints = sum(len(v.layers) + len(v.pools) + len(v.offsets) for v in table.views)
+    return 36 * ints + 512 * (len(table.views) + len(table.pools)) + 256
+
+
+def _entry_bytes(parts: tuple[object, ...], plans: tuple[_PairPlan | _Deferred, ...]) -> int:
+    """Bytes one cache entry accounts for: its arrays, and the peer's and our page tables it keeps alive."""
+    arrays = sum(
+        a.nbytes
+        for pp in plans
+        if isinstance(pp, _PairPlan)
+        for side in (pp.src, pp.dst)
+        for a in (side.entries, side.start, side.stride)
+    )
+    tables = sum(_table_bytes(p) for p in parts if isinstance(p, PageTable))
+    return 256 + arrays + tables
 
 
 def _pair_plans(
@@ -474,7 +507,9 @@ def _pair_plans(
     """The request-independent part of :func:`plan_transfer`, cached per (source, destination, mappers, layers).
 
     Keyed by the identity of the placements' parts (a peer's ``RankInfo`` keeps them for its lifetime); the cache
-    holds them, so an id is never reused while its entry lives. At most 256 entries, least recently used out.
+    holds them, so an id is never reused while its entry lives. At most 256 entries and ``_PLAN_CACHE_BYTES`` (an
+    entry counts its arrays and the page tables it keeps alive), least recently used out; one entry larger than
+    that is not kept at all.
     Topology errors are raised, never cached; layout errors are kept as ``_Deferred`` steps, so every call
     raises the error the uncached planner raised, in the same order as the per-request checks.
     """
@@ -494,10 +529,18 @@ def _pair_plans(
             _plan_cache[key] = hit  # most recently used last
             return hit[1]
     plans = _build_pair_plans(src, dst, layer_range)
+    size = _entry_bytes(parts, plans)
+    if size > _PLAN_CACHE_BYTES:
+        return plans  # planned, not kept: a single peer cannot make the cache exceed its bytes
+    global _plan_cache_bytes
     with _plan_cache_lock:
-        _plan_cache[key] = (parts, plans)
-        while len(_plan_cache) > _PLAN_CACHE_ENTRIES:
-            del _plan_cache[next(iter(_plan_cache))]
+        old = _plan_cache.pop(key, None)
+        if old is not None:
+            _plan_cache_bytes -= old[2]
+        _plan_cache[key] = (parts, plans, size)
+        _plan_cache_bytes += size
+        while len(_plan_cache) > _PLAN_CACHE_ENTRIES or _plan_cache_bytes > _PLAN_CACHE_BYTES:
+            _plan_cache_bytes -= _plan_cache.pop(next(iter(_plan_cache)))[2]
     return plans
 
 

@@ -267,6 +267,11 @@ class Receiver(Role):
         else:
             self._send_requests(s, inst, ranks, {})
 
+    def _forget_plan_shapes(self, endpoint: str) -> None:
+        """Drop the cached plan shapes of an instance that is gone (a new one there may have another layout)."""
+        for key in [k for k in self._plan_shape if k[0] == endpoint]:
+            del self._plan_shape[key]
+
     def _may_bounce(self, inst: CtxInstance, writers: list[int], nblocks: int) -> bool:
         """Cheap pre-check from each writer's cached plan shape: False when no writer could qualify for bounce."""
         for r in writers:
@@ -387,6 +392,7 @@ class Receiver(Role):
         log.warning("%s", error)
         if self.instances.get(inst.endpoint) is inst:
             del self.instances[inst.endpoint]
+        self._forget_plan_shapes(inst.endpoint)
         self.retired.append(inst)
         for s in self.rx.values():
             if s.terminal:
@@ -1021,6 +1027,7 @@ class Receiver(Role):
                     self._lose(inst, E.PeerLostError(f"{inst} unreachable for {cfg.peer_lost_timeout_s}s"))
                 elif inst.state is PeerState.REFUSED:
                     del self.instances[endpoint]
+                    self._forget_plan_shapes(endpoint)
                     self.retired.append(inst)
             if self.retired:
                 in_use = {id(s.instance) for s in self.rx.values() if s.instance is not None}
