@@ -110,6 +110,38 @@ def test_the_cache_is_bounded_in_bytes_and_counts_what_it_keeps_alive(monkeypatc
     assert mapping._plan_cache == {} and mapping._plan_cache_bytes == 0
 
 
+def test_the_byte_count_stays_exact_under_concurrent_planning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads planning many pairs at once, with room for a few entries: the cache's byte count stays the sum of
+    what it holds, within the cap, and every plan matches a fresh one."""
+    import threading
+
+    mapping.clear_plan_cache()
+    (a, _ka), (b, _kb) = _placement(), _placement()
+    s = d = np.array([0, 5, 9])
+    _plan(a, b, s, d)
+    one = mapping._plan_cache_bytes
+    monkeypatch.setattr(mapping, "_PLAN_CACHE_BYTES", 3 * one)
+    dests = [_placement() for _ in range(12)]
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for i in range(30):
+                dst = dests[(k + i) % len(dests)][0]
+                assert _plan(a, dst, s, d) == _plan(a, dst, s, d)
+        except BaseException as exc:  # reported below: a thread's failure must fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    held = sum(entry[2] for entry in mapping._plan_cache.values())
+    assert mapping._plan_cache_bytes == held <= 3 * one and len(mapping._plan_cache) >= 1
+
+
 def test_the_cache_is_bounded() -> None:
     (a, _ka), (b, _kb) = _placement(), _placement()
     for lo in range(2 * mapping._PLAN_CACHE_ENTRIES // LAYERS + 10):

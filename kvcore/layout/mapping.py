@@ -523,23 +523,27 @@ def _pair_plans(
         mappers,
     )
     key = (*map(id, parts), *(layer_range or (-1, -1)))
+    global _plan_cache_bytes
     with _plan_cache_lock:
         hit = _plan_cache.pop(key, None)
-        if hit is not None and all(a is b for a, b in zip(hit[0], parts, strict=True)):
-            _plan_cache[key] = hit  # most recently used last
-            return hit[1]
+        if hit is not None:
+            if all(a is b for a, b in zip(hit[0], parts, strict=True)):
+                _plan_cache[key] = hit  # most recently used last
+                return hit[1]
+            _plan_cache_bytes -= hit[2]  # another pair under the same ids (cannot happen while held): dropped
     plans = _build_pair_plans(src, dst, layer_range)
     size = _entry_bytes(parts, plans)
     if size > _PLAN_CACHE_BYTES:
         return plans  # planned, not kept: a single peer cannot make the cache exceed its bytes
-    global _plan_cache_bytes
     with _plan_cache_lock:
-        old = _plan_cache.pop(key, None)
+        old = _plan_cache.pop(key, None)  # another thread planned the same pair meanwhile
         if old is not None:
             _plan_cache_bytes -= old[2]
         _plan_cache[key] = (parts, plans, size)
         _plan_cache_bytes += size
-        while len(_plan_cache) > _PLAN_CACHE_ENTRIES or _plan_cache_bytes > _PLAN_CACHE_BYTES:
+        while len(_plan_cache) > 1 and (
+            len(_plan_cache) > _PLAN_CACHE_ENTRIES or _plan_cache_bytes > _PLAN_CACHE_BYTES
+        ):
             _plan_cache_bytes -= _plan_cache.pop(next(iter(_plan_cache)))[2]
     return plans
 
