@@ -245,6 +245,11 @@ def _observe(cell: list[float], seconds: float) -> None:
     cell[_NB] += seconds
 
 
+def _cell_histogram(cell: list[float]) -> Histogram:
+    """A histogram cell (bucket counts, then the sum) as a frozen :class:`Histogram`."""
+    return Histogram(DURATION_BUCKETS, tuple(int(x) for x in cell[:_NB]), float(cell[_NB]))
+
+
 _HISTS = (
     "plan_seconds",
     "post_seconds",
@@ -344,13 +349,10 @@ class _Acc:
             self.fenced[reason] = self.fenced.get(reason, 0) + n
 
     def freeze(self) -> PeerMetrics:
-        def h(cell: list[float]) -> Histogram:
-            return Histogram(DURATION_BUCKETS, tuple(int(x) for x in cell[:_NB]), float(cell[_NB]))
-
-        fields: dict[str, Any] = {**self.ints, **{name: h(cell) for name, cell in self.hists.items()}}
+        fields: dict[str, Any] = {**self.ints, **{name: _cell_histogram(cell) for name, cell in self.hists.items()}}
         return PeerMetrics(
             requests_finished=tuple(OutcomeCount(o, k, n) for (o, k), n in sorted(self.finished.items()) if n),
-            request_seconds={k: h(v) for k, v in sorted(self.request_seconds.items())},
+            request_seconds={k: _cell_histogram(v) for k, v in sorted(self.request_seconds.items())},
             fenced=dict(sorted(self.fenced.items())),
             **fields,
         )

@@ -35,7 +35,6 @@ import itertools
 import logging
 import threading
 import time
-from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,7 +43,7 @@ import zmq
 from kvcore.control import wire
 from kvcore.control.auth import AuthConfig, is_loopback_host, z85_key
 from kvcore.errors import ConfigError, KvcoreError, ProtocolError
-from kvcore.metrics import DURATION_BUCKETS, Histogram
+from kvcore.metrics import Histogram, _cell_histogram, _hist_cell, _observe
 
 __all__ = ["Messenger", "Source"]
 
@@ -301,10 +300,9 @@ class Messenger:
         self._thread = threading.Thread(target=self._run, name=f"{name}-messenger", daemon=True)
         self._cpu_at_exit = 0.0
         # Written by the I/O thread only (see ``io_timing``): seconds it was ready to run but did not, and how late
-        # its timed sleeps ended (bucket counts over DURATION_BUCKETS, then their sum).
+        # its timed sleeps ended (a histogram cell of kvcore.metrics).
         self._stall_s = 0.0
-        self._lag = [0] * (len(DURATION_BUCKETS) + 1)
-        self._lag_sum = 0.0
+        self._lag = _hist_cell()
 
     # --- public, thread-safe ----------------------------------------------------------------
 
@@ -370,7 +368,7 @@ class Messenger:
         (no traffic), how much later than due the thread ran Python again: the GIL (up to the interpreter's
         switch interval beside a busy engine thread) plus the scheduler's wake-up.
         """
-        return self._stall_s, Histogram(DURATION_BUCKETS, tuple(self._lag), self._lag_sum)
+        return self._stall_s, _cell_histogram(self._lag)
 
     def wake(self) -> None:
         """Make the I/O thread come round at once (another thread handed its driver work). Thread-safe."""
@@ -572,9 +570,7 @@ class Messenger:
                 due = polled_at + timeout_ms / 1000
         woke, cpu0 = time.monotonic(), time.thread_time()
         if due:
-            lag = max(0.0, woke - due)
-            self._lag[bisect_left(DURATION_BUCKETS, lag)] += 1
-            self._lag_sum += lag
+            _observe(self._lag, max(0.0, woke - due))
         try:
             self._serve(events)
         finally:

@@ -542,18 +542,19 @@ class _Rank(_BareModes, _FloorModes):
 
     def op_cpu(self) -> dict[str, Any]:
         """CPU seconds used so far: this process, the thread serving commands (the engine's), the I/O thread; and
-        the I/O thread's stall seconds (ready to run, not on a CPU: ``kvcore_io_thread_stall_seconds``)."""
-        snap = self.tx.metrics.snapshot() if self.tx is not None else None
-        io, stall = (snap.io_thread_cpu_seconds, snap.io_thread_stall_seconds) if snap is not None else (0.0, 0.0)
-        return {"process": time.process_time(), "engine": time.thread_time(), "io": io, "io_stall": stall}
-
-    def op_io_timing(self) -> dict[str, Any]:
-        """The I/O thread's waits so far (``Messenger.io_timing``): stall seconds, wake-lag sum and count."""
+        the I/O thread's waits (``kvcore_io_thread_stall_seconds``, the sum and count of its wake lags)."""
+        out: dict[str, Any] = {"process": time.process_time(), "engine": time.thread_time()}
         if self.tx is None:
-            return {"stall_s": 0.0, "lag_sum_s": 0.0, "lag_count": 0}
+            return {**out, "io": 0.0, "io_stall": 0.0, "lag_sum_s": 0.0, "lag_count": 0}
         snap = self.tx.metrics.snapshot()
         lag = snap.io_thread_wake_lag
-        return {"stall_s": snap.io_thread_stall_seconds, "lag_sum_s": lag.sum, "lag_count": lag.count}
+        return {
+            **out,
+            "io": snap.io_thread_cpu_seconds,
+            "io_stall": snap.io_thread_stall_seconds,
+            "lag_sum_s": lag.sum,
+            "lag_count": lag.count,
+        }
 
     def op_busy(self, on: bool, switch_s: float = 0.0) -> dict[str, Any]:
         """Start (``on``) or stop a thread that runs Python without pause, as an engine's step loop does.

@@ -190,7 +190,7 @@ def case_hol(run: BackendRun) -> dict[str, Any]:
 
 
 def _lag_ms(before: dict[str, Any], after: dict[str, Any]) -> float:
-    """Mean wake lag (ms) of an I/O thread between two ``io_timing`` readings (0.0 when it never slept)."""
+    """Mean wake lag (ms) of an I/O thread between two ``cpu`` readings (0.0 when it never slept)."""
     count = after["lag_count"] - before["lag_count"]
     return (after["lag_sum_s"] - before["lag_sum_s"]) / count * 1e3 if count > 0 else 0.0
 
@@ -229,10 +229,10 @@ def case_busy(run: BackendRun) -> dict[str, Any]:
             interval = rank.call("busy", on=busy != "none", switch_s=switch)["switch_s"]
             try:
                 rid = run.rids(n)
-                before = {"context": run.ctx.call("io_timing"), "generation": run.gen.call("io_timing")}
+                before = {"context": run.ctx.call("cpu"), "generation": run.gen.call("cpu")}
                 run.ctx.call("send", rid0=rid, n=n, region="small")
                 r = run.gen.call("receive", endpoint=run.endpoint, rid0=rid, n=n, region="small", pipelined=False)
-                after = {"context": run.ctx.call("io_timing"), "generation": run.gen.call("io_timing")}
+                after = {"context": run.ctx.call("cpu"), "generation": run.gen.call("cpu")}
                 echo = run.ctx.call("echo_start")["endpoint"]
                 try:
                     p = run.gen.call("ping", endpoint=echo, n=n, timeout_s=spec.timeout_s)
@@ -254,7 +254,7 @@ def case_busy(run: BackendRun) -> dict[str, Any]:
                     # what each I/O thread's own metrics saw meanwhile (docs/observability.md)
                     "io_wake_lag_ms_mean": {side: _lag_ms(before[side], after[side]) for side in before},
                     "io_stall_us_per_request": {
-                        side: (after[side]["stall_s"] - before[side]["stall_s"]) / n * 1e6 for side in before
+                        side: (after[side]["io_stall"] - before[side]["io_stall"]) / n * 1e6 for side in before
                     },
                 }
             )
