@@ -6,6 +6,12 @@ messenger's I/O loop); the generation rank sends one frame of a RequestData's si
 for it with a poll, one at a time. A kvcore one-block request needs at least this round trip, plus the work on
 both sides: the ``small`` case reports its overhead beside this floor, measured in the same run.
 
+The *threaded* floor is the same round trip through the thread hand-offs a kvcore request makes, with no kvcore
+work: the generation's engine thread queues the frame, wakes its I/O thread (an inproc PAIR, as the messenger's
+wake-up) and sleeps on a condition (as ``Transceiver.wait``); the I/O thread sends, receives the echo and wakes
+the engine thread. That is the least any control plane built as kvcore's is (an I/O thread per process that owns
+the sockets, Python on every step) can cost per request.
+
 Every step of a one-block request runs on a thread that was asleep a moment before (the engine in ``wait``, an
 I/O loop in its poll). On a shared virtual machine such a thread often runs on a core whose caches another
 tenant used meanwhile: the same code then takes several times longer than in a tight loop. ``op_warmth`` times
@@ -15,6 +21,7 @@ back to back, and again after sleeps of 0.2, 1 and 5 ms, so a run can tell how m
 
 from __future__ import annotations
 
+import collections
 import statistics
 import threading
 import time
@@ -62,6 +69,79 @@ class _Echo:
         self.sock.close(0)
 
 
+class _ThreadedPing:
+    """The generation side of the threaded floor: an I/O thread that owns a DEALER, woken by an inproc PAIR."""
+
+    def __init__(self, endpoint: str) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        addr = f"inproc://kvcore-bench-ping-{id(self)}"
+        self.wake_rx = ctx.socket(zmq.PAIR)
+        self.wake_rx.bind(addr)
+        self.wake_tx = ctx.socket(zmq.PAIR)
+        self.wake_tx.connect(addr)
+        self.wake_lock = threading.Lock()
+        self.outbox: collections.deque[bytes] = collections.deque()
+        self.news = threading.Condition()
+        self.echoes = 0
+        self.frame = bytes(PING_BYTES)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="bench-ping-io", daemon=True)
+        self.thread.start()
+
+    def send(self) -> None:
+        """Engine thread: queue one frame and wake the I/O thread (as ``Messenger.send`` does)."""
+        self.outbox.append(self.frame)
+        with self.wake_lock:
+            self.wake_tx.send(b"", zmq.NOBLOCK)
+
+    def wait_for(self, echoes: int, timeout_s: float) -> bool:
+        """Engine thread: sleep on the condition until ``echoes`` came back (as ``Transceiver.wait`` does)."""
+        deadline = time.monotonic() + timeout_s
+        with self.news:
+            while self.echoes < echoes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.news.wait(min(left, 0.05))
+        return True
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.wake_rx, zmq.POLLIN)
+        while not self.stop.is_set():
+            events = dict(poller.poll(20))
+            if self.wake_rx in events:
+                for _ in range(1000):
+                    try:
+                        self.wake_rx.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            while self.outbox:
+                self.sock.send(self.outbox.popleft(), zmq.NOBLOCK)
+            if self.sock in events:
+                got = 0
+                for _ in range(1000):
+                    try:
+                        self.sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    got += 1
+                if got:
+                    with self.news:
+                        self.echoes += got
+                        self.news.notify_all()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for sock in (self.sock, self.wake_rx, self.wake_tx):
+            sock.close(0)
+
+
 class _FloorModes:
     """Rank commands of the floor measurement (a mixin of :class:`kvcore.tools.bench.rank._Rank`)."""
 
@@ -100,6 +180,26 @@ class _FloorModes:
                 seconds.append(time.perf_counter() - t0)
         finally:
             sock.close(0)
+        return {"seconds": seconds}
+
+    def op_ping_threaded(self, endpoint: str, n: int, timeout_s: float) -> dict[str, Any]:
+        """Generation: ``n`` round trips to the echo through an I/O thread, one at a time; seconds each.
+
+        The calling thread plays the engine: it queues the frame, wakes the I/O thread and waits on a condition.
+        """
+        if not endpoint.startswith("tcp://127.0.0.1:"):
+            raise BenchError(f"ping: the echo must be on loopback, got {endpoint!r}")
+        io = _ThreadedPing(endpoint)
+        seconds: list[float] = []
+        try:
+            for i in range(n):
+                t0 = time.perf_counter()
+                io.send()
+                if not io.wait_for(i + 1, timeout_s):
+                    raise BenchTimeoutError(f"ping: no echo from {endpoint} within {timeout_s}s (threaded)")
+                seconds.append(time.perf_counter() - t0)
+        finally:
+            io.close()
         return {"seconds": seconds}
 
     def op_warmth(self, n: int) -> dict[str, Any]:

@@ -65,9 +65,11 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         echo = run.ctx.call("echo_start")["endpoint"]
         try:
             p = run.gen.call("ping", endpoint=echo, n=spec.latency_requests + warm, timeout_s=spec.timeout_s)
+            pt = run.gen.call("ping_threaded", endpoint=echo, n=spec.latency_requests + warm, timeout_s=spec.timeout_s)
         finally:
             run.ctx.call("echo_stop")
         floor = floor_summary(p["seconds"], warm)
+        threaded = floor_summary(pt["seconds"], warm)
         warmth = run.ctx.call("warmth", n=100)
         # throughput: every request in flight together
         run.say(f"{run.backend} small: {spec.small_requests} requests in flight")
@@ -91,6 +93,9 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         "zmq_round_trip_ms_p50": floor["ms_p50"],
         "zmq_round_trip_ms_p99": floor["ms_p99"],
         "overhead_vs_zmq_round_trip": (_pct(lat_ms, 50) - _pct(agent_ms, 50)) / floor["ms_p50"],
+        # the same round trip through an I/O thread and a condition wait, as a request's hand-offs (no kvcore work)
+        "threaded_round_trip_ms_p50": threaded["ms_p50"],
+        "threaded_round_trip_ms_p99": threaded["ms_p99"],
         "requests_per_s_one_at_a_time": len(lat_ms) / r["elapsed_s"],
     }
     # The same Python work hot and right after a sleep (kvcore.tools.bench.floor): on a shared VM the steps of
