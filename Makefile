@@ -21,8 +21,12 @@ lint:
 	$(PYTHON) -m ruff format --check kvcore plugins
 	$(PYTHON) -m mypy --strict kvcore
 
+# The suite on TEST_WORKERS pytest-xdist workers (each test still spawns its own rank processes; `worksteal`
+# keeps the long soaks from ending up queued behind each other). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+
 test: install lint
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 # Break each guarantee on purpose (tools/mutations.toml) and require the tests to catch it; slow (minutes), not in CI.
 mutations:

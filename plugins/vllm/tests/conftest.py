@@ -32,6 +32,10 @@ class EngineProcess:
     Commands are told (``send``), or batched so they act in the same step (``send_many``); ``state`` is a call.
     Events wait in ``events`` until a ``wait`` takes the first one that matches. Every read has a deadline; a
     failure in the engine process comes back as the harness's typed error, with the tail of its log added.
+
+    The process starts at once; its ``ready`` event is read on first use (``ready``, ``up()``, or any command, wait
+    or signal), so engines a test starts one after the other boot side by side. With ``wait_ready=False`` the
+    test reads ``ready`` itself (``wait("ready")``) and may set ``ready``.
     """
 
     def __init__(self, spec: dict[str, Any], log_path: Path, wait_ready: bool = True) -> None:
@@ -46,13 +50,29 @@ class EngineProcess:
             path=[str(HERE)],
         )
         self.events: list[dict[str, Any]] = []
-        try:
-            self.ready = self.wait("ready", timeout=180) if wait_ready else {}
-        except BaseException:
-            self.rank.close(timeout=5)  # never started for the fixture to close: reap it here
-            raise
+        self._ready: dict[str, Any] | None = None if wait_ready else {}
+
+    @property
+    def ready(self) -> dict[str, Any]:
+        """The engine's ``ready`` event (its free blocks and endpoint), waited for on first use."""
+        return self.up()
+
+    @ready.setter
+    def ready(self, event: dict[str, Any]) -> None:
+        self._ready = event
+
+    def up(self) -> dict[str, Any]:
+        """Wait until the engine is up (once); its ``ready`` event. An engine that failed to start raises here."""
+        if self._ready is None:
+            try:
+                self._ready = self.wait("ready", timeout=180)
+            except BaseException:
+                self.rank.close(timeout=5)  # it never started: reap it here, before the fixture's teardown
+                raise
+        return self._ready
 
     def send(self, op: str, **args: Any) -> None:
+        self.up()  # an engine is told nothing before it is up
         with self._logged():
             self.rank.tell(op, **args)
 
@@ -61,6 +81,7 @@ class EngineProcess:
 
         ``then_freeze``: the engine stops stepping for that many seconds after that step.
         """
+        self.up()
         commands = [dict(c) for c in cmds]
         if then_freeze:
             commands.append({"op": "freeze", "seconds": then_freeze})
@@ -69,6 +90,8 @@ class EngineProcess:
 
     def wait(self, event: str, timeout: float = 60, **match: Any) -> dict[str, Any]:
         """The first not yet consumed event named ``event`` whose fields equal ``match``."""
+        if event != "ready":
+            self.up()
         deadline = time.monotonic() + timeout
         while True:
             for i, e in enumerate(self.events):
@@ -92,6 +115,7 @@ class EngineProcess:
 
     def ask_state(self) -> None:
         """Ask for :meth:`state` without waiting (TP ranks step together: ask every rank, then read the replies)."""
+        self.up()
         with self._logged():
             self.rank.post("state")
 
@@ -110,6 +134,7 @@ class EngineProcess:
             return "(no log yet)"
 
     def signal(self, sig: int) -> None:
+        self.up()  # a signal meant for a running engine, not for one still booting
         os.kill(self.rank.pid, sig)
 
     def wait_exit(self, timeout: float) -> int | None:
@@ -134,7 +159,10 @@ class EngineProcess:
 
 @pytest.fixture
 def engines(tmp_path: Path) -> Iterator[Any]:
-    """``start(spec) -> EngineProcess``; every process is closed (killed if it hangs) at teardown."""
+    """``start(spec) -> EngineProcess``; every process is closed (killed if it hangs) at teardown.
+
+    Engines boot side by side: ``start`` returns at once, and the engine's ``ready`` is read on first use.
+    """
     started: list[EngineProcess] = []
 
     def start(wait_ready: bool = True, **spec: Any) -> EngineProcess:

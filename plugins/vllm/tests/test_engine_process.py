@@ -11,7 +11,7 @@ from kvcore.testing.ranks import RankFailedError
 
 def test_an_engine_that_cannot_start_reports_why(engines: Any, model_dir: str) -> None:
     with pytest.raises(RankFailedError) as err:
-        engines(role="prefill", backend="no-such-backend", model_dir=model_dir)
+        engines(role="prefill", backend="no-such-backend", model_dir=model_dir).up()
     e = err.value
     # Raised by kvcore inside the child's Engine(...), reported with its traceback and the engine's log.
     assert e.op == "main" and e.error_type == "UnknownBackendError" and "no-such-backend" in e.message
