@@ -113,7 +113,7 @@ class _ThreadedPing:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
         while not self.stop.is_set():
-            events = dict(poller.poll(20))
+            events = dict(poller.poll(1 if self.outbox else 20))  # a frame kept back: try again soon
             if self.wake_rx in events:
                 for _ in range(1000):
                     try:
@@ -121,7 +121,11 @@ class _ThreadedPing:
                     except zmq.Again:
                         break
             while self.outbox:
-                self.sock.send(self.outbox.popleft(), zmq.NOBLOCK)
+                try:
+                    self.sock.send(self.outbox[0], zmq.NOBLOCK)
+                except zmq.Again:
+                    break  # the queue is full (or not yet connected): it goes on a later turn
+                self.outbox.popleft()
             if self.sock in events:
                 got = 0
                 for _ in range(1000):
