@@ -62,6 +62,9 @@ def _check_small_case(case: dict[str, Any], spec: dict[str, Any]) -> None:
     # both floors measured: the bare round trip and the same through an I/O thread and a condition wait
     assert 0 < lat["zmq_round_trip_ms_p50"] <= lat["zmq_round_trip_ms_p99"]
     assert 0 < lat["threaded_round_trip_ms_p50"] <= lat["threaded_round_trip_ms_p99"]
+    assert lat["overhead_vs_threaded_round_trip"] == pytest.approx(
+        lat["overhead_ms_p50"] / lat["threaded_round_trip_ms_p50"], rel=1e-9
+    )
     assert thr["requests"] == spec["small_requests"] and thr["seconds"] > 0
     assert thr["requests_per_s"] == pytest.approx(thr["requests"] / thr["seconds"], rel=1e-6)
     assert case["not_done"] == [] and case["leaks"] == {} and case["verified"] is True

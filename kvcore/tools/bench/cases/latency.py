@@ -96,6 +96,7 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         # the same round trip through an I/O thread and a condition wait, as a request's hand-offs (no kvcore work)
         "threaded_round_trip_ms_p50": threaded["ms_p50"],
         "threaded_round_trip_ms_p99": threaded["ms_p99"],
+        "overhead_vs_threaded_round_trip": (_pct(lat_ms, 50) - _pct(agent_ms, 50)) / threaded["ms_p50"],
         "requests_per_s_one_at_a_time": len(lat_ms) / r["elapsed_s"],
     }
     # The same Python work hot and right after a sleep (kvcore.tools.bench.floor): on a shared VM the steps of
