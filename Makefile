@@ -23,10 +23,13 @@ lint:
 
 # The suite on TEST_WORKERS pytest-xdist workers (each test still spawns its own rank processes; `worksteal`
 # keeps the long soaks from ending up queued behind each other). TEST_WORKERS=0 runs it in this process.
+# Tests marked `serial` measure GIL and CPU sharing (a busy thread's effect on the I/O thread): they run
+# afterwards, with no other worker beside them.
 TEST_WORKERS ?= 2
 
 test: install lint
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial"
+	$(PYTHON) -m pytest -m serial
 
 # Break each guarantee on purpose (tools/mutations.toml) and require the tests to catch it; slow (minutes), not in CI.
 mutations:

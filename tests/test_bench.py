@@ -173,6 +173,7 @@ def test_a_bench_error_raised_while_handling_another_names_both() -> None:
     assert _describe(ValueError("alone")) == "ValueError: alone"
 
 
+@pytest.mark.serial  # a busy thread's GIL share: with another test loading the cores beside it, it may get none
 @pytest.mark.timeout(120)
 def test_busy_case_times_each_busy_engine_and_switch_interval() -> None:
     """The ``busy`` case: a row with nothing busy, then each rank busy at the interpreter's switch interval and at

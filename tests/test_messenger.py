@@ -208,6 +208,7 @@ def test_cpu_seconds_counts_the_io_thread_alone_and_keeps_its_total_after_close(
     assert m.cpu_seconds() >= after  # the thread ended: its total stays
 
 
+@pytest.mark.serial  # compares wake lags with and without a busy thread: other load beside it blurs both
 def test_io_timing_counts_the_gil_a_busy_thread_holds_and_a_lock_wait_but_not_cpu() -> None:
     """``wake_lag`` sees a thread that holds the GIL; ``stall_seconds`` a lock wait on the I/O thread, not its CPU."""
     import sys
