@@ -35,6 +35,12 @@ from kvcore.tools.bench.spec import BenchError, BenchTimeoutError, _pct
 PING_BYTES = 256
 
 
+def _check_loopback(endpoint: str) -> None:
+    """Pings go only to the echo this run started on loopback."""
+    if not endpoint.startswith("tcp://127.0.0.1:"):
+        raise BenchError(f"ping: the echo must be on loopback, got {endpoint!r}")
+
+
 class _Echo:
     """A ROUTER on loopback, served by its own thread, that answers every frame with itself."""
 
@@ -165,8 +171,7 @@ class _FloorModes:
 
     def op_ping(self, endpoint: str, n: int, timeout_s: float) -> dict[str, Any]:
         """Generation: ``n`` round trips to the echo, one at a time; seconds each."""
-        if not endpoint.startswith("tcp://127.0.0.1:"):
-            raise BenchError(f"ping: the echo must be on loopback, got {endpoint!r}")
+        _check_loopback(endpoint)
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
@@ -191,8 +196,7 @@ class _FloorModes:
 
         The calling thread plays the engine: it queues the frame, wakes the I/O thread and waits on a condition.
         """
-        if not endpoint.startswith("tcp://127.0.0.1:"):
-            raise BenchError(f"ping: the echo must be on loopback, got {endpoint!r}")
+        _check_loopback(endpoint)
         io = _ThreadedPing(endpoint)
         seconds: list[float] = []
         try:
