@@ -201,3 +201,49 @@ def test_busy_case_times_each_busy_engine_and_switch_interval() -> None:
         assert stall >= 1000 and stall > 5 * idle[side], (side, stall, idle)
     assert case["requests_per_row"] == 10 and case["not_done"] == [] and case["leaks"] == {}
     assert case["verified"] is True and result["ok"] is True
+
+
+def test_threaded_floor_measures_an_echo_and_ends_typed_without_one() -> None:
+    """The threaded floor's ping: every round trip timed against a live echo, its thread and sockets gone after;
+    no echo (a dead peer) is a BenchTimeoutError at its deadline, an address off loopback a BenchError."""
+    import threading
+
+    from kvcore.tools.bench.floor import _Echo, _FloorModes
+    from kvcore.tools.bench.spec import BenchError, BenchTimeoutError
+
+    def ping_threads() -> int:
+        return sum(t.name == "bench-ping-io" for t in threading.enumerate())
+
+    modes = _FloorModes()
+    echo = _Echo()
+    try:
+        seconds = modes.op_ping_threaded(echo.endpoint, 20, 5.0)["seconds"]
+    finally:
+        echo.close()
+    assert len(seconds) == 20 and all(0 < s < 5.0 for s in seconds)
+    assert ping_threads() == 0
+    with pytest.raises(BenchTimeoutError, match="no echo"):
+        modes.op_ping_threaded(echo.endpoint, 1, 0.3)  # the echo is closed: nobody answers
+    assert ping_threads() == 0
+    with pytest.raises(BenchError, match="loopback"):
+        modes.op_ping_threaded("tcp://10.0.0.1:5555", 1, 0.3)
+
+
+def test_threaded_floor_io_thread_failure_is_raised_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from kvcore.tools.bench.floor import _Echo, _FloorModes, _ThreadedPing
+    from kvcore.tools.bench.spec import BenchError
+
+    def broken(self: _ThreadedPing) -> None:
+        raise OSError("injected: the socket broke")
+
+    monkeypatch.setattr(_ThreadedPing, "_loop", broken)
+    echo = _Echo()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BenchError, match="injected: the socket broke"):
+            _FloorModes().op_ping_threaded(echo.endpoint, 1, 30.0)
+        assert time.monotonic() - t0 < 20  # told at once, not at the 30 s deadline
+    finally:
+        echo.close()

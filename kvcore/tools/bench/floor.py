@@ -92,6 +92,7 @@ class _ThreadedPing:
         self.outbox: collections.deque[bytes] = collections.deque()
         self.news = threading.Condition()
         self.echoes = 0
+        self.error: Exception | None = None
         self.frame = bytes(PING_BYTES)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="bench-ping-io", daemon=True)
@@ -101,13 +102,18 @@ class _ThreadedPing:
         """Engine thread: queue one frame and wake the I/O thread (as ``Messenger.send`` does)."""
         self.outbox.append(self.frame)
         with self.wake_lock:
-            self.wake_tx.send(b"", zmq.NOBLOCK)
+            try:
+                self.wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a wake-up is already pending
 
     def wait_for(self, echoes: int, timeout_s: float) -> bool:
         """Engine thread: sleep on the condition until ``echoes`` came back (as ``Transceiver.wait`` does)."""
         deadline = time.monotonic() + timeout_s
         with self.news:
             while self.echoes < echoes:
+                if self.error is not None:
+                    raise BenchError(f"ping: the threaded floor's I/O thread failed: {self.error!r}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -115,6 +121,14 @@ class _ThreadedPing:
         return True
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # the engine thread raises it instead of waiting for its deadline
+            with self.news:
+                self.error = exc
+                self.news.notify_all()
+
+    def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
@@ -148,6 +162,8 @@ class _ThreadedPing:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(5)
+        if self.thread.is_alive():  # pragma: no cover - its poll waits 20 ms at most
+            return  # never close sockets under a thread that may still use them (the rank process ends soon)
         for sock in (self.sock, self.wake_rx, self.wake_tx):
             sock.close(0)
 
