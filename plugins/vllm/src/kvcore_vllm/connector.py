@@ -26,7 +26,15 @@ instance's blocks as soon as it allocated its own; ``"mode": "push"`` in
   receives also in ``failed_recving`` and their blocks in
   ``get_block_ids_with_load_errors``.
 
-vLLM's request id is kvcore's request id. Only the worker side talks to kvcore
+kvcore's request id is the prefill's vLLM request id, carried in the parameters;
+the decode request has an id of its own (vLLM appends a random suffix to every
+request id), mapped to it by :class:`kvcore_vllm.engine_api.KvcoreEngine`.
+A load that cannot happen is never silent: it is logged at WARNING with its
+reason, counted (``load_failures_<reason>`` in the connector stats, vLLM's
+``vllm:kvcore_load_failures`` Prometheus counter and, with ``metrics_port``,
+kvcore's own export), and vLLM's ``kv_load_failure_policy`` decides: ``fail``
+(vLLM's default) fails the request, ``recompute`` computes the prompt locally.
+Only the worker side talks to kvcore
 (through :mod:`kvcore_vllm.engine_api`); the scheduler side learns the prefill
 instance's endpoint and incarnation from the workers' handshake metadata, as
 vLLM's NIXL connector does.
@@ -46,7 +54,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
 from kvcore.config import create_agent
 from kvcore.errors import ConfigError, KvcoreError
@@ -57,10 +70,11 @@ from kvcore_vllm.engine_api import (
     PARAMS_KEY,
     InvalidTransferParamsError,
     KvcoreEngine,
+    LoadFailure,
     parse_params,
 )
 from kvcore_vllm.layout import KvDescription, describe_kv_caches
-from kvcore_vllm.options import transceiver_config, transceiver_role
+from kvcore_vllm.options import connector_options, transceiver_role
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +93,7 @@ __all__ = [
     "KvcoreConnectorMetadata",
     "KvcoreConnectorStats",
     "KvcoreHandshakeMetadata",
+    "KvcorePromMetrics",
     "RecvSpec",
     "SendSpec",
 ]
@@ -101,6 +116,15 @@ class RecvSpec:
 
     params: dict[str, Any]
     block_ids: list[int]
+    num_tokens: int = 0  # the prompt tokens the load brings (beyond the local prefix-cache hit)
+
+
+@dataclass
+class FailSpec:
+    """Decode side, policy ``fail``: the scheduler refused the parameters; report the load failed into these blocks."""
+
+    error: str
+    block_ids: list[int]
 
 
 @dataclass
@@ -114,6 +138,8 @@ class KvcoreConnectorMetadata(KVConnectorMetadata):
     expects: dict[str, dict[str, Any]] = field(default_factory=dict)  # decode requests waiting for blocks
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
     drops: dict[str, dict[str, Any]] = field(default_factory=dict)  # decode requests that will never load
+    fails: dict[str, FailSpec] = field(default_factory=dict)  # refused parameters, policy fail
+    fallbacks: dict[str, str] = field(default_factory=dict)  # refused parameters, policy recompute: the reason
 
 
 @dataclass
@@ -128,9 +154,12 @@ class KvcoreHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 @dataclass
 class KvcoreConnectorStats(KVConnectorStats):
-    """kvcore's outcomes and bytes moved in one interval, summed over workers and steps.
+    """kvcore's outcomes, bytes and loads in one interval, summed over workers and steps (vLLM logs ``reduce()``).
 
-    Keys: ``transfers_done``, ``transfers_failed``, ``transfers_cancelled``, ``bytes_moved``.
+    Keys (:data:`kvcore_vllm.engine_api.COUNTERS`): ``transfers_done``, ``transfers_failed``,
+    ``transfers_cancelled``, ``bytes_moved``, ``tokens_loaded`` (prompt tokens loaded over kvcore on the decode
+    side) and ``load_failures_<reason>`` for each :class:`~kvcore_vllm.engine_api.LoadFailure` (per worker: a
+    request whose load failed on both ranks of a TP2 decode counts twice; refused parameters count once).
     """
 
     def __post_init__(self) -> None:
@@ -152,6 +181,93 @@ class KvcoreConnectorStats(KVConnectorStats):
         return not any(self.data.get(key, 0) for key in COUNTERS)
 
 
+class KvcorePromMetrics(KVConnectorPromMetrics):
+    """vLLM's Prometheus metrics for the connector (on vLLM's ``/metrics``), fed from :class:`KvcoreConnectorStats`.
+
+    ``vllm:kvcore_load_failures_total{reason}``, ``vllm:kvcore_tokens_loaded_total``,
+    ``vllm:kvcore_transfers_total{outcome}`` and ``vllm:kvcore_bytes_moved_total``, each with vLLM's engine labels.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter = self._counter_cls
+
+        def per_engine(metric: Any, *extra: str) -> dict[int, Any]:
+            return {i: metric.labels(*values, *extra) for i, values in per_engine_labelvalues.items()}
+
+        failures = counter(
+            name="vllm:kvcore_load_failures",
+            documentation="Decode requests whose KV kvcore did not load, by reason (recomputed or failed per "
+            "kv_load_failure_policy).",
+            labelnames=[*labelnames, "reason"],
+        )
+        transfers = counter(
+            name="vllm:kvcore_transfers",
+            documentation="kvcore requests ended on this instance's workers, by outcome (summed over workers).",
+            labelnames=[*labelnames, "outcome"],
+        )
+        self._counters: dict[str, dict[int, Any]] = {
+            f"load_failures_{r.value}": per_engine(failures, r.value) for r in LoadFailure
+        }
+        for outcome in ("done", "failed", "cancelled"):
+            self._counters[f"transfers_{outcome}"] = per_engine(transfers, outcome)
+        for key, name, doc in (
+            ("tokens_loaded", "vllm:kvcore_tokens_loaded", "Prompt tokens loaded over kvcore (decode side)."),
+            ("bytes_moved", "vllm:kvcore_bytes_moved", "Bytes of KV kvcore moved (summed over workers)."),
+        ):
+            self._counters[key] = per_engine(counter(name=name, documentation=doc, labelnames=labelnames))
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, children in self._counters.items():
+            value = int(transfer_stats_data.get(key, 0) or 0)
+            if value > 0:
+                children[engine_idx].inc(value)
+
+
+class _AgentAllocation:
+    """Inside vLLM's KV allocation: answer the zeroed int8 CPU buffer it makes with the agent's own memory.
+
+    A ``TorchFunctionMode`` (entered for the duration of vLLM's ``allocate_kv_cache`` only) that replaces
+    ``torch.zeros(n, dtype=torch.int8)`` on the CPU by :meth:`KvcoreConnector.allocate_kv_backing`; every
+    other call goes through unchanged.
+    """
+
+    def __init__(self, connector: KvcoreConnector) -> None:
+        self._connector = connector
+        self._mode: Any = None
+
+    def __enter__(self) -> _AgentAllocation:
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        connector = self._connector
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                kwargs = kwargs or {}
+                if func is torch.zeros and kwargs.get("dtype") is torch.int8 and len(args) == 1:
+                    device = torch.device(kwargs.get("device") or "cpu")
+                    size = args[0]
+                    n = size if isinstance(size, int) else (size[0] if len(size) == 1 else None)
+                    if device.type == "cpu" and isinstance(n, int):
+                        return connector.allocate_kv_backing(n)
+                return func(*args, **kwargs)
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None
+
+
 class KvcoreConnector(KVConnectorBase_V1):
     """vLLM V1 KV connector on kvcore; ``kv_role`` ``kv_producer`` (prefill) or ``kv_consumer`` (decode)."""
 
@@ -159,8 +275,13 @@ class KvcoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = self._kv_transfer_config
         self._kvcore_role = transceiver_role(ktc.kv_role)
-        self._config = transceiver_config(ktc.kv_connector_extra_config)
+        options = connector_options(ktc.kv_connector_extra_config)
+        self._config = options.config
+        self._metrics_port = options.metrics_port
+        self._metrics_server: Any = None
         self._mode = self._config.transfer_mode
+        # vLLM's own option decides what a failed load does, also when the parameters are refused here.
+        self._recompute_failures = getattr(ktc, "kv_load_failure_policy", "fail") == "recompute"
         self._engine_id: str = ktc.engine_id or ""
         self._block_size: int = vllm_config.cache_config.block_size
         # Scheduler side.
@@ -171,6 +292,9 @@ class KvcoreConnector(KVConnectorBase_V1):
         self._drops: dict[str, dict[str, Any]] = {}
         self._waiting: dict[str, dict[str, Any]] = {}  # decode: matched this step, maybe not allocated
         self._expected: set[str] = set()  # decode: expect() sent to the workers, receive not yet started
+        self._refused: dict[str, str] = {}  # decode, policy fail: parameters refused, the reason (until finished)
+        self._fails: dict[str, FailSpec] = {}
+        self._fallbacks: dict[str, str] = {}
         # Worker side.
         self._agent: TransferAgent | None = None
         self._engine: KvcoreEngine | None = None
@@ -217,6 +341,18 @@ class KvcoreConnector(KVConnectorBase_V1):
     # ==============================================================================================
     # Worker side
     # ==============================================================================================
+
+    def get_mem_pool_context(self) -> Any:
+        """vLLM's KV cache allocation runs inside this: its one backing buffer comes from this rank's agent.
+
+        vLLM allocates the KV cache as one zeroed int8 buffer (``torch.zeros(n, dtype=torch.int8)``) inside the
+        context its connector returns here. The connector answers that allocation with
+        :meth:`allocate_kv_backing`, so the ``shm`` backend (which exposes only memory its agent allocated) works
+        in a real engine; NIXL and UCX get an ordinary buffer. CUDA allocations are left alone.
+        """
+        if self._agent is None:
+            return None
+        return _AgentAllocation(self)
 
     def allocate_kv_backing(self, nbytes: int) -> torch.Tensor:
         """A zeroed int8 buffer of ``nbytes`` this rank's transfer agent can expose to peers.
@@ -276,7 +412,18 @@ class KvcoreConnector(KVConnectorBase_V1):
             instance_name=f"vllm-{self._engine_id}-dp{pc.data_parallel_index}",
             device=device,
         )
-        self._engine = KvcoreEngine(tx)
+        self._engine = KvcoreEngine(tx, rank=self._tp_rank)
+        if self._metrics_port is not None:
+            from prometheus_client import CollectorRegistry
+
+            from kvcore.metrics import serve_metrics
+            from kvcore_vllm.engine_api import EngineCollector
+
+            registry = CollectorRegistry()
+            registry.register(EngineCollector(self._engine))
+            port = self._metrics_port + self._tp_rank
+            self._metrics_server = serve_metrics(port, host=self._config.host, registry=registry)
+            log.info("kvcore metrics on http://%s:%d/metrics", self._config.host, port)
         log.info(
             "kvcore %s: %d layers, %s pages, info endpoint %s",
             self._kvcore_role,
@@ -317,9 +464,13 @@ class KvcoreConnector(KVConnectorBase_V1):
         for name, raw in meta.expects.items():
             engine.expect(name, TransferParams.from_dict(raw))
         for name, recv in meta.recvs.items():
-            engine.receive(name, TransferParams.from_dict(recv.params), recv.block_ids)
+            engine.receive(name, TransferParams.from_dict(recv.params), recv.block_ids, recv.num_tokens)
         for name, raw in meta.drops.items():
             engine.drop(name, TransferParams.from_dict(raw) if raw else None, "the decode instance dropped it")
+        for name, fail in meta.fails.items():
+            engine.fail_load(name, fail.block_ids, InvalidTransferParamsError(fail.error))
+        for name, why in meta.fallbacks.items():
+            engine.note_fallback(name, why)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-request and asynchronous: nothing to wait for per layer."""
@@ -342,9 +493,7 @@ class KvcoreConnector(KVConnectorBase_V1):
             for name in finished_req_ids - started:
                 if engine.is_waited_for(name):
                     engine.cancel(name, "request finished (aborted) on the decode instance")
-        r = engine.poll()
-        for name, error in r.failed_recving.items():
-            log.warning("request %r: KV load failed: %s", name, error)
+        r = engine.poll()  # logs each failed load once, with its reason
         if len(self._kv_cache_config.kv_cache_groups) == 1:
             # Block ids are unique only within one KV cache group; vLLM refuses block-level errors otherwise.
             self._load_errors |= r.failed_block_ids
@@ -369,12 +518,26 @@ class KvcoreConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvcoreConnectorStats:
         return KvcoreConnectorStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvcorePromMetrics:
+        return KvcorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of receives that failed, reported in the same step as their request's finished_recving."""
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -402,15 +565,24 @@ class KvcoreConnector(KVConnectorBase_V1):
         self._incarnation = md.incarnation
 
     def _remote_params(self, request: Request) -> TransferParams | None:
-        """Decode side: the request's kvcore parameters if it is to load its prompt's KV remotely, else None."""
+        """Decode side: the request's kvcore parameters if it is to load its prompt's KV remotely, else None.
+
+        Refused parameters are a load failure (:data:`LoadFailure.INVALID_PARAMS`), never a silent local prefill:
+        with ``kv_load_failure_policy`` ``recompute`` the prompt is computed here (the worker logs and counts
+        it); with ``fail`` the request is remembered in ``_refused`` and fails once vLLM allocated it.
+        """
         params = request.kv_transfer_params
         if self._kvcore_role != "generation" or not params or not params.get("do_remote_prefill"):
             return None
         try:
-            return parse_params(params, request.request_id)
+            return parse_params(params)
         except InvalidTransferParamsError as exc:
-            log.warning("request %r: %s; computing its prefill locally", request.request_id, exc)
-            params["do_remote_prefill"] = False
+            rid = request.request_id
+            if self._recompute_failures:
+                params["do_remote_prefill"] = False
+                self._fallbacks[rid] = str(exc)
+            else:
+                self._refused.setdefault(rid, str(exc))
             return None
 
     def on_new_request(self, request: Request) -> None:
@@ -427,6 +599,10 @@ class KvcoreConnector(KVConnectorBase_V1):
         """Decode side: the prompt tokens the prefill instance holds beyond the local prefix, loaded asynchronously."""
         tp = self._remote_params(request)
         if tp is None:
+            if request.request_id in self._refused:
+                # Policy fail: claim the uncached prompt as a load that will fail, so vLLM fails the request.
+                count = len(request.prompt_token_ids or ()) - num_computed_tokens
+                return (count, True) if count > 0 else (0, False)
             return 0, False
         count = min(tp.prompt_len, len(request.prompt_token_ids or ())) - num_computed_tokens
         if count <= 0:
@@ -439,10 +615,14 @@ class KvcoreConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Decode side: remember the blocks allocated for the remote tokens; the worker starts the receive."""
         params = request.kv_transfer_params
+        rid = request.request_id
         tp = self._remote_params(request)
         if tp is None or params is None:
+            refused = self._refused.pop(rid, None)
+            if refused is not None and params is not None:
+                params["do_remote_prefill"] = False
+                self._fails[rid] = FailSpec(error=refused, block_ids=blocks.get_unhashed_block_ids())
             return
-        rid = request.request_id
         self._waiting.pop(rid, None)
         self._expected.discard(rid)
         # One transfer per request, even if vLLM calls this again (after the load, or on preemption).
@@ -451,13 +631,22 @@ class KvcoreConnector(KVConnectorBase_V1):
             # Nothing to load (the local prefix cache covers the prompt): let the prefill free its blocks now.
             self._drops[rid] = tp.to_dict()
             return
-        self._recvs[rid] = RecvSpec(params=tp.to_dict(), block_ids=blocks.get_unhashed_block_ids())
+        self._recvs[rid] = RecvSpec(
+            params=tp.to_dict(), block_ids=blocks.get_unhashed_block_ids(), num_tokens=num_external_tokens
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcoreConnectorMetadata:
         expects, self._waiting = self._waiting, {}
         self._expected.update(expects)
-        meta = KvcoreConnectorMetadata(sends=self._sends, expects=expects, recvs=self._recvs, drops=self._drops)
-        self._sends, self._recvs, self._drops = {}, {}, {}
+        meta = KvcoreConnectorMetadata(
+            sends=self._sends,
+            expects=expects,
+            recvs=self._recvs,
+            drops=self._drops,
+            fails=self._fails,
+            fallbacks=self._fallbacks,
+        )
+        self._sends, self._recvs, self._drops, self._fails, self._fallbacks = {}, {}, {}, {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -468,13 +657,14 @@ class KvcoreConnector(KVConnectorBase_V1):
         rid = request.request_id
         if self._kvcore_role == "generation":
             self._waiting.pop(rid, None)
+            self._refused.pop(rid, None)
             expected = rid in self._expected
             self._expected.discard(rid)
             if params and params.get("do_remote_prefill"):
                 # Finished (aborted) before it was allocated: it will not load, tell the prefill to free.
                 params["do_remote_prefill"] = False
                 try:
-                    self._drops[rid] = parse_params(params, rid).to_dict()
+                    self._drops[rid] = parse_params(params).to_dict()
                 except InvalidTransferParamsError:
                     if expected:
                         self._drops[rid] = {}  # just give the expectation up

@@ -4,7 +4,15 @@
   (``TransferParams.make``, a fresh ticket) and forwarded in vLLM's
   ``kv_transfer_params`` under :data:`PARAMS_KEY` as ``to_dict()``; the decode
   side parses them with :func:`parse_params`.
-* Request ids: vLLM's str request id *is* kvcore's request id, on both instances.
+* Request ids: kvcore's request id is the *prefill's* vLLM request id, carried in
+  the parameters. vLLM gives every request an id of its own on each engine (it
+  appends a random suffix by default), so the decode request's id differs: this
+  module maps the decode request's id to the kvcore id of the KV it loads.
+* Load failures: every load that does not happen (bad parameters, a refused
+  ticket, the prefill gone, its lease run out, a failed transfer) is logged once
+  at WARNING with its reason (:class:`LoadFailure`) and counted
+  (``load_failures_<reason>`` in :data:`COUNTERS`); vLLM's ``kv_load_failure_policy``
+  then recomputes or fails the request.
 * :class:`KvcoreEngine`: start a send, announce (``expect``), start or give up
   a receive, and turn this rank's ``Transceiver.poll_local()`` into vLLM's
   per-worker finished/failed sets (vLLM's KVOutputAggregator combines the
@@ -29,8 +37,11 @@ __all__ = [
     "COUNTERS",
     "PARAMS_KEY",
     "InvalidTransferParamsError",
+    "EngineCollector",
     "KvcoreEngine",
+    "LoadFailure",
     "TransferResults",
+    "classify_load_failure",
     "parse_params",
 ]
 
@@ -44,11 +55,13 @@ class InvalidTransferParamsError(E.KvcoreError, ValueError):
     """``kv_transfer_params`` from the router are missing, malformed, of another request or of another version."""
 
 
-def parse_params(kv_transfer_params: Mapping[str, Any] | None, request_id: str) -> TransferParams:
-    """kvcore's parameters inside vLLM's ``kv_transfer_params`` for request ``request_id``, checked.
+def parse_params(kv_transfer_params: Mapping[str, Any] | None) -> TransferParams:
+    """kvcore's parameters inside vLLM's ``kv_transfer_params``, checked.
 
     Anything wrong raises :class:`InvalidTransferParamsError` naming the field:
-    the parameters came through a router, so nothing in them is trusted.
+    the parameters came through a router, so nothing in them is trusted. The
+    kvcore request id they carry is the prefill's request id; vLLM's
+    ``remote_request_id`` beside them, when present, must name the same request.
     """
     raw = (kv_transfer_params or {}).get(PARAMS_KEY)
     if not isinstance(raw, Mapping):
@@ -60,16 +73,45 @@ def parse_params(kv_transfer_params: Mapping[str, Any] | None, request_id: str) 
         params = TransferParams.from_dict(raw)
     except E.KvcoreError as exc:
         raise InvalidTransferParamsError(f"kv_transfer_params[{PARAMS_KEY!r}]: {exc}") from None
-    if params.request_id != request_id:
+    except (RecursionError, TypeError, ValueError) as exc:  # hostile nesting or types msgspec refuses untyped
+        raise InvalidTransferParamsError(f"kv_transfer_params[{PARAMS_KEY!r}]: malformed ({exc})") from None
+    remote = (kv_transfer_params or {}).get("remote_request_id")
+    if remote is not None and remote != params.request_id:
         raise InvalidTransferParamsError(
-            f"kv_transfer_params[{PARAMS_KEY!r}].request_id: expected {request_id!r} (the request they came with), "
-            f"got {params.request_id!r}"
+            f"kv_transfer_params: remote_request_id {remote!r} and {PARAMS_KEY}.request_id "
+            f"{params.request_id!r} name different requests"
         )
     if params.prompt_len < 1:
         raise InvalidTransferParamsError(
             f"kv_transfer_params[{PARAMS_KEY!r}].prompt_len: expected >= 1, got {params.prompt_len}"
         )
     return params
+
+
+class LoadFailure(str, Enum):
+    """Why a decode request's KV was not loaded (a closed set: metric labels and counter names)."""
+
+    INVALID_PARAMS = "invalid_params"  # missing, malformed, of another version, or inconsistent parameters
+    TICKET_REFUSED = "ticket_refused"  # the prefill refused the ticket (another receiver's, or a guess)
+    PREFILL_LOST = "prefill_lost"  # the prefill instance is gone or unreachable
+    LEASE_EXPIRED = "lease_expired"  # the prefill let the request go before the decode came
+    REFUSED = "refused"  # kvcore refused to start the receive (geometry, mapping, a duplicate, ...)
+    TRANSFER_FAILED = "transfer_failed"  # the bytes did not all arrive (transport error or timeout)
+
+
+def classify_load_failure(error: BaseException | None) -> LoadFailure:
+    """The :class:`LoadFailure` reason for a kvcore error that ended a receive."""
+    if isinstance(error, InvalidTransferParamsError):
+        return LoadFailure.INVALID_PARAMS
+    if isinstance(error, E.TicketError):
+        return LoadFailure.TICKET_REFUSED
+    if isinstance(error, E.LeaseExpiredError):
+        return LoadFailure.LEASE_EXPIRED
+    if isinstance(error, (E.PeerLostError, E.NotRegisteredError, E.RemoteAgentError)):
+        return LoadFailure.PREFILL_LOST
+    if isinstance(error, E.TransferError):
+        return LoadFailure.TRANSFER_FAILED
+    return LoadFailure.REFUSED
 
 
 @dataclass
@@ -82,8 +124,16 @@ class TransferResults:
     failed_block_ids: set[int] = field(default_factory=set)
 
 
-#: Counters :meth:`KvcoreEngine.take_counters` returns (per rank, since the last call).
-COUNTERS = ("transfers_done", "transfers_failed", "transfers_cancelled", "bytes_moved")
+#: Counters :meth:`KvcoreEngine.take_counters` returns (per rank, since the last call): kvcore's outcomes and bytes,
+#: the prompt tokens this rank loaded, and each :class:`LoadFailure` reason as ``load_failures_<reason>``.
+COUNTERS = (
+    "transfers_done",
+    "transfers_failed",
+    "transfers_cancelled",
+    "bytes_moved",
+    "tokens_loaded",
+    *(f"load_failures_{r.value}" for r in LoadFailure),
+)
 
 
 class Phase(str, Enum):
@@ -98,32 +148,47 @@ class Phase(str, Enum):
 @dataclass
 class _Entry:
     phase: Phase
+    kv_id: Any  # kvcore's request id: the prefill's vLLM request id (the same as the name on the prefill side)
     block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # decode: the prompt tokens this load brings
     delivered: bool | None = None  # None until kvcore reported an outcome
     error: E.KvcoreError | None = None
     released: bool = False
+    aborted: bool = False  # vLLM aborted it: its end is reported to vLLM but is no load failure
 
 
 class KvcoreEngine:
     """Drives one rank's :class:`Transceiver` on behalf of the connector's worker side (per-rank poll).
 
-    Every send and every receive vLLM waits for is reported exactly once by
-    :meth:`poll`, when kvcore released it on this rank: on the prefill side as
-    finished sending (whatever the outcome: the blocks may be freed), on the
+    Requests are named by *this* engine's vLLM request id; each maps to the kvcore
+    request id its parameters carry (the prefill's id), at most one name per kvcore
+    id at a time. Every send and every receive vLLM waits for is reported exactly
+    once by :meth:`poll`, when kvcore released it on this rank: on the prefill side
+    as finished sending (whatever the outcome: the blocks may be freed), on the
     decode side as finished receiving, plus failed receiving and its block ids
-    when the KV did not arrive whole.
+    when the KV did not arrive whole (logged once at WARNING with its
+    :class:`LoadFailure` reason, and counted).
     """
 
-    def __init__(self, transceiver: Transceiver) -> None:
+    def __init__(self, transceiver: Transceiver, *, rank: int = 0) -> None:
         self.transceiver = transceiver
+        self.rank = rank  # TP rank: failures the scheduler decided are counted on rank 0 only
         self._entries: dict[str, _Entry] = {}
+        self._names: dict[Any, str] = {}  # kvcore request id -> name, for the entries above
         self._ready: list[tuple[str, _Entry]] = []  # released before vLLM waited for them, or refused at start
         self._counters = dict.fromkeys(COUNTERS, 0)
+        self._totals = dict.fromkeys(COUNTERS, 0)  # everything taken so far
 
     def take_counters(self) -> dict[str, int]:
-        """Outcomes and bytes since the last call (this rank; vLLM sums over ranks)."""
+        """Outcomes, bytes, loaded tokens and load failures since the last call (this rank; vLLM sums over ranks)."""
         out, self._counters = self._counters, dict.fromkeys(COUNTERS, 0)
+        for key, value in out.items():
+            self._totals[key] += value
         return out
+
+    def totals(self) -> dict[str, int]:
+        """The same counters since this engine started (for Prometheus; :meth:`take_counters` does not reset them)."""
+        return {key: self._totals[key] + self._counters[key] for key in COUNTERS}
 
     @property
     def role(self) -> str:
@@ -137,20 +202,39 @@ class KvcoreEngine:
     def incarnation(self) -> str:
         return self.transceiver.incarnation
 
+    def kv_request_id(self, name: str) -> Any:
+        """The kvcore request id that request ``name`` of this engine sends or loads (None if not tracked)."""
+        entry = self._entries.get(name)
+        return None if entry is None else entry.kv_id
+
+    def _track(self, name: str, entry: _Entry) -> None:
+        self._entries[name] = entry
+        self._names[entry.kv_id] = name
+
+    def _untrack(self, name: str) -> _Entry:
+        entry = self._entries.pop(name)
+        if self._names.get(entry.kv_id) == name:
+            del self._names[entry.kv_id]
+        return entry
+
+    def _claimed_by_other(self, name: str, kv_id: Any) -> str | None:
+        other = self._names.get(kv_id)
+        return other if other is not None and other != name else None
+
     # --- prefill side ------------------------------------------------------------------------------
 
     def send(self, name: str, block_ids: Sequence[int], prompt_len: int, params: TransferParams) -> None:
         """The KV of request ``name`` is complete in ``block_ids``; serve it to whoever presents ``params``' ticket."""
-        entry = _Entry(Phase.SENDING, list(block_ids))
-        if name in self._entries:
+        entry = _Entry(Phase.SENDING, params.request_id, list(block_ids))
+        if name in self._entries or self._claimed_by_other(name, params.request_id):
             self._refuse(name, entry, E.SessionError(f"request {name!r} is already being sent from this worker"))
             return
         try:
-            self.transceiver.start_send(name, block_ids, prompt_len=prompt_len, params=params)
+            self.transceiver.start_send(params.request_id, block_ids, prompt_len=prompt_len, params=params)
         except E.KvcoreError as exc:
             self._refuse(name, entry, exc)
             return
-        self._entries[name] = entry
+        self._track(name, entry)
 
     # --- decode side -------------------------------------------------------------------------------
 
@@ -158,25 +242,46 @@ class KvcoreEngine:
         """Request ``name`` will be received here once vLLM allocated its blocks: keep the prefill's lease renewed."""
         if name in self._entries:
             return
+        other = self._claimed_by_other(name, params.request_id)
+        if other is not None:
+            log.warning(
+                "request %r: its parameters name prefill request %r, which request %r already loads here; "
+                "not expecting it",
+                name,
+                params.request_id,
+                other,
+            )
+            return
         try:
             self.transceiver.expect(params)
         except E.KvcoreError as exc:
             # Nothing started: receive() will try again and report what it finds.
-            log.warning("request %r: kvcore refused to expect it: %s", name, exc)
+            log.info("request %r: kvcore refused to expect it: %s", name, exc)
             return
-        self._entries[name] = _Entry(Phase.EXPECTED)
+        self._track(name, _Entry(Phase.EXPECTED, params.request_id))
 
-    def receive(self, name: str, params: TransferParams, block_ids: Sequence[int]) -> None:
+    def receive(self, name: str, params: TransferParams, block_ids: Sequence[int], num_tokens: int = 0) -> None:
         """Fetch request ``name``'s KV into ``block_ids`` (the suffix not cached locally); reported once released."""
         blocks = list(block_ids)
         entry = self._entries.get(name)
+        fresh = _Entry(Phase.RECEIVING, params.request_id, blocks, num_tokens)
         if entry is not None and entry.phase is not Phase.EXPECTED:
-            self._refuse(name, _Entry(Phase.RECEIVING, blocks), E.SessionError(f"request {name!r} is in flight here"))
+            self._refuse(name, fresh, E.SessionError(f"request {name!r} is in flight here"))
+            return
+        other = self._claimed_by_other(name, params.request_id)
+        if other is not None:
+            self._refuse(
+                name,
+                fresh,
+                E.SessionError(
+                    f"prefill request {params.request_id!r} is already being loaded here by request {other!r}"
+                ),
+            )
             return
         if entry is not None and entry.released:
             # Its expectation ended (lease expired, context lost) and kvcore let go of it: nothing will arrive.
-            del self._entries[name]
-            entry.phase, entry.block_ids = Phase.RECEIVING, blocks
+            self._untrack(name)
+            entry.phase, entry.block_ids, entry.num_tokens = Phase.RECEIVING, blocks, num_tokens
             self._ready.append((name, entry))
             return
         try:
@@ -184,16 +289,40 @@ class KvcoreEngine:
         except E.KvcoreError as exc:
             if entry is not None:
                 # Expected but refused now: give the expectation up; report once kvcore released it.
-                entry.phase, entry.block_ids = Phase.RECEIVING, blocks
+                entry.phase, entry.block_ids, entry.num_tokens = Phase.RECEIVING, blocks, num_tokens
                 entry.delivered, entry.error = False, exc
-                self.transceiver.cancel(name, f"start_receive refused: {exc}")
+                self.transceiver.cancel(entry.kv_id, f"start_receive refused: {exc}")
                 return
-            self._refuse(name, _Entry(Phase.RECEIVING, blocks), exc)
+            self._refuse(name, fresh, exc)
             return
         if entry is None:
-            self._entries[name] = _Entry(Phase.RECEIVING, blocks)
+            self._track(name, fresh)
         else:
-            entry.phase, entry.block_ids = Phase.RECEIVING, blocks
+            entry.phase, entry.block_ids, entry.num_tokens = Phase.RECEIVING, blocks, num_tokens
+
+    def fail_load(self, name: str, block_ids: Sequence[int], error: E.KvcoreError) -> None:
+        """Report request ``name``'s load as failed at once (the scheduler refused its parameters; policy ``fail``).
+
+        Counted and logged by :meth:`poll` on rank 0 only: the refusal concerns the request, not this rank.
+        """
+        entry = _Entry(Phase.RECEIVING, None, list(block_ids), aborted=self.rank != 0)
+        self._refuse(name, entry, error)
+
+    def note_fallback(self, name: str, error: str) -> None:
+        """The scheduler computes request ``name``'s prompt locally (policy ``recompute``): count it and say why.
+
+        The scheduler refused the parameters (:data:`LoadFailure.INVALID_PARAMS`), so no load was started.
+        Counted on rank 0 only.
+        """
+        if self.rank != 0:
+            return
+        self._counters[f"load_failures_{LoadFailure.INVALID_PARAMS.value}"] += 1
+        log.warning(
+            "request %r: KV not loaded (%s): %s; computing its prompt locally",
+            name,
+            LoadFailure.INVALID_PARAMS.value,
+            error,
+        )
 
     def drop(self, name: str, params: TransferParams | None, reason: str) -> None:
         """vLLM forgot request ``name`` (aborted before it loaded, or nothing to load): let the prefill free now.
@@ -208,21 +337,21 @@ class KvcoreEngine:
             self.cancel(name, reason)
             return
         if entry is not None and entry.released:
-            del self._entries[name]
+            self._untrack(name)
             return
-        if params is None:
+        if params is None or self._claimed_by_other(name, params.request_id):
             if entry is not None:
                 entry.phase = Phase.DROPPED
-                self.transceiver.cancel(name, reason)
+                self.transceiver.cancel(entry.kv_id, reason)
             return
         try:
             self.transceiver.start_receive(params=params, block_ids=[])
         except E.KvcoreError as exc:
             log.info("request %r: could not tell the prefill to free it (%s); its lease frees it", name, exc)
             if entry is not None:
-                self.transceiver.cancel(name, reason)
+                self.transceiver.cancel(entry.kv_id, reason)
         if entry is None:
-            self._entries[name] = _Entry(Phase.DROPPED)
+            self._track(name, _Entry(Phase.DROPPED, params.request_id))
         else:
             entry.phase = Phase.DROPPED
 
@@ -235,13 +364,16 @@ class KvcoreEngine:
 
     def cancel(self, name: str, reason: str) -> bool:
         """Cancel request ``name``; it is still reported by :meth:`poll` once kvcore released it."""
-        if name not in self._entries:
+        entry = self._entries.get(name)
+        if entry is None:
             return False
-        return self.transceiver.cancel(name, reason)
+        entry.aborted = True
+        return self.transceiver.cancel(entry.kv_id, reason)
 
     def _refuse(self, name: str, entry: _Entry, exc: E.KvcoreError) -> None:
         """Nothing was started: vLLM gets the request back at once, as a failure."""
-        log.warning("request %r: kvcore refused to start: %s", name, exc)
+        if entry.phase is Phase.SENDING:
+            log.warning("request %r: kvcore refused to send it: %s", name, exc)
         entry.delivered, entry.error, entry.released = False, exc, True
         self._ready.append((name, entry))
 
@@ -256,19 +388,20 @@ class KvcoreEngine:
         c["bytes_moved"] += sum(o.nbytes for o in result.done)
         done = {o.request_id for o in result.done}
         for o in result.outcomes:
-            entry = self._entries.get(str(o.request_id))
+            name = self._names.get(o.request_id)
+            entry = self._entries.get(name) if name is not None else None
             if entry is not None and entry.delivered is None:
                 entry.delivered, entry.error = o.request_id in done, o.error
         ready, self._ready = self._ready, []
         for rid in result.released:
-            name = str(rid)
-            entry = self._entries.get(name)
-            if entry is None:
+            name = self._names.get(rid)
+            if name is None:
                 continue
+            entry = self._entries[name]
             entry.released = True
             if entry.phase is Phase.EXPECTED:
                 continue  # vLLM does not wait for it yet: reported when it allocates (receive) or forgets it (drop)
-            del self._entries[name]
+            self._untrack(name)
             ready.append((name, entry))
         for name, entry in ready:
             ok = entry.delivered is True
@@ -280,11 +413,24 @@ class KvcoreEngine:
                 out.finished_sending.add(name)
             else:
                 out.finished_recving.add(name)
-                if not ok:
-                    out.failed_recving[name] = entry.error or E.SessionError(
-                        f"request {name!r}: released without an outcome"
-                    )
-                    out.failed_block_ids.update(entry.block_ids)
+                if ok:
+                    c["tokens_loaded"] += entry.num_tokens
+                    continue
+                error = entry.error or E.SessionError(f"request {name!r}: released without an outcome")
+                out.failed_recving[name] = error
+                out.failed_block_ids.update(entry.block_ids)
+                if entry.aborted:
+                    log.info("request %r: load given up (%s)", name, error)
+                    continue
+                reason = classify_load_failure(error)
+                c[f"load_failures_{reason.value}"] += 1
+                log.warning(
+                    "request %r: KV not loaded (%s, prefill request %r): %s",
+                    name,
+                    reason.value,
+                    entry.kv_id,
+                    error,
+                )
         return out
 
     @property
@@ -294,3 +440,36 @@ class KvcoreEngine:
 
     def close(self) -> None:
         self.transceiver.close()
+
+
+class EngineCollector:
+    """A prometheus-client collector of one worker's load counters, served beside kvcore's own families.
+
+    ``kvcore_vllm_load_failures_total{reason,rank}``, ``kvcore_vllm_tokens_loaded_total{rank}``: totals since the
+    worker started, read at scrape time (``metrics_port`` in ``kv_connector_extra_config``).
+    """
+
+    def __init__(self, engine: KvcoreEngine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        totals = self._engine.totals()
+        rank = str(self._engine.rank)
+        failures = CounterMetricFamily(
+            "kvcore_vllm_load_failures",
+            "Decode requests whose KV kvcore did not load on this worker, by reason.",
+            labels=["reason", "rank"],
+        )
+        for r in LoadFailure:
+            failures.add_metric([r.value, rank], totals[f"load_failures_{r.value}"])
+        yield failures
+        tokens = CounterMetricFamily(
+            "kvcore_vllm_tokens_loaded", "Prompt tokens this decode worker loaded over kvcore.", labels=["rank"]
+        )
+        tokens.add_metric([rank], totals["tokens_loaded"])
+        yield tokens
+
+    def describe(self) -> list[Any]:
+        return []

@@ -2,7 +2,7 @@
 
 Every key is a :class:`kvcore.TransceiverConfig` field (``backend``,
 ``agent_options``, ``host``, ``port``, ``request_timeout_s``, ``lease_s``,
-...), except two:
+...), except three:
 
 * ``config_file``: a kvcore TOML/YAML file read first. ``KVCORE_*``
   environment variables apply between the file and the keys given here, as
@@ -11,6 +11,10 @@ Every key is a :class:`kvcore.TransceiverConfig` field (``backend``,
   prefill's blocks as soon as it allocated its own, vLLM's usual flow) or
   ``"push"`` (the prefill writes into the decode's blocks once asked); the
   same as kvcore's ``transfer_mode``, which it overrides.
+* ``metrics_port``: each worker serves kvcore's Prometheus metrics (kvcore's
+  own families and the connector's ``kvcore_vllm_load_failures_total``) on
+  ``http://<host>:<metrics_port + TP rank>/metrics``, on the transceiver's
+  ``host`` (loopback by default). Off when absent.
 
 An unknown key raises ``ConfigError`` naming it and the known ones.
 """
@@ -18,12 +22,13 @@ An unknown key raises ``ConfigError`` naming it and the known ones.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvcore.config import TransceiverConfig
 from kvcore.errors import ConfigError
 
-__all__ = ["DEFAULT_MODE", "ROLES", "transceiver_config", "transceiver_role"]
+__all__ = ["DEFAULT_MODE", "ROLES", "ConnectorOptions", "connector_options", "transceiver_config", "transceiver_role"]
 
 #: The transfer mode when ``kv_connector_extra_config`` names none (neither ``mode`` nor ``transfer_mode``).
 DEFAULT_MODE = "pull"
@@ -32,8 +37,25 @@ DEFAULT_MODE = "pull"
 ROLES = {"kv_producer": "context", "kv_consumer": "generation"}
 
 
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """What ``kv_connector_extra_config`` asks for: kvcore's configuration and the connector's own keys."""
+
+    config: TransceiverConfig
+    metrics_port: int | None = None
+
+
+def connector_options(extra_config: Mapping[str, Any] | None) -> ConnectorOptions:
+    """The kvcore configuration and connector options ``kv_connector_extra_config`` asks for."""
+    values = dict(extra_config or {})
+    port = values.pop("metrics_port", None)
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        raise ConfigError(f"kv_connector_extra_config.metrics_port: expected a TCP port (1-65535), got {port!r}")
+    return ConnectorOptions(transceiver_config(values), port)
+
+
 def transceiver_config(extra_config: Mapping[str, Any] | None) -> TransceiverConfig:
-    """The kvcore configuration ``kv_connector_extra_config`` asks for."""
+    """The kvcore configuration ``kv_connector_extra_config`` asks for (without the connector's own keys)."""
     values = dict(extra_config or {})
     file = values.pop("config_file", None)
     if file is not None and not isinstance(file, str):
