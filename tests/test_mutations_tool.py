@@ -248,11 +248,14 @@ def test_the_real_list_applies_to_this_tree(capsys: pytest.CaptureFixture[str]) 
 def test_sample_is_the_canary_and_a_rotation_over_the_rest(tree: Path) -> None:
     muts = tool.load(tree / "tools" / "mutations.toml")
     muts += [tool.Mutation(f"m{i}", "g", "f", "a", "b", ("t",)) for i in range(3)]
-    pool = [m.name for m in muts if not m.canary]
-    picks = [[m.name for m in tool.sample(muts, 1, seed)] for seed in range(len(pool))]
+    pool = [m.name for m in muts if not m.canary]  # 4 entries
+    picks = [[m.name for m in tool.sample(muts, 1, seed)] for seed in range(4)]
     assert all(p[0] == "canary" for p in picks)
     assert sorted(p[1] for p in picks) == sorted(pool)  # consecutive commits cover every entry in turn
+    pairs = [[m.name for m in tool.sample(muts, 2, seed)][1:] for seed in (10, 11)]
+    assert sorted(pairs[0] + pairs[1]) == sorted(pool)  # two commits, two entries each: all four
     assert tool.sample(muts, 2, 7) == tool.sample(muts, 2, 7)
+    assert [m.name for m in tool.sample(muts, 9, 3)] == ["canary", *pool]  # never more than the list
 
 
 @pytest.mark.parametrize(

@@ -37,13 +37,13 @@ and listed; ``--allow-baseline-failures`` reports them without failing.
 ``--check`` is the cheap half, run by ``make lint`` (so by CI) on every change:
 every snippet still applies exactly once, the mutated file still compiles, and
 every named test file and test function exists. It prints only the problems
-and one summary line. ``--sample N`` runs the canary and N entries chosen by a
-rotation over the commit count of ``HEAD`` (``make mutations-sample``, in CI).
+and one summary line. ``--sample N`` runs the canary and the next N entries of
+a rotation driven by the commit count of ``HEAD`` (``make mutations-sample``, in CI).
 Usage::
 
-    python tools/mutations.py                 # every entry (make mutations; 30-60 min here)
+    python tools/mutations.py                 # every entry (make mutations; ~10 min here)
     python tools/mutations.py --only NAME ... # some entries
-    python tools/mutations.py --sample 1      # the canary and one rotating entry (make mutations-sample)
+    python tools/mutations.py --sample 3      # the canary and 3 entries in turn (make mutations-sample, CI)
     python tools/mutations.py --check         # every entry still applies; quiet (make lint)
     python tools/mutations.py --list          # names, files, guarantees and tests, with the same check
 
@@ -414,20 +414,33 @@ def check(root: Path, muts: list[Mutation], *, verbose: bool) -> int:
 # --- selection -------------------------------------------------------------------------------------------------
 
 
+def _git(root: Path, *args: str) -> str | None:
+    res = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
 def rotation_seed(root: Path) -> int:
-    """The commit count of ``HEAD`` (each commit moves the sample on by one); a hash of the date without git."""
-    res = subprocess.run(["git", "rev-list", "--count", "HEAD"], cwd=root, capture_output=True, text=True)
-    if res.returncode == 0 and res.stdout.strip().isdigit():
-        return int(res.stdout.strip())
+    """The commit count of ``HEAD``: each commit moves the sample on by one entry, so consecutive commits cover
+    the whole list. A shallow clone cannot count, so there HEAD's hash picks; without git, the date."""
+    if _git(root, "rev-parse", "--is-shallow-repository") == "false":
+        count = _git(root, "rev-list", "--count", "HEAD")
+        if count and count.isdigit():
+            return int(count)
+    head = _git(root, "rev-parse", "HEAD")
+    if head:
+        return int(head[:8], 16)
     return int(hashlib.sha256(time.strftime("%Y-%m-%d").encode()).hexdigest()[:8], 16)
 
 
 def sample(muts: list[Mutation], n: int, seed: int) -> list[Mutation]:
-    """The canary, then ``n`` other entries in list order from position ``seed`` (mod their count) on."""
+    """The canary, then the ``seed``-th group of ``n`` other entries in list order (wrapping around).
+
+    Consecutive seeds take consecutive groups: ``ceil(len / n)`` commits in a row run every entry once.
+    """
     canary = [m for m in muts if m.canary]
     pool = [m for m in muts if not m.canary]
     n = min(n, len(pool))
-    return canary + [pool[(seed + i) % len(pool)] for i in range(n)]
+    return canary + [pool[(seed * n + i) % len(pool)] for i in range(n)]
 
 
 def _parser() -> argparse.ArgumentParser:
