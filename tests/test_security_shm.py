@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
+import socket
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,9 +24,10 @@ import pytest
 import torch
 from _shm_attacker import Attacker, forge_notification, steal
 
-from kvcore.errors import PeerLostError, RemoteAgentError
+from kvcore.errors import PeerLostError, RemoteAgentError, TransferTimeoutError
 from kvcore.testing.harness import PeerProcess, pattern
 from kvcore.transport.agent import TransferAgent, TransferOp, process_incarnation
+from kvcore.transport.builtin import shm
 from kvcore.transport.builtin.shm import ShmAgent
 
 MiB = 1024 * 1024
@@ -285,7 +289,6 @@ def test_a_dead_owner_is_peer_lost_not_a_crash(writer: ShmAgent, attacker: Attac
 
 def test_a_connection_flood_does_not_lock_out_a_loaded_peer(writer: ShmAgent, victim: PeerProcess) -> None:
     """1100 idle connections to the victim's fd socket (over its cap of 1024): a loaded writer is still served."""
-    import socket
 
     dst = victim.call("alloc", key="v", nbytes=MiB)["address"]
     victim.call("load", descriptor=writer.descriptor())
@@ -302,5 +305,71 @@ def test_a_connection_flood_does_not_lock_out_a_loaded_peer(writer: ShmAgent, vi
         assert np.array_equal(_victim_bytes(victim, "v"), pattern(18, MiB))
         assert victim.call("resources")["resources"]["served_connections"] <= 1024
     finally:
+        for s in flood:
+            s.close()
+
+
+def _fill_backlog(name: bytes) -> list[socket.socket]:
+    """Connect to a listener that does not accept (its process is stopped) until the kernel's backlog is full."""
+    flood = []
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.setblocking(False)
+        try:
+            s.connect(name)
+        except BlockingIOError:  # EAGAIN: the backlog is full
+            s.close()
+            break
+        flood.append(s)
+        assert len(flood) < 10_000, "the listener's backlog never filled"
+    return flood
+
+
+def _stopped_victim_with_full_backlog(writer: ShmAgent, victim: PeerProcess) -> tuple[int, bytes, list[socket.socket]]:
+    dst = victim.call("alloc", key="v", nbytes=MiB)["address"]
+    victim.call("load", descriptor=writer.descriptor())
+    real = victim.call("descriptor")["descriptor"]
+    os.kill(victim.pid, signal.SIGSTOP)  # alive, but its serving thread accepts nothing
+    return dst, real, _fill_backlog(b"\0" + _payload(real)["fds"].encode())
+
+
+def test_a_full_backlog_is_a_busy_peer_not_a_lost_one(
+    writer: ShmAgent, victim: PeerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EAGAIN from connect (the listen backlog is full) is retried, then a timeout; never "the peer is gone"."""
+    monkeypatch.setattr(shm, "_CONNECT_BUSY_S", 0.5, raising=False)
+    flood: list[socket.socket] = []
+    try:
+        dst, real, flood = _stopped_victim_with_full_backlog(writer, victim)
+        src = _source(writer, 19, MiB)
+        peer = writer.load_remote_agent(real)
+        with pytest.raises(TransferTimeoutError, match="backlog stayed full") as err:
+            _write(writer, peer, src, dst, MiB)
+        assert not isinstance(err.value, PeerLostError)
+        for s in flood:
+            s.close()
+        flood = []
+        os.kill(victim.pid, signal.SIGCONT)
+        _write(writer, peer, src, dst, MiB)  # the same loaded peer, served once it accepts again
+        assert np.array_equal(_victim_bytes(victim, "v"), pattern(19, MiB))
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+        for s in flood:
+            s.close()
+
+
+def test_a_full_backlog_is_retried_until_the_loaded_peer_accepts(writer: ShmAgent, victim: PeerProcess) -> None:
+    """The writer meets a full backlog; the victim resumes while the writer retries; the write lands."""
+    flood: list[socket.socket] = []
+    resume = threading.Timer(0.3, os.kill, (victim.pid, signal.SIGCONT))
+    try:
+        dst, real, flood = _stopped_victim_with_full_backlog(writer, victim)
+        src = _source(writer, 20, MiB)
+        resume.start()  # the victim accepts the queued flood, then the writer's own connection
+        _write(writer, writer.load_remote_agent(real), src, dst, MiB)
+        assert np.array_equal(_victim_bytes(victim, "v"), pattern(20, MiB))
+    finally:
+        resume.cancel()
+        os.kill(victim.pid, signal.SIGCONT)
         for s in flood:
             s.close()

@@ -60,6 +60,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ from kvcore.errors import (
     RemoteRangeError,
     TransferError,
     TransferFailedError,
+    TransferTimeoutError,
     UnsupportedOperationError,
 )
 from kvcore.extension.convert import convert_options
@@ -114,6 +116,9 @@ _MAX_REQUEST_BYTES = 4096
 _MAX_REPLY_BYTES = 1 << 20
 _FDS_PER_MESSAGE = 250  # the kernel passes at most SCM_MAX_FD (253) fds in one message
 _FETCH_TIMEOUT_S = 10.0
+# How long a full listen backlog (EAGAIN: the owner is alive but has not accepted yet, e.g. under a connection
+# flood or a loaded box) is retried before the fetch gives up with a TransferTimeoutError, not PeerLostError.
+_CONNECT_BUSY_S = 10.0
 _MAX_SERVER_CONNECTIONS = 1024
 
 # Sealing constants (Linux); Python 3.11's fcntl may lack them.
@@ -276,6 +281,45 @@ class _Export:
     segment: _Segment
     slot: int
     token: int
+
+
+def _connect_fds(who: str, fds_name: str) -> socket.socket:
+    """A connection to a peer's fd socket; ``PeerLostError`` only when nobody is there.
+
+    ECONNREFUSED and ENOENT mean no process listens under that name: the peer closed or died. EAGAIN means the
+    listen backlog is full: the owner is alive but has not accepted yet (a flood of idle connections, or a loaded
+    box), so it is retried until ``_CONNECT_BUSY_S`` and then is a ``TransferTimeoutError``. Any other error is a
+    ``TransferFailedError`` naming it: the peer may well be alive.
+    """
+    deadline = time.monotonic() + _CONNECT_BUSY_S
+    pause = 0.001
+    attempts = 0
+    while True:
+        attempts += 1
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        conn.settimeout(_FETCH_TIMEOUT_S)
+        try:
+            conn.connect(b"\0" + fds_name.encode())
+            return conn
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            conn.close()
+            raise PeerLostError(f"{who}: its shm socket is gone ({exc}); the peer agent closed or died") from exc
+        except BlockingIOError as exc:
+            conn.close()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeoutError(
+                    f"{who}: its shm socket's listen backlog stayed full for {_CONNECT_BUSY_S:g} s "
+                    f"({attempts} attempts, last: {exc}); the peer is alive but does not accept"
+                ) from exc
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
+        except TimeoutError as exc:
+            conn.close()
+            raise TransferTimeoutError(f"{who}: connecting to its shm socket timed out ({exc})") from exc
+        except OSError as exc:
+            conn.close()
+            raise TransferFailedError(f"{who}: connecting to its shm socket failed ({exc})") from exc
 
 
 @dataclass(eq=False)
@@ -660,6 +704,8 @@ class ShmAgent(TransferAgent):
         try:
             probe.connect(b"\0" + old.fds_name.encode())
             return True
+        except BlockingIOError:  # a full backlog: someone is there, only busy
+            return True
         except OSError:
             return False
         finally:
@@ -719,13 +765,7 @@ class ShmAgent(TransferAgent):
         peer: _Peer = remote.native
         who = f"peer {peer.name!r} (pid {peer.pid})"
         if peer.conn is None:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-            conn.settimeout(_FETCH_TIMEOUT_S)
-            try:
-                conn.connect(b"\0" + peer.fds_name.encode())
-            except OSError as exc:
-                conn.close()
-                raise PeerLostError(f"{who}: its shm socket is gone ({exc}); the peer agent closed or died") from exc
+            conn = _connect_fds(who, peer.fds_name)
             served_by = _peer_pid(conn)
             if served_by != peer.pid:
                 conn.close()
