@@ -144,6 +144,40 @@ def test_remote_range_error_when_the_receiver_pools_are_not_agent_memory(ctx: Ra
         gen.close()
 
 
+def test_pull_from_a_context_pool_not_allocated_by_the_shm_agent_is_refused_at_construction(pm: Any) -> None:
+    """A pull-mode context whose pools are plain torch memory is refused by the constructor, naming allocate_tensor."""
+    from kvcore.config import TransceiverConfig, create_agent
+    from kvcore.layout.builders import allocate_kv_cache, build_page_table
+    from kvcore.layout.topology import AttentionGeometry, Topology
+    from kvcore.transceiver import Transceiver
+
+    geo = AttentionGeometry(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=8, dtype="bfloat16")
+    topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geo.num_layers)
+    cfg = TransceiverConfig(backend="shm", transfer_mode="pull")
+    agent = create_agent(cfg, "pull-ctx", pm)
+    try:
+        for allocator, refused in (
+            (lambda shape, dtype: torch.zeros(shape, dtype=dtype), True),
+            (agent.allocate_tensor, False),
+        ):
+            caches = allocate_kv_cache(topo, geo, 8, allocator=allocator)
+            table = build_page_table("head_major_pool", caches, topology=topo, geometry=geo)
+
+            def build() -> Transceiver:
+                return Transceiver(
+                    cfg, role="context", agent=agent, topology=topo, geometry=geo, page_table=table, pm=pm
+                )
+
+            if refused:
+                with pytest.raises(E.RegistrationError, match=r"transfer_mode='pull'.*agent\.allocate_tensor"):
+                    build()
+                assert agent.registrations == (), "the refused pools stay registered"
+            else:
+                build().close()  # the same pools from the agent's shared memory are accepted
+    finally:
+        agent.close()
+
+
 def test_peer_closing_with_requests_in_flight_fails_them_with_peer_lost() -> None:
     """The context instance shuts down cleanly while a receiver waits for a request: PeerLostError, then released."""
     c = ContextProcess(timeout=60.0)

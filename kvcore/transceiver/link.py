@@ -235,6 +235,13 @@ class Link:
         self.registrations = [
             agent.register_memory(MemoryRegion(addr, length, kind, dev_id)) for addr, length in page_table.regions()
         ]
+        if role == "context" and config.transfer_mode == "pull":
+            try:
+                self.require_offered("transfer_mode='pull': the generation side READs this context rank's KV pools")
+            except E.RegistrationError:
+                for reg in self.registrations:
+                    agent.deregister_memory(reg)
+                raise
         self._bounce_tensors: list[Any] = []
         # The receiver's bounce arena is registered before the descriptor is taken, so that peers may write it.
         self.bounce_on = config.bounce_enabled and kind is MemoryKind.DRAM
@@ -306,6 +313,22 @@ class Link:
         """Install the role: one handler per message type it accepts, its timer, its busy test."""
         self._handlers = dict(handlers)
         self._tick, self._busy = tick, busy
+
+    def require_offered(self, why: str) -> None:
+        """Raise ``RegistrationError`` unless the agent offers every KV pool region to peers (``why``: who needs it).
+
+        A pool the transport cannot expose (the shm agent's ordinary, non-shared memory) would otherwise fail only
+        at the first transfer, with a ``RemoteRangeError`` at the peer that names no cause.
+        """
+        hidden = [r for r in self.registrations if not self.agent.offers(r)]
+        if hidden:
+            first = hidden[0].region
+            raise E.RegistrationError(
+                f"{why}, but {len(hidden)} of {len(self.registrations)} pool regions (the first at "
+                f"{first.address:#x}, {first.length} bytes) are memory the {self.agent.backend} agent cannot offer to "
+                "peers; allocate the pools with agent.allocate_tensor (e.g. allocate_kv_cache(..., "
+                "allocator=agent.allocate_tensor))"
+            )
 
     def start(self) -> None:
         self.messenger.start()

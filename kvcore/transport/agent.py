@@ -384,6 +384,14 @@ class TransferAgent(ABC):
     def registrations(self) -> tuple[Registration, ...]:
         return tuple(self._registrations.values())
 
+    def offers(self, registration: Registration) -> bool:
+        """Whether peers may address ``registration`` (it is listed in this agent's descriptor).
+
+        False for memory the transport can only use locally (the shm agent: memory not from its
+        ``allocate_tensor``); such memory is a valid local source or destination, never a peer's target.
+        """
+        return self._exported(registration)
+
     def _registrations_changed(self) -> None:
         self._generation += 1
         regions = [r.region for r in self._registrations.values()]
