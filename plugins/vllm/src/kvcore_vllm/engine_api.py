@@ -30,6 +30,7 @@ from enum import Enum
 from typing import Any
 
 from kvcore import errors as E
+from kvcore.control.wire import parse_endpoint
 from kvcore.params import TransferParams
 from kvcore.transceiver import Transceiver
 
@@ -75,6 +76,10 @@ def parse_params(kv_transfer_params: Mapping[str, Any] | None) -> TransferParams
         raise InvalidTransferParamsError(f"kv_transfer_params[{PARAMS_KEY!r}]: {exc}") from None
     except (RecursionError, TypeError, ValueError) as exc:  # hostile nesting or types msgspec refuses untyped
         raise InvalidTransferParamsError(f"kv_transfer_params[{PARAMS_KEY!r}]: malformed ({exc})") from None
+    try:
+        parse_endpoint(params.endpoint)  # checked here, not at the worker's first contact: a refused parameter
+    except E.ProtocolError as exc:
+        raise InvalidTransferParamsError(f"kv_transfer_params[{PARAMS_KEY!r}].endpoint: {exc}") from None
     remote = (kv_transfer_params or {}).get("remote_request_id")
     if remote is not None and remote != params.request_id:
         raise InvalidTransferParamsError(
