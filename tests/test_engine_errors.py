@@ -163,7 +163,7 @@ def test_pull_from_a_context_pool_not_allocated_by_the_shm_agent_is_refused_at_c
             caches = allocate_kv_cache(topo, geo, 8, allocator=allocator)
             table = build_page_table("head_major_pool", caches, topology=topo, geometry=geo)
 
-            def build() -> Transceiver:
+            def build(table: Any = table) -> Transceiver:
                 return Transceiver(
                     cfg, role="context", agent=agent, topology=topo, geometry=geo, page_table=table, pm=pm
                 )
