@@ -1,0 +1,191 @@
+"""A small disaggregated-serving proxy for vLLM's OpenAI API: prefill on one instance, decode on another.
+
+Run it in front of a prefill ``vllm serve`` (``kv_producer``) and a decode ``vllm serve`` (``kv_consumer``),
+both with ``KvcoreConnector`` (or any connector that follows vLLM's P/D protocol)::
+
+    python -m kvcore_vllm.proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+For each ``POST /v1/completions`` (and ``/v1/chat/completions``) it sends the request to a prefill instance
+with ``max_tokens: 1``, ``stream: false`` and ``"kv_transfer_params": {"do_remote_decode": true}``, then
+sends the client's request, unchanged but for the ``kv_transfer_params`` the prefill answered, to a decode
+instance, and relays that answer (streamed when the client asked for a stream). Several ``--prefill`` and
+``--decode`` URLs are taken in turn (round robin). ``GET /v1/models`` is a decode instance's;
+``GET /health`` is 200 only when every instance answers its own ``/health``.
+
+It binds 127.0.0.1 unless ``--host`` says otherwise. It does not authenticate clients: put it behind what
+guards your API. The ``kv_transfer_params`` are a credential for the request's KV (they carry kvcore's
+ticket): the proxy passes them only to the decode instance and never to the client of the prefill step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+log = logging.getLogger("kvcore_vllm.proxy")
+
+#: The largest request body the proxy reads (a long prompt as token ids is a few MiB).
+MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Headers passed on to the instances (the client's API key among them).
+FORWARDED_HEADERS = ("authorization", "x-request-id")
+
+
+class ProxyError(Exception):
+    """A request the proxy cannot serve: ``status`` is the HTTP status it answers with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request the prefill instance gets: one token, not streamed, asking to hand the KV to a decode."""
+    if int(body.get("n", 1) or 1) != 1:
+        raise ProxyError(400, "n: the disaggregated proxy serves one completion per request (n=1)")
+    if body.get("best_of") not in (None, 1):
+        raise ProxyError(400, "best_of: the disaggregated proxy serves one completion per request")
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if "min_tokens" in out:
+        out["min_tokens"] = 0
+    return out
+
+
+def decode_body(body: dict[str, Any], prefill_answer: Any, prefill_url: str) -> dict[str, Any]:
+    """The client's request with the prefill's ``kv_transfer_params`` (``ProxyError`` 502 when it gave none)."""
+    params = prefill_answer.get("kv_transfer_params") if isinstance(prefill_answer, dict) else None
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        raise ProxyError(
+            502,
+            f"the prefill instance {prefill_url} answered without kv_transfer_params for a remote decode: "
+            "is it started with a kv_producer connector (--kv-transfer-config)?",
+        )
+    return {**body, "kv_transfer_params": params}
+
+
+class _RoundRobin:
+    def __init__(self, name: str, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError(f"{name}: at least one instance URL is needed")
+        self.urls = [u.rstrip("/") for u in urls]
+        self._next: Iterator[str] = itertools.cycle(self.urls)
+
+    def pick(self) -> str:
+        return next(self._next)
+
+
+def make_app(prefill: Sequence[str], decode: Sequence[str], *, timeout_s: float = 600.0) -> Any:
+    """The proxy as an ``aiohttp.web.Application`` (aiohttp comes with vLLM)."""
+    import aiohttp
+    from aiohttp import web
+
+    prefills, decodes = _RoundRobin("prefill", prefill), _RoundRobin("decode", decode)
+    session_key = web.AppKey("session", aiohttp.ClientSession)
+
+    async def on_startup(app: web.Application) -> None:
+        app[session_key] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+    async def on_cleanup(app: web.Application) -> None:
+        await app[session_key].close()
+
+    def error(status: int, message: str) -> web.Response:
+        return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}}, status=status)
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return error(400, "the request body must be a JSON object")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        session = request.app[session_key]
+        p_url, d_url = prefills.pick(), decodes.pick()
+        try:
+            first = prefill_body(body)
+            async with session.post(p_url + request.path, json=first, headers=headers) as r:
+                if r.status != 200:
+                    text = (await r.read())[:4000].decode(errors="replace")
+                    return error(r.status, f"the prefill instance {p_url} answered {r.status}: {text}")
+                answer = await r.json(content_type=None)
+            second = decode_body(body, answer, p_url)
+        except ProxyError as exc:
+            return error(exc.status, str(exc))
+        except aiohttp.ClientError as exc:
+            return error(502, f"the prefill instance {p_url} is unreachable: {exc}")
+        try:
+            async with session.post(d_url + request.path, json=second, headers=headers) as r:
+                if not body.get("stream"):
+                    return web.Response(
+                        body=await r.read(), status=r.status, content_type=r.content_type or "application/json"
+                    )
+                out = web.StreamResponse(
+                    status=r.status, headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream")}
+                )
+                await out.prepare(request)
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        except aiohttp.ClientError as exc:
+            return error(502, f"the decode instance {d_url} is unreachable: {exc}")
+
+    async def models(request: web.Request) -> web.Response:
+        url = decodes.urls[0]
+        try:
+            async with request.app[session_key].get(url + "/v1/models") as r:
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+        except aiohttp.ClientError as exc:
+            return error(502, f"the decode instance {url} is unreachable: {exc}")
+
+    async def health(request: web.Request) -> web.Response:
+        down = []
+        for url in [*prefills.urls, *decodes.urls]:
+            try:
+                async with request.app[session_key].get(url + "/health") as r:
+                    if r.status != 200:
+                        down.append(f"{url} ({r.status})")
+            except aiohttp.ClientError as exc:
+                down.append(f"{url} ({exc.__class__.__name__})")
+        if down:
+            return error(503, "not every instance is healthy: " + ", ".join(down))
+        return web.json_response({"status": "ok", "prefill": prefills.urls, "decode": decodes.urls})
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_post("/v1/completions", relay)
+    app.router.add_post("/v1/chat/completions", relay)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcore_vllm.proxy", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--prefill", action="append", required=True, metavar="URL", help="a prefill instance (repeat for more)"
+    )
+    parser.add_argument(
+        "--decode", action="append", required=True, metavar="URL", help="a decode instance (repeat for more)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="limit for each instance's answer")
+    args = parser.parse_args(argv)
+    from aiohttp import web
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app = make_app(args.prefill, args.decode, timeout_s=args.timeout_s)
+    log.info("proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
