@@ -21,47 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcore_vllm.tiny_model import LARGE_MODEL, MODEL, write_model  # noqa: F401  (the tests' model, made here)
+
 from kvcore.testing.ranks import Channel, serve
-
-#: The tiny model's shape: 2 KiB of KV per token in bf16 (4 layers x 2 KV heads x 64 x K,V x 2 bytes),
-#: so a 512-token prompt carries 1 MiB of KV.
-MODEL = {
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 1000,
-}
-#: A larger one for the bench: 16 KiB of KV per token (8 layers x 8 KV heads x 64), 16 MiB per 1,024 tokens.
-LARGE_MODEL = {
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "vocab_size": 1000,
-}
-
-
-def write_model(path: str, shape: dict[str, int] | None = None, seed: int = 0) -> str:
-    """A random Llama saved with ``transformers`` (no hub): weights wide enough that greedy tokens vary."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        max_position_embeddings=4096,
-        initializer_range=0.3,  # the default 0.02 makes a random model repeat one token: a weak check
-        torch_dtype="bfloat16",
-        **(shape or MODEL),
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path)
-    return path
 
 
 @dataclass
