@@ -105,4 +105,4 @@ demo-vllm: vllm-cpu-env
 
 # kvcore's connector against vLLM's NixlConnector on the same engines, interleaved (plugins/vllm/README.md).
 bench-vllm: vllm-cpu-env
-	$(VLLM_CPU_PY) plugins/vllm/tests/engines/bench.py
+	$(VLLM_CPU_PY) -m kvcore_vllm.bench

@@ -132,13 +132,21 @@ def deployment(
     workdir = Path(workdir)
     extra = {"gil_switch_interval_s": 0.0005, **(extra or {})} if connector == "kvcore" else {}
     tag = f"{connector}-{backend}-{mode}" if connector == "kvcore" else connector
+
+    def side_channel() -> dict[str, str]:
+        # vLLM's NixlConnector: every instance's handshake listener on a port of its own (its default, 5600, is
+        # shared by every instance on a host), on loopback.
+        if connector != "nixl":
+            return {}
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK}
+
     prefill = VllmServer(
         model_dir, free_port(), "prefill", connector, backend, mode, extra, cpu=cores[0],
-        tensor_parallel_size=tensor_parallel[0], log_path=str(workdir / f"prefill-{tag}.log"),
+        tensor_parallel_size=tensor_parallel[0], log_path=str(workdir / f"prefill-{tag}.log"), env=side_channel(),
     )  # fmt: skip
     decode = VllmServer(
         model_dir, free_port(), "decode", connector, backend, mode, extra, cpu=cores[1],
-        tensor_parallel_size=tensor_parallel[1], log_path=str(workdir / f"decode-{tag}.log"),
+        tensor_parallel_size=tensor_parallel[1], log_path=str(workdir / f"decode-{tag}.log"), env=side_channel(),
     )  # fmt: skip
     proxy = Proxy([prefill.url], [decode.url], free_port(), str(workdir / f"proxy-{tag}.log"))
     try:

@@ -101,6 +101,7 @@ class VllmServer:
     max_model_len: int = 2048
     kv_cache_gib: int = 1
     log_path: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable
     proc: subprocess.Popen[bytes] | None = None
 
@@ -135,6 +136,7 @@ class VllmServer:
             "VLLM_CPU_OMP_THREADS_BIND": self.cpu,
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_HOST_IP": LOOPBACK,
+            **self.env,
         }
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         try:
