@@ -156,6 +156,8 @@ class RequestData(_Msg, tag="request_data", frozen=True):
     ticket: Ticket = b""  # the request's ticket from the context's TransferParams
 
     group_block_ids: dict[Name, bytes] = msgspec.field(default_factory=dict)  # layer group -> little-endian int64
+    #: Leading prompt tokens the receiver holds already (its cached prefix); 0: its blocks cover the whole prompt.
+    cached_tokens: int = 0
 
 
 class TransferResult(_Msg, tag="transfer_result", frozen=True):

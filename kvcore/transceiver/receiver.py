@@ -29,7 +29,7 @@ from kvcore import errors as E
 from kvcore.control import wire
 from kvcore.control.messenger import Source
 from kvcore.layout.blocks import as_id_array, encode_group_ids, normalize_block_ids, normalize_state_slot
-from kvcore.layout.mapping import validate_compatible
+from kvcore.layout.mapping import check_destination_covers, validate_compatible
 from kvcore.layout.peer import peer_ranks
 from kvcore.metrics import FenceReason
 from kvcore.params import InternalId
@@ -101,8 +101,9 @@ class Receiver(Role):
         ctx_incarnation: str = "",
         expecting: bool = False,
         lease_s: float = 0.0,
+        cached_tokens: int = 0,
     ) -> None:
-        blocks = normalize_block_ids(block_ids, self.link.page_table, f"request {rid} block_ids")
+        blocks = normalize_block_ids(block_ids, self.link.page_table, f"request {rid!r} block_ids")
         slot = normalize_state_slot(state_slot, self.link.page_table, f"request {rid} state_slot")
         state_slot = -1 if slot is None else slot
         wire.parse_endpoint(ctx_endpoint)
@@ -110,9 +111,24 @@ class Receiver(Role):
             ("prompt_len", prompt_len),
             ("ctx_dp_rank", ctx_dp_rank),
             ("ctx_state_slot", ctx_state_slot),
+            ("cached_tokens", cached_tokens),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise E.SessionError(f"request {rid}: {name} must be an integer, got {value!r}")
+                raise E.SessionError(f"request {rid!r}: {name} must be an integer, got {value!r}")
+        if cached_tokens < 0:
+            raise E.SessionError(f"request {rid!r}: cached_tokens must be >= 0, got {cached_tokens}")
+        if prompt_len >= 0 and not expecting:
+            if cached_tokens > prompt_len:
+                raise E.MappingError(
+                    f"request {rid!r}: cached_tokens {cached_tokens} exceeds prompt_len {prompt_len}"
+                )
+            check_destination_covers(
+                self.link.page_table,
+                blocks,
+                prompt_len=int(prompt_len),
+                cached_tokens=int(cached_tokens),
+                what=f"request {rid!r} block_ids",
+            )
         ctx_blocks: Any = {}
         if mode == "pull":
             ctx_blocks = (
@@ -136,6 +152,7 @@ class Receiver(Role):
                 s = old
                 s.expecting = False
                 s.block_ids, s.state_slot, s.prompt_len = blocks, int(state_slot), int(prompt_len)
+                s.cached_tokens = int(cached_tokens)
                 s.ctx_block_ids, s.ctx_state_slot, s.ctx_incarnation = ctx_blocks, int(ctx_state_slot), ctx_incarnation
                 if not s.terminal:
                     self.rx.set_deadline(s, now + self.config.request_timeout_s)
@@ -148,6 +165,7 @@ class Receiver(Role):
                     block_ids=blocks,
                     state_slot=int(state_slot),
                     prompt_len=int(prompt_len),
+                    cached_tokens=int(cached_tokens),
                     ctx_dp_rank=int(ctx_dp_rank),
                     ticket=ticket,
                     mode=mode,
@@ -307,6 +325,7 @@ class Receiver(Role):
                     group_block_ids=encode_group_ids(s.block_ids) if len(s.block_ids) > 1 else {},
                     state_slot=s.state_slot,
                     prompt_len=s.prompt_len,
+                    cached_tokens=s.cached_tokens,
                     timeout_ms=remaining_ms,
                     bounce_addr=addr,
                     bounce_bytes=nbytes,
@@ -795,9 +814,10 @@ class Receiver(Role):
                     dst_state_slot=s.state_slot,
                     prompt_len=s.prompt_len,
                     merge=False,
+                    cached_tokens=s.cached_tokens,
                 )
             except E.KvcoreError as exc:
-                log.debug("request %d: no bounce for context rank %d: %s", rid, r, exc)
+                log.debug("request %r: no bounce for context rank %d: %s", rid, r, exc)
                 continue
             if plan.count and _count(s.block_ids):
                 self._plan_shape[(inst.endpoint, r)] = (plan.count / _count(s.block_ids), plan.nbytes / plan.count)
@@ -812,7 +832,7 @@ class Receiver(Role):
             off = self.arena.lease(plan.nbytes)
             if off is None:
                 self.counters["bounce_fallback_arena_full"] += 1
-                log.debug("request %d: bounce arena full, context rank %d writes fragments directly", rid, r)
+                log.debug("request %r: bounce arena full, context rank %d writes fragments directly", rid, r)
                 continue
             with link.lock:
                 s.leases[r] = off
@@ -853,6 +873,7 @@ class Receiver(Role):
                     dst_state_slot=s.state_slot,
                     prompt_len=s.prompt_len,
                     merge=True,
+                    cached_tokens=s.cached_tokens,
                 )
                 t1 = time.monotonic()
                 handle = None
@@ -868,7 +889,7 @@ class Receiver(Role):
                     )
                 link.metrics.transfer_posted(inst.name, plan.nbytes, plan.count, t1 - t0, time.monotonic() - t1)
             except E.KvcoreError as exc:
-                log.warning("request %s: reading from context rank %d: %s", rid, r, exc)
+                log.warning("request %r: reading from context rank %d: %s", rid, r, exc)
                 with link.lock:
                     s.transition(SessionState.FAILED, exc)
                     for r2 in ranks:
@@ -1052,7 +1073,7 @@ class Receiver(Role):
                 self.link.metrics.fenced(reason, inst.name)
                 if how == "grace":
                     log.warning(
-                        "request %d: context rank %d on another host lost %.1fs ago; its pages are released after "
+                        "request %r: context rank %d on another host lost %.1fs ago; its pages are released after "
                         "the fencing grace",
                         s.request_id,
                         r,

@@ -585,6 +585,7 @@ class Sender(Role):
             bounce_addr=msg.bounce_addr,
             bounce_bytes=msg.bounce_bytes,
             bounce_digest=msg.bounce_digest,
+            cached_tokens=max(0, msg.cached_tokens),
         )
         s.tasks[key] = t
         assert peer.info is not None
@@ -615,7 +616,7 @@ class Sender(Role):
                         f"{len(ids)} blocks, the context side holds {len(held)}"
                     )
         except E.KvcoreError as exc:
-            log.warning("request %d from %s: %s", s.request_id, peer, exc)
+            log.warning("request %r from %s: %s", s.request_id, str(peer), exc)
             self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
             self._end(s, SessionState.FAILED, exc)
 
@@ -629,7 +630,7 @@ class Sender(Role):
             return False
         self.counters["tickets_refused"] += 1
         why = "no ticket was presented" if not ticket else "the ticket presented is not this request's"
-        log.warning("request %s: refused a receiver: %s", s.request_id, why)
+        log.warning("request %r: refused a receiver: %s", s.request_id, why)
         self._refuse_request(
             source,
             s.request_id,
@@ -978,10 +979,11 @@ class Sender(Role):
             prompt_len=s.prompt_len if s.prompt_len >= 0 else t.prompt_len,
             layer_range=layers,
             merge=merge,
+            cached_tokens=t.cached_tokens,
         )
 
     def _fail_task(self, s: TxSession, t: ReceiverTask, exc: E.KvcoreError) -> None:
-        log.warning("request %d to %s: %s", s.request_id, t.peer, exc)
+        log.warning("request %r to %s: %s", s.request_id, str(t.peer), exc)
         with self.link.lock:
             self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
             self._end(s, SessionState.FAILED, exc)
@@ -1035,7 +1037,7 @@ class Sender(Role):
         if plan.nbytes != t.bounce_bytes or bounce.plan_digest(plan.dst, plan.sizes) != t.bounce_digest:
             self.counters["bounce_fallback_plan_mismatch"] += 1
             log.warning(
-                "request %d: receiver's bounce plan differs from ours; writing fragments directly", s.request_id
+                "request %r: receiver's bounce plan differs from ours; writing fragments directly", s.request_id
             )
             return False
         if self.staging is None:
