@@ -87,9 +87,7 @@ def test_fewer_destination_blocks_than_the_prompt_needs_is_a_mapping_error_at_th
         gen.txs[0].start_receive(3, "tcp://127.0.0.1:1", [], prompt_len=40, cached_tokens=41, ticket=ticket_for(3))
 
 
-def test_a_short_block_list_without_a_stated_prefix_fails_both_sides_in_push(
-    groups: list[RankGroup], pm: Any
-) -> None:
+def test_a_short_block_list_without_a_stated_prefix_fails_both_sides_in_push(groups: list[RankGroup], pm: Any) -> None:
     """Neither side gave prompt_len: the context's planner finds the 1-of-3 list short; both sides end FAILED."""
     ctx = RankGroup.build("context", pm=pm)
     gen = RankGroup.build("generation", pm=pm)
@@ -206,9 +204,7 @@ def test_the_remote_range_warning_formats_a_str_id(groups: list[RankGroup], pm: 
 def test_the_cross_host_fencing_warning_formats_a_str_id(logged: _FormatEvery) -> None:
     from _instances import ContextProcess, make_rank
 
-    agent, _, tx = make_rank(
-        "generation", "gen-fence-log", config={"fencing_grace_s": 0.5, "peer_lost_timeout_s": 1.0}
-    )
+    agent, _, tx = make_rank("generation", "gen-fence-log", config={"fencing_grace_s": 0.5, "peer_lost_timeout_s": 1.0})
     ctx = ContextProcess(timeout=60, env={"KVCORE_HOST_ID": "another-host"})
     try:
         tx.start_receive("cmpl-f", ctx.endpoint, [1], ticket=ticket_for("cmpl-f"))

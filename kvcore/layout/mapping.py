@@ -359,7 +359,11 @@ def align_blocks(
             f"block ids: expected at most {total} blocks (ceil(prompt_len/tokens_per_block)), "
             f"got {ns} (source) and {nd} (destination)"
         )
-    cached = total if prompt_len is not None and cached_tokens >= prompt_len else min(total, cached_tokens // tokens_per_block)
+    cached = (
+        total
+        if prompt_len is not None and cached_tokens >= prompt_len
+        else min(total, cached_tokens // tokens_per_block)
+    )
     first = cached
     if window is not None:
         first = max(first, max(0, (prompt_len + 1 - window) // tokens_per_block))  # type: ignore[operator]
@@ -740,9 +744,9 @@ def plan_transfer(
                     f"got ids for {sorted(have)}"
                 )
             window = sv.window if sv.window is not None else sliding_window
-            sb, db = align_blocks(
-                s_ids, d_ids, sv.tokens_per_slot, prompt_len=prompt_len, window=window, cached_tokens=cached_tokens
-            )  # type: ignore[arg-type]
+            tps = sv.tokens_per_slot
+            assert tps is not None  # a token view
+            sb, db = align_blocks(s_ids, d_ids, tps, prompt_len=prompt_len, window=window, cached_tokens=cached_tokens)
             if not len(sb):
                 continue
         pair = ViewPair(sv, dv, pp.src.addresses(st, sb), pp.dst.addresses(dt, db), group=pp.group)

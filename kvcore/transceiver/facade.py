@@ -417,7 +417,14 @@ class Transceiver:
             rid = internal_id(request_id)
             tk = b"" if ticket is None else check_ticket(ticket, f"request {request_id!r} ticket")
             rx.start_receive(
-                rid, ctx_endpoint, block_ids, prompt_len, state_slot, ctx_dp_rank, ticket=tk, cached_tokens=cached_tokens
+                rid,
+                ctx_endpoint,
+                block_ids,
+                prompt_len,
+                state_slot,
+                ctx_dp_rank,
+                ticket=tk,
+                cached_tokens=cached_tokens,
             )
             return
         rid = internal_id(params.request_id)

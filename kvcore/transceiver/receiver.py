@@ -119,9 +119,7 @@ class Receiver(Role):
             raise E.SessionError(f"request {rid!r}: cached_tokens must be >= 0, got {cached_tokens}")
         if prompt_len >= 0 and not expecting:
             if cached_tokens > prompt_len:
-                raise E.MappingError(
-                    f"request {rid!r}: cached_tokens {cached_tokens} exceeds prompt_len {prompt_len}"
-                )
+                raise E.MappingError(f"request {rid!r}: cached_tokens {cached_tokens} exceeds prompt_len {prompt_len}")
             check_destination_covers(
                 self.link.page_table,
                 blocks,
