@@ -222,3 +222,30 @@ def test_the_cross_host_fencing_warning_formats_a_str_id(logged: _FormatEvery) -
         ctx.close()
         tx.close()
         agent.close()
+
+
+# --- 5. one ticket per request on every context rank ---------------------------------------------------
+
+
+@pytest.mark.parametrize("gen_tp", [1, 2])
+def test_ranks_that_start_send_without_a_ticket_agree_on_it(groups: list[RankGroup], pm: Any, gen_tp: int) -> None:
+    """TP2 context, each rank calling start_send(rid, blocks) alone: one ticket, identical parameters, DONE."""
+    ctx = RankGroup.build("context", pm=pm, tp=2)
+    gen = RankGroup.build("generation", pm=pm, tp=gen_tp)
+    groups.extend([ctx, gen])
+    rids: list[Any] = [5, "cmpl-5"]
+    params = {rid: ctx.each(lambda _r, tx, rid=rid: tx.start_send(rid, [1, 2])) for rid in rids}
+    for rid in rids:
+        assert params[rid][0] == params[rid][1], "context ranks returned different parameters"
+    assert params[5][0].ticket != params["cmpl-5"][0].ticket
+    for c in gen.caches:
+        _flat(c).fill_(0)
+    for rid in rids:
+        gen.each(lambda _r, tx, rid=rid: tx.start_receive(params=params[rid][1].to_dict(), block_ids=[6, 7]))
+    outs = _outcomes(gen, rids)
+    assert {o.state for o in outs.values()} == {SessionState.DONE}, outs
+    assert {o.state for o in _outcomes(ctx, rids).values()} == {SessionState.DONE}
+    # another instance draws another secret: its tickets for the same ids differ
+    other = RankGroup.build("context", pm=pm)
+    groups.append(other)
+    assert other.txs[0].start_send(5, [1]).ticket != params[5][0].ticket

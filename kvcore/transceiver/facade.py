@@ -307,8 +307,14 @@ class Transceiver:
         The returned :class:`~kvcore.params.TransferParams` are what the engine
         forwards to the generation side (``start_receive(params=...)``); they
         carry the request's ticket, without which no receiver is served
-        (``config.require_tickets``). Pass ``ticket`` (or ``params`` made with
-        ``TransferParams.make`` in the scheduler) to choose it beforehand.
+        (``config.require_tickets``). Every rank of the instance returns the
+        same parameters for one request, so any rank's may be forwarded. Pass
+        ``ticket`` (or ``params`` made with ``TransferParams.make`` in the
+        scheduler) to choose the ticket beforehand; without one, it is derived
+        from the request id and a secret the instance's ranks share (never
+        sent to a peer), so every rank agrees on it without the engine
+        coordinating (see ``Link.request_ticket``; engines that reuse request
+        ids should pass their own).
 
         ``mode``: "push" (this side writes into the receiver's blocks once it
         asks) or "pull" (the receiver reads these blocks at once; they must be

@@ -32,7 +32,7 @@ from kvcore.control.messenger import Source
 from kvcore.layout.blocks import decode_group_ids, normalize_block_ids, normalize_state_slot
 from kvcore.layout.mapping import validate_compatible
 from kvcore.layout.peer import peer_ranks
-from kvcore.params import InternalId, TransferParams, api_id, check_ticket, new_ticket
+from kvcore.params import InternalId, TransferParams, api_id, check_ticket
 from kvcore.transceiver.early import EarlyRequests
 from kvcore.transceiver.link import Handler, Link
 from kvcore.transceiver.peers import GenPeer, PeerState, writer_fenced
@@ -161,7 +161,7 @@ class Sender(Role):
                 raise E.UnsupportedOperationError(
                     f"request {rid}: pull mode needs an agent that can READ; {self.link.agent.backend!r} cannot"
                 )
-        tk = new_ticket() if ticket is None else check_ticket(ticket, f"request {rid} ticket")
+        tk = self.link.request_ticket(rid) if ticket is None else check_ticket(ticket, f"request {rid!r} ticket")
         payload = self._check_aux(rid, aux)
         info0 = self.link.instance_ranks[0]
         now = time.monotonic()
