@@ -249,3 +249,22 @@ def test_ranks_that_start_send_without_a_ticket_agree_on_it(groups: list[RankGro
     other = RankGroup.build("context", pm=pm)
     groups.append(other)
     assert other.txs[0].start_send(5, [1]).ticket != params[5][0].ticket
+
+
+# --- 3. prompt_len compared in pull -------------------------------------------------------------------------
+
+
+def test_pull_with_another_prompt_len_fails_on_both_sides(groups: list[RankGroup], pm: Any) -> None:
+    """Context 32 tokens, generation 30 (both 4 blocks), parameters without prompt_len: MappingError, not DONE."""
+    ctx = RankGroup.build("context", pm=pm)
+    gen = RankGroup.build("generation", pm=pm)
+    groups.extend([ctx, gen])
+    p = ctx.txs[0].start_send(1, [1, 2, 3, 4], prompt_len=32, mode="pull", ticket=ticket_for(1)).to_dict()
+    del p["prompt_len"]  # made before prefill knew it, or dropped on the way: the generation side cannot compare
+    gen.txs[0].start_receive(params=p, block_ids=[5, 6, 7, 8], prompt_len=30)
+    out = _outcomes(gen, [1])[1]
+    assert out.state is SessionState.FAILED and isinstance(out.error, E.MappingError), out.error
+    assert "context 32, generation 30" in str(out.error), out.error
+    c = _outcomes(ctx, [1])[1]
+    assert c.state is SessionState.FAILED and isinstance(c.error, E.MappingError), c.error
+    assert "context 32, generation 30" in str(c.error)

@@ -216,6 +216,7 @@ class PullDone(_Msg, tag="pull_done", frozen=True):
     fragments: int = 0
     error_kind: Name = ""
     error: ErrorText = ""
+    prompt_len: int = -1  # the prompt length the receiver read for (-1: unknown); the context compares its own
 
 
 class Renew(_Msg, tag="renew", frozen=True):

@@ -663,6 +663,7 @@ class Receiver(Role):
             fragments=fragments,
             error_kind=kind,
             error=error[:1000],
+            prompt_len=s.prompt_len,
         )
         s.pull_done[r] = msg
         link.send(inst.ranks[r].endpoint, msg)

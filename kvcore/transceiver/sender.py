@@ -718,6 +718,13 @@ class Sender(Role):
                 s.expected_receivers = 1
         if s.terminal:
             self._finish_for_session(s, t)
+        elif msg.status == "ok" and 0 <= s.prompt_len != msg.prompt_len >= 0:
+            exc = E.MappingError(
+                f"request {rid!r} prompt_len: context {s.prompt_len}, generation {msg.prompt_len} ({peer} read "
+                "blocks for another prompt length)"
+            )
+            self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
+            self._end(s, SessionState.FAILED, exc)
         elif msg.status == "ok" and not hmac.compare_digest(msg.blocks_digest, s.blocks_digest):
             exc = E.MappingError(
                 f"request {rid}: {peer} read other blocks than this context rank holds the request in (pull mode "
