@@ -268,3 +268,82 @@ def test_pull_with_another_prompt_len_fails_on_both_sides(groups: list[RankGroup
     c = _outcomes(ctx, [1])[1]
     assert c.state is SessionState.FAILED and isinstance(c.error, E.MappingError), c.error
     assert "context 32, generation 30" in str(c.error)
+
+
+# --- 4. a refusal reaches both sides at once -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_context_the_generation_side_refuses_ends_at_once_on_both_sides(
+    groups: list[RankGroup], pm: Any, mode: str
+) -> None:
+    """A dtype the generation side cannot take: IncompatiblePeerError there, and the context's request too,
+    long before its 30 s lease (and not a byte in the generation pools)."""
+    ctx = RankGroup.build("context", pm=pm, tp=2, timeout=30)
+    gen = RankGroup.build("generation", pm=pm, geometry={"dtype": "float16"}, timeout=30)
+    groups.extend([ctx, gen])
+    _flat(gen.caches[0]).fill_(0)
+    params = ctx.each(lambda _r, tx: tx.start_send(1, [1, 2], mode=mode))[0]
+    t0 = time.monotonic()
+    gen.txs[0].start_receive(params=params, block_ids=[3, 4])
+    out = _outcomes(gen, [1])[1]
+    assert out.state is SessionState.FAILED and isinstance(out.error, E.IncompatiblePeerError), out.error
+    c = _outcomes(ctx, [1], 10.0)[1]
+    assert c.state is SessionState.FAILED and isinstance(c.error, E.IncompatiblePeerError), c.error
+    assert "dtype" in str(c.error) and "generation rank" in str(c.error), c.error
+    assert time.monotonic() - t0 < 10.0
+    assert not _flat(gen.caches[0]).any()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_receiver_the_context_refuses_ends_the_request_at_once_on_both_sides(
+    groups: list[RankGroup], pm: Any, mode: str
+) -> None:
+    """The context admits one generation instance (max_peers=1): the second one's request fails on both sides
+    with ResourceExhaustedError at once, not at the end of the context's lease."""
+    from _instances import make_rank
+
+    ctx = RankGroup.build("context", pm=pm, max_peers=1, timeout=30)
+    groups.append(ctx)
+    gens = [make_rank("generation", f"gen-{i}-{mode}", instance_name=f"gen-{i}-{mode}") for i in range(2)]
+    try:
+        (_, _, first), (_, _, second) = gens
+        params = ctx.txs[0].start_send(1, [1], mode=mode)
+        first.start_receive(params=params, block_ids=[1])
+        assert first.wait_all([1], 20)[1].state is SessionState.DONE
+        assert _outcomes(ctx, [1])[1].state is SessionState.DONE
+        params = ctx.txs[0].start_send(2, [2], mode=mode)
+        t0 = time.monotonic()
+        second.start_receive(params=params, block_ids=[2])
+        out = second.wait_all([2], 20)[2]
+        assert out.state is SessionState.FAILED and isinstance(out.error, E.ResourceExhaustedError), out.error
+        c = _outcomes(ctx, [2], 10.0)[2]
+        assert c.state is SessionState.FAILED and isinstance(c.error, E.ResourceExhaustedError), c.error
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        for agent, _, tx in gens:
+            tx.close()
+            agent.close()
+
+
+def test_a_refusal_without_the_ticket_ends_nothing(groups: list[RankGroup], pm: Any) -> None:
+    """A stranger's refusal (no ticket, or another one) leaves the request to its receiver."""
+    from kvcore.control import wire
+
+    ctx = RankGroup.build("context", pm=pm)
+    gen = RankGroup.build("generation", pm=pm)
+    groups.extend([ctx, gen])
+    params = ctx.txs[0].start_send(1, [1], ticket=ticket_for(1))
+    for ticket in (b"", ticket_for(2)):
+        forged = wire.Cancel(
+            v=wire.PROTOCOL_VERSION, request_id=1, instance="stranger", rank=0, reason="go away",
+            ticket=ticket, refusal="IncompatiblePeerError",
+        )  # fmt: skip
+        gen.txs[0]._link.send(ctx.info_endpoint, forged)
+    deadline = time.monotonic() + 10
+    while ctx.txs[0].stats()["tickets_refused"] < 1:
+        assert time.monotonic() < deadline, "the forged refusal never arrived"
+        time.sleep(0.01)
+    gen.txs[0].start_receive(params=params, block_ids=[2])
+    assert _outcomes(gen, [1])[1].state is SessionState.DONE
+    assert _outcomes(ctx, [1])[1].state is SessionState.DONE

@@ -186,6 +186,9 @@ class Cancel(_Msg, tag="cancel", frozen=True):
     reason: ErrorText = ""
     nonce: Nonce = b""  # the RequestData.nonce of the request being cancelled (generation -> context)
     ticket: Ticket = b""  # a decline (no nonce: never asked) proves it may speak for the request with its ticket
+    #: A refusal (generation -> context, with the ticket): the kvcore error class for which the receiver refused
+    #: the context instance or was refused by it; the context ends the request FAILED with it at once.
+    refusal: Name = ""
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):

@@ -392,13 +392,44 @@ class Receiver(Role):
         inst = session.instance
         return inst.name if inst is not None else ""
 
-    def _refuse(self, inst: CtxInstance, exc: E.KvcoreError) -> None:
+    def _refuse(self, inst: CtxInstance, exc: E.KvcoreError, *, tell: list[wire.RankInfo] | None = None) -> None:
+        """Refuse a context instance (lock held): its requests here fail; with ``tell``, its ranks hear it too.
+
+        ``tell`` (the instance's ranks, as its rank 0 described them) is given where the refusal is about
+        compatibility (ours or theirs), not about who the peer is: each failed request's context ranks get a
+        refusal carrying the request's ticket, so they end it at once with the reason instead of holding its
+        pages until the lease runs out. Never after a failed authentication: the ticket goes to no endpoint
+        that did not prove who it is.
+        """
         log.error("refusing %s: %s", inst, exc)
         inst.move(PeerState.REFUSED, deadline=time.monotonic() + self.config.refused_peer_ttl_s, error=exc)
         for s in self.rx.values():
             if s.ctx_endpoint == inst.endpoint and s.instance in (None, inst) and not s.terminal:
                 s.transition(SessionState.FAILED, exc)
                 self._note_quarantine(s)
+                if tell:
+                    self._tell_refusal(s, tell, exc)
+
+    def _tell_refusal(self, s: RxSession, ranks: list[wire.RankInfo], exc: E.KvcoreError) -> None:
+        """Tell the context ranks that hold ``s`` that this rank will not take it, and why (lock held)."""
+        if not s.ticket:
+            return  # nothing proves we may speak for the request
+        try:
+            writers = peer_ranks(self.link.topology, ranks[0].topology, s.ctx_dp_rank)
+        except E.KvcoreError:
+            writers = list(range(len(ranks)))  # the topologies do not even overlap: tell every rank
+        msg = wire.Cancel(
+            v=wire.PROTOCOL_VERSION,
+            request_id=s.request_id,
+            instance=self.link.instance_name,
+            rank=self.link.topology.rank,
+            reason=str(exc)[:2000],
+            ticket=s.ticket,
+            refusal=type(exc).__name__,
+        )
+        for r in writers:
+            if r < len(ranks):
+                self.link.send(ranks[r].endpoint, msg)
 
     def _lose(self, inst: CtxInstance, error: E.KvcoreError, *, replaced: bool = False) -> None:
         """A context incarnation is gone: its requests fail; its writers are fenced by the timer."""
@@ -439,7 +470,7 @@ class Receiver(Role):
             try:
                 ranks = self._validate_info(endpoint, msg)
             except E.KvcoreError as exc:
-                self._refuse(inst, exc)
+                self._refuse(inst, exc, tell=self._describable(endpoint, msg))
                 return
             if inst.ranks and ranks[0].incarnation == inst.incarnation:
                 inst.move(PeerState.READY)  # came back: the same process
@@ -466,6 +497,17 @@ class Receiver(Role):
                 {p for d in range(ctx_topo.dp_size) for p in peer_ranks(self.link.topology, ctx_topo, d)}
             )
         self.link.post(self._load_instance, inst)
+
+    def _describable(self, endpoint: str, msg: wire.InstanceInfo) -> list[wire.RankInfo] | None:
+        """The ranks of a refused instance's info when it is well formed enough to tell them (lock held), else None."""
+        ranks = sorted(msg.ranks, key=lambda r: r.rank)
+        if msg.error or not ranks or ranks[0].endpoint != endpoint:
+            return None
+        if [r.rank for r in ranks] != list(range(ranks[0].topology.world_size)):
+            return None
+        for info in ranks[1:]:
+            self.link.learn_key(info)  # as for an accepted instance: rank 0 vouches for its ranks' keys
+        return ranks
 
     def _validate_info(self, endpoint: str, msg: wire.InstanceInfo) -> list[wire.RankInfo]:
         if msg.error:
@@ -516,7 +558,7 @@ class Receiver(Role):
         with self.link.lock:
             for inst in list(self.instances.values()):
                 if inst.rank_of_endpoint(source.endpoint) is not None and not inst.gone:
-                    self._refuse(inst, err)
+                    self._refuse(inst, err, tell=inst.ranks)
 
     def on_error_reply(self, source: Source, msg: wire.ErrorReply) -> None:
         log.warning("peer %s answered with %s: %s", source.endpoint or "?", msg.kind, msg.error)
@@ -746,7 +788,7 @@ class Receiver(Role):
                     inst.agents[r] = link.agent.load_remote_agent(inst.ranks[r].agent_descriptor)
         except E.KvcoreError as exc:
             with link.lock:
-                self._refuse(inst, exc)
+                self._refuse(inst, exc, tell=inst.ranks)
             return
         for r in inst.peers:
             link.send(inst.ranks[r].endpoint, wire.RegisterRankInfo(v=wire.PROTOCOL_VERSION, info=link.rank_info))

@@ -35,7 +35,7 @@ from kvcore.layout.page import PageTable
 from kvcore.layout.peer import peer_ranks
 from kvcore.params import InternalId, TransferParams, api_id, check_ticket
 from kvcore.transceiver.early import EarlyRequests
-from kvcore.transceiver.link import Handler, Link
+from kvcore.transceiver.link import Handler, Link, error_from
 from kvcore.transceiver.peers import GenPeer, PeerState, writer_fenced
 from kvcore.transceiver.planning import plan_request
 from kvcore.transceiver.role import Role
@@ -523,6 +523,12 @@ class Sender(Role):
                             msg.request_id, msg.nonce, status="failed", kind=type(err).__name__, error=str(err)
                         ),
                     )
+                    s0 = self.tx.get(msg.request_id)
+                    if s0 is not None and not s0.terminal and msg.ticket and hmac.compare_digest(msg.ticket, s0.ticket):
+                        # Its receiver is one this rank refused: nobody else will take the request; end it now.
+                        self._end(
+                            s0, SessionState.FAILED, error_from(type(err).__name__, f"request {s0.request_id!r}: {err}")
+                        )
                 else:
                     self._not_registered(source, msg, f"generation rank {key} is not registered with this context rank")
                 return
@@ -819,10 +825,29 @@ class Sender(Role):
             s.renewers[key] = msg.nonce
             self.tx.set_deadline(s, min(max(s.deadline, now + self.config.lease_s), s.hold_until))
 
+    def _refused_by_receiver(self, msg: wire.Cancel) -> None:
+        """A receiver will not take a request: it refused this instance, or this rank refused it (lock held).
+
+        Honoured only with the request's own ticket (whatever ``require_tickets`` says: the sender may be a
+        rank this one never registered), so only the request's receiver can end it; the request ends FAILED at
+        once with the receiver's reason, typed as it reported it.
+        """
+        s = self.tx.get(msg.request_id)
+        if s is None or s.terminal:
+            return  # not started here (its start_send meets no receiver and ends by its lease) or already over
+        if not msg.ticket or not hmac.compare_digest(msg.ticket, s.ticket):
+            self.counters["tickets_refused"] += 1
+            return
+        who = f"generation rank {(msg.instance, msg.rank)}"
+        self._end(s, SessionState.FAILED, error_from(msg.refusal, f"request {s.request_id!r}: {who}: {msg.reason}"))
+
     def on_cancel(self, source: Source, msg: wire.Cancel) -> None:
         """A receiver cancels (or asks for the final word on) its part of a request."""
         key = (msg.instance, msg.rank)
         with self.link.lock:
+            if msg.refusal and not msg.nonce:
+                self._refused_by_receiver(msg)
+                return
             peer = self.peers.get(key)
             if peer is None or peer.gone:
                 self.counters["ignored_cancels"] += 1
