@@ -43,14 +43,14 @@ GEN_IDS = {"full": [1, 8, 3, 12, 15, 0, 6, 10], "swa": [2, 5, 0, 7, 3]}
 CTX_SLOT, GEN_SLOT = 3, 1
 
 
-def _geometry(model: str) -> tuple[Any, Any]:
+def _geometry(model: str, ssm_dtype: str = "float32") -> tuple[Any, Any]:
     from kvcore.layout.topology import AttentionGeometry, MambaGeometry
 
     n, mamba, _ = MODELS[model]
     geo = AttentionGeometry(num_layers=n, num_kv_heads=HEADS, head_dim=HEAD_DIM, tokens_per_block=TPB, dtype="bfloat16")
     mg = MambaGeometry(
         layers=mamba, conv_sections=SECTIONS, d_conv=D_CONV, nheads=NHEADS, head_dim=SSM_HD, d_state=D_STATE,
-        conv_dtype="bfloat16", ssm_dtype="float32",
+        conv_dtype="bfloat16", ssm_dtype=ssm_dtype,
     )  # fmt: skip
     return geo, mg
 
@@ -111,7 +111,9 @@ def _fill(model: str, rank: Rank, kv: dict[str, torch.Tensor], conv: Any, ssm: A
         _put(ssm[li][slot], logical["ssm"][gi][sheads])
 
 
-def _instance(model: str, role: str, tp: int, pp: int, backend: str, arrangement: str, tag: str) -> list[Rank]:
+def _instance(
+    model: str, role: str, tp: int, pp: int, backend: str, arrangement: str, tag: str, ssm_dtype: str = "float32"
+) -> list[Rank]:
     from kvcore.config import TransceiverConfig, create_agent
     from kvcore.control.collective import LocalCollective
     from kvcore.layout.builders import allocate_kv_cache, allocate_mamba_state, build_kv_page_table, build_mamba_state
@@ -119,7 +121,7 @@ def _instance(model: str, role: str, tp: int, pp: int, backend: str, arrangement
     from kvcore.layout.topology import Topology
     from kvcore.transceiver import Transceiver
 
-    geo, mg = _geometry(model)
+    geo, mg = _geometry(model, ssm_dtype)
     n, _, groups = MODELS[model]
     world = tp * pp
     colls: list[Any] = ThreadCollective.group(world) if world > 1 else [LocalCollective()]
@@ -258,3 +260,29 @@ def test_hybrid_pull_under_context_pp3_on_every_backend(backend: str, forward: s
     pytest.importorskip(f"kvcore_{backend}")
     _run("mamba+full+swa", 3, 2, "pull", "trtllm", backend, forward)
     _run("mamba+attn", 2, 1, "pull", "vllm", backend, forward)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_an_ssm_dtype_mismatch_is_refused_on_both_sides_at_once(mode: str) -> None:
+    """The generation side keeps its SSM state in float16: IncompatiblePeerError there, pools untouched, and the
+    context's request (every PP stage) ends with it at once instead of at its lease."""
+    from kvcore import errors as E
+
+    tag = f"ssm-{mode}-{time.monotonic_ns()}"
+    ctx = _instance("mamba+attn", "context", 1, 2, "shm", "trtllm", tag)
+    gen: list[Rank] = []
+    try:
+        gen = _instance("mamba+attn", "generation", 1, 1, "shm", "trtllm", tag, ssm_dtype="float16")
+        _sentinel(gen)
+        params = [r.tx.start_send(1, CTX_IDS["full"], prompt_len=PROMPT, state_slot=CTX_SLOT, mode=mode) for r in ctx]
+        t0 = time.monotonic()
+        gen[0].tx.start_receive(params=params[0], block_ids=GEN_IDS["full"], prompt_len=PROMPT, state_slot=GEN_SLOT)
+        out_ctx, out_gen = _settle(ctx, gen, rid=1, timeout=15.0)
+        assert out_gen.state is SessionState.FAILED and isinstance(out_gen.error, E.IncompatiblePeerError), out_gen
+        assert "ssm" in str(out_gen.error).lower(), out_gen.error
+        assert out_ctx.state is SessionState.FAILED and isinstance(out_ctx.error, E.IncompatiblePeerError), out_ctx
+        assert time.monotonic() - t0 < 15.0
+        assert (gen[0].kv["full"].view(torch.uint8) == SENTINEL).all(), "a refused peer's pools were written"
+    finally:
+        _close(gen)
+        _close(ctx)
