@@ -293,6 +293,12 @@ def test_a_context_the_generation_side_refuses_ends_at_once_on_both_sides(
     assert "dtype" in str(c.error) and "generation rank" in str(c.error), c.error
     assert time.monotonic() - t0 < 10.0
     assert not _flat(gen.caches[0]).any()
+    # the refusal is remembered: the next request fails here at once, and there too
+    params = ctx.each(lambda _r, tx: tx.start_send(2, [1, 2], mode=mode))[0]
+    gen.txs[0].start_receive(params=params, block_ids=[3, 4])
+    assert isinstance(_outcomes(gen, [2])[2].error, E.IncompatiblePeerError)
+    c = _outcomes(ctx, [2], 10.0)[2]
+    assert c.state is SessionState.FAILED and isinstance(c.error, E.IncompatiblePeerError), c.error
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

@@ -98,6 +98,8 @@ class CtxInstance(Peer):
     peers: list[int] = field(default_factory=list)  # ctx ranks this generation rank exchanges with
     agents: dict[int, str] = field(default_factory=dict)  # ctx rank -> loaded agent name
     registered: set[int] = field(default_factory=set)  # ctx ranks that loaded our agent (we may READ from them)
+    #: REFUSED for compatibility: the ranks that hear of each request refused meanwhile (empty: tell nobody)
+    refusal_ranks: list[wire.RankInfo] = field(default_factory=list)
     lost_at: float | None = None
 
     @property

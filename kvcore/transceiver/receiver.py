@@ -188,6 +188,8 @@ class Receiver(Role):
                 self._fetch(inst)
             if inst.state is PeerState.REFUSED:
                 s.transition(SessionState.FAILED, inst.error)
+                if inst.refusal_ranks and inst.error is not None and not s.expecting:
+                    self._tell_refusal(s, inst.refusal_ranks, inst.error)
             elif inst.state is PeerState.READY and not s.expecting:
                 self._ask(s, inst)
             # CONNECTING / SUSPECT: asked once the instance is (again) ready
@@ -403,6 +405,8 @@ class Receiver(Role):
         """
         log.error("refusing %s: %s", inst, exc)
         inst.move(PeerState.REFUSED, deadline=time.monotonic() + self.config.refused_peer_ttl_s, error=exc)
+        if tell:
+            inst.refusal_ranks = list(tell)  # requests started while the refusal is remembered are told too
         for s in self.rx.values():
             if s.ctx_endpoint == inst.endpoint and s.instance in (None, inst) and not s.terminal:
                 s.transition(SessionState.FAILED, exc)
