@@ -79,13 +79,15 @@ def test_sliding_window_skips_stale_blocks(core_mappers):
 
 
 def test_align_blocks_suffix_and_window():
-    s, d = align_blocks(np.arange(8), np.arange(10, 15), 4, prompt_len=30)
+    s, d = align_blocks(np.arange(8), np.arange(10, 15), 4, prompt_len=30, cached_tokens=12)
     assert s.tolist() == [3, 4, 5, 6, 7] and d.tolist() == [10, 11, 12, 13, 14]
     # window 9 at prompt 30: stale_end = (31-9)//4 = 5
     s, d = align_blocks(np.arange(8), np.arange(10, 15), 4, prompt_len=30, window=9)
     assert s.tolist() == [5, 6, 7] and d.tolist() == [12, 13, 14]
-    s, d = align_blocks(np.arange(8), np.arange(10, 10), 4, prompt_len=30)
+    s, d = align_blocks(np.arange(8), np.arange(10, 10), 4, prompt_len=30, cached_tokens=30)
     assert len(s) == len(d) == 0
+    with pytest.raises(MappingError, match="5 blocks do not cover the request: prompt_len 30 minus cached_tokens 0"):
+        align_blocks(np.arange(8), np.arange(10, 15), 4, prompt_len=30)
     with pytest.raises(MappingError, match="at most 8 blocks"):
         align_blocks(np.arange(9), np.arange(3), 4, prompt_len=30)
     with pytest.raises(MappingError, match="prompt_len"):

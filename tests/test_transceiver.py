@@ -83,7 +83,7 @@ def test_prefix_cached_suffix_only(ctx: ContextProcess, gen: Gen) -> None:
     src, dst = [10, 11, 12, 13, 14], [40, 41, 42]  # the generation side holds the first two blocks
     gen.flat[[40, 41, 42]] = 0
     ctx.send(1, src)
-    gen.tx.start_receive(1, ctx.endpoint, dst, ticket=ticket_for(1))
+    gen.tx.start_receive(1, ctx.endpoint, dst, ticket=ticket_for(1), cached_tokens=2 * gen.geometry.tokens_per_block)
     assert gen.outcomes([1])[1].state is SessionState.DONE
     want = fill_value(1, src, gen.flat.shape[1])[2:]  # only the suffix moves, aligned at the end
     assert np.array_equal(gen.flat[dst].numpy(), want)

@@ -156,6 +156,8 @@ class RequestData(_Msg, tag="request_data", frozen=True):
     ticket: Ticket = b""  # the request's ticket from the context's TransferParams
 
     group_block_ids: dict[Name, bytes] = msgspec.field(default_factory=dict)  # layer group -> little-endian int64
+    #: Leading prompt tokens the receiver holds already (its cached prefix); 0: its blocks cover the whole prompt.
+    cached_tokens: int = 0
 
 
 class TransferResult(_Msg, tag="transfer_result", frozen=True):
@@ -184,6 +186,9 @@ class Cancel(_Msg, tag="cancel", frozen=True):
     reason: ErrorText = ""
     nonce: Nonce = b""  # the RequestData.nonce of the request being cancelled (generation -> context)
     ticket: Ticket = b""  # a decline (no nonce: never asked) proves it may speak for the request with its ticket
+    #: A refusal (generation -> context, with the ticket): the kvcore error class for which the receiver refused
+    #: the context instance or was refused by it; the context ends the request FAILED with it at once.
+    refusal: Name = ""
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):
@@ -214,6 +219,7 @@ class PullDone(_Msg, tag="pull_done", frozen=True):
     fragments: int = 0
     error_kind: Name = ""
     error: ErrorText = ""
+    prompt_len: int = -1  # the prompt length the receiver read for (-1: unknown); the context compares its own
 
 
 class Renew(_Msg, tag="renew", frozen=True):

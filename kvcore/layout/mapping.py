@@ -56,6 +56,7 @@ __all__ = [
     "RankPlacement",
     "ViewPair",
     "align_blocks",
+    "check_destination_covers",
     "plan_transfer",
     "select_mapper_kind",
     "shard_split",
@@ -323,17 +324,26 @@ def align_blocks(
     *,
     prompt_len: int | None = None,
     window: int | None = None,
+    cached_tokens: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Aligned ``(src, dst)`` block ids to copy; both lists are suffixes of the request's ``T`` blocks.
 
     ``T = ceil(prompt_len/tokens_per_block)`` (or ``len(src_ids)`` without
-    ``prompt_len``). The receiver's list may be shorter (it holds a cached
-    prefix): only the common suffix moves. With a sliding ``window``, blocks
-    before ``(prompt_len+1-window)//tokens_per_block`` are stale and skipped
-    (peers.md B5), and either list may start earlier. A source list that
-    starts after the first block the destination needs raises ``MappingError``.
+    ``prompt_len``). The destination must cover every block from the first
+    one it does not hold already: its cached prefix is ``cached_tokens`` (the
+    receiver states it; 0 by default, so a short destination list is an error,
+    never a silent cached prefix), that is ``cached_tokens // tokens_per_block``
+    whole blocks (all ``T`` when ``cached_tokens >= prompt_len``). A longer
+    destination list (up to ``T``) is fine: its leading, cached blocks are not
+    written. With a sliding ``window``, blocks before
+    ``(prompt_len+1-window)//tokens_per_block`` are stale and skipped (peers.md
+    B5). A destination list shorter than that, or a source list that starts
+    after the first block the destination needs, raises ``MappingError`` naming
+    the numbers.
     """
     ns, nd = len(src_ids), len(dst_ids)
+    if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, (int, np.integer)) or cached_tokens < 0:
+        raise MappingError(f"cached_tokens: expected an integer >= 0, got {cached_tokens!r}")
     if prompt_len is None:
         if window is not None:
             raise MappingError("prompt_len: expected a value when a sliding window applies, got None")
@@ -341,15 +351,29 @@ def align_blocks(
     else:
         if prompt_len < 0:
             raise MappingError(f"prompt_len: expected >= 0, got {prompt_len}")
+        if cached_tokens > prompt_len:
+            raise MappingError(f"cached_tokens: expected at most prompt_len {prompt_len}, got {cached_tokens}")
         total = -(-prompt_len // tokens_per_block)
     if ns > total or nd > total:
         raise MappingError(
             f"block ids: expected at most {total} blocks (ceil(prompt_len/tokens_per_block)), "
             f"got {ns} (source) and {nd} (destination)"
         )
-    first = total - nd
+    cached = (
+        total
+        if prompt_len is not None and cached_tokens >= prompt_len
+        else min(total, cached_tokens // tokens_per_block)
+    )
+    first = cached
     if window is not None:
         first = max(first, max(0, (prompt_len + 1 - window) // tokens_per_block))  # type: ignore[operator]
+    if nd < total - first:
+        length = f"prompt_len {prompt_len}" if prompt_len is not None else f"the source's {ns} blocks"
+        raise MappingError(
+            f"destination block ids: {nd} blocks do not cover the request: {length} minus cached_tokens "
+            f"{cached_tokens} needs {total - first} blocks (blocks {first}..{total - 1} of {total}, "
+            f"{tokens_per_block} tokens a block)"
+        )
     if total - ns > first:
         # the destination would keep holes: blocks it waits for that the source does not hold
         raise MappingError(
@@ -357,6 +381,37 @@ def align_blocks(
             f"blocks {total - ns}..{total - 1} ({ns} ids)"
         )
     return src_ids[first - (total - ns) :], dst_ids[first - (total - nd) :]
+
+
+def check_destination_covers(
+    page_table: PageTable, block_ids: Mapping[str, np.ndarray], *, prompt_len: int, cached_tokens: int, what: str
+) -> None:
+    """``MappingError`` (prefixed ``what``) unless each token group's destination ids cover the prompt's uncached part.
+
+    The receiver's own check at its receive call, with the arithmetic of :func:`align_blocks`: every group's list
+    must cover blocks ``cached_tokens // tokens_per_block`` (or the window's first live block) to the last one of
+    ``prompt_len`` tokens, and be at most ``ceil(prompt_len / tokens_per_block)`` long.
+    """
+    seen: set[tuple[str, int, int | None]] = set()
+    for view in page_table.views:
+        if view.is_state or view.tokens_per_slot is None:
+            continue
+        key = (view.group, view.tokens_per_slot, view.window)
+        if key in seen or view.group not in block_ids:
+            continue
+        seen.add(key)
+        total = -(-prompt_len // view.tokens_per_slot)
+        try:
+            align_blocks(
+                np.zeros(total, np.int64),
+                block_ids[view.group],
+                view.tokens_per_slot,
+                prompt_len=prompt_len,
+                window=view.window,
+                cached_tokens=cached_tokens,
+            )
+        except MappingError as exc:
+            raise MappingError(f"{what} (layer group {view.group!r}): {exc}") from None
 
 
 # --- planning --------------------------------------------------------------------------------
@@ -636,6 +691,7 @@ def plan_transfer(
     prompt_len: int | None = None,
     layer_range: tuple[int, int] | None = None,
     merge: bool = True,
+    cached_tokens: int = 0,
 ) -> FragmentPlan:
     """The fragments source rank ``src`` writes into destination rank ``dst`` for one request (merged).
 
@@ -643,7 +699,8 @@ def plan_transfer(
     bounce path packs and unpacks in, which both sides can compute alike.
 
     Block lists are the resident suffixes of the request's blocks on each side
-    (see :func:`align_blocks`), one per layer group: a mapping ``{group: ids}``
+    (see :func:`align_blocks`; ``cached_tokens`` is the destination's cached
+    prefix, 0: it holds none and its lists cover the whole prompt), one per layer group: a mapping ``{group: ids}``
     or, for a table with a single token group, a plain list. Each token view
     uses its group's list; a group a side lacks raises ``MappingError`` naming
     it, and a shared layer in different groups on the two sides raises
@@ -687,7 +744,9 @@ def plan_transfer(
                     f"got ids for {sorted(have)}"
                 )
             window = sv.window if sv.window is not None else sliding_window
-            sb, db = align_blocks(s_ids, d_ids, sv.tokens_per_slot, prompt_len=prompt_len, window=window)  # type: ignore[arg-type]
+            tps = sv.tokens_per_slot
+            assert tps is not None  # a token view
+            sb, db = align_blocks(s_ids, d_ids, tps, prompt_len=prompt_len, window=window, cached_tokens=cached_tokens)
             if not len(sb):
                 continue
         pair = ViewPair(sv, dv, pp.src.addresses(st, sb), pp.dst.addresses(dt, db), group=pp.group)

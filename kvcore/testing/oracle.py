@@ -391,6 +391,7 @@ def run_scenario(
                 dst_state_slot=gen_slot,
                 prompt_len=prompt_len,
                 sliding_window=window,
+                cached_tokens=min(gen_cached_blocks * tpb, prompt_len),
             )
             out.pairs += 1
             out.nonempty += bool(plan.count)

@@ -211,7 +211,12 @@ def _rank_body(role: str, rank: int, spec: DemoSpec, dist_port: int, conn: Chann
                     state_slot=ctx_slots[r] if spec.mode == "pull" and spec.mamba else -1,
                     incarnation=go["incarnation"] if spec.mode == "pull" else "",
                 )
-                tx.start_receive(params=params, block_ids=me.blocks[r][first_block:], state_slot=me.state_slot(r))
+                tx.start_receive(
+                    params=params,
+                    block_ids=me.blocks[r][first_block:],
+                    state_slot=me.state_slot(r),
+                    cached_tokens=first_block * spec.tokens_per_block,
+                )
 
             starts: dict[int, float] = {}
             for w in warm:

@@ -307,8 +307,14 @@ class Transceiver:
         The returned :class:`~kvcore.params.TransferParams` are what the engine
         forwards to the generation side (``start_receive(params=...)``); they
         carry the request's ticket, without which no receiver is served
-        (``config.require_tickets``). Pass ``ticket`` (or ``params`` made with
-        ``TransferParams.make`` in the scheduler) to choose it beforehand.
+        (``config.require_tickets``). Every rank of the instance returns the
+        same parameters for one request, so any rank's may be forwarded. Pass
+        ``ticket`` (or ``params`` made with ``TransferParams.make`` in the
+        scheduler) to choose the ticket beforehand; without one, it is derived
+        from the request id and a secret the instance's ranks share (never
+        sent to a peer), so every rank agrees on it without the engine
+        coordinating (see ``Link.request_ticket``; engines that reuse request
+        ids should pass their own).
 
         ``mode``: "push" (this side writes into the receiver's blocks once it
         asks) or "pull" (the receiver reads these blocks at once; they must be
@@ -359,6 +365,7 @@ class Transceiver:
         state_slot: int = -1,
         ctx_dp_rank: int = 0,
         ticket: bytes | str | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         """Generation side: receive a request into ``block_ids``, usually ``start_receive(params=p, block_ids=b)``.
 
@@ -368,11 +375,21 @@ class Transceiver:
         the context instance's endpoint and the ticket yourself (push mode).
 
         ``block_ids`` are this rank's destination blocks in token order (distinct,
-        inside this rank's pools); when the generation side already holds a cached
-        prefix, pass only the suffix blocks. When both sides pass ``prompt_len``
-        they must agree (``MappingError`` naming both otherwise).
+        inside this rank's pools), ending with the prompt's last block. They must
+        cover the whole prompt, unless ``cached_tokens`` says how many leading
+        prompt tokens this side holds already (its prefix-cache hit, e.g. vLLM's
+        ``num_computed_tokens``): then they must cover at least the blocks from
+        ``cached_tokens // tokens_per_block`` on (pass only those, or the whole
+        block table: its cached blocks are not written). A list that does not
+        cover ``prompt_len - cached_tokens`` is a ``MappingError`` naming both
+        numbers: here when the prompt length is known (``prompt_len`` or the
+        parameters'), else the request fails with it. When both sides pass
+        ``prompt_len`` they must agree (``MappingError`` naming both otherwise).
         """
-        self._receive(request_id, ctx_endpoint, block_ids, params, prompt_len, state_slot, ctx_dp_rank, ticket, False)
+        self._receive(
+            request_id, ctx_endpoint, block_ids, params, prompt_len, state_slot, ctx_dp_rank, ticket, False,
+            cached_tokens,
+        )  # fmt: skip
 
     def expect(self, params: TransferParams | Mapping[str, Any]) -> None:
         """Generation side: a request will be received here later; keep the context's lease on it renewed.
@@ -395,6 +412,7 @@ class Transceiver:
         ctx_dp_rank: int,
         ticket: bytes | str | None,
         expecting: bool,
+        cached_tokens: int = 0,
     ) -> None:
         rx = self._as_receiver()
         if params is not None and not isinstance(params, TransferParams):
@@ -404,7 +422,16 @@ class Transceiver:
                 raise E.SessionError("start_receive needs params=, or request_id and ctx_endpoint")
             rid = internal_id(request_id)
             tk = b"" if ticket is None else check_ticket(ticket, f"request {request_id!r} ticket")
-            rx.start_receive(rid, ctx_endpoint, block_ids, prompt_len, state_slot, ctx_dp_rank, ticket=tk)
+            rx.start_receive(
+                rid,
+                ctx_endpoint,
+                block_ids,
+                prompt_len,
+                state_slot,
+                ctx_dp_rank,
+                ticket=tk,
+                cached_tokens=cached_tokens,
+            )
             return
         rid = internal_id(params.request_id)
         if request_id is not None and internal_id(request_id) != rid:
@@ -429,6 +456,7 @@ class Transceiver:
             ctx_incarnation=params.incarnation,
             expecting=expecting,
             lease_s=params.lease_ms / 1000.0,
+            cached_tokens=cached_tokens,
         )
 
     def cancel(self, request_id: RequestId, reason: str = "cancelled by the engine") -> bool:

@@ -57,6 +57,7 @@ from kvcore.layout.mapping import RankPlacement
 from kvcore.layout.page import PageTable
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.metrics import TransceiverMetrics
+from kvcore.params import api_id, derive_ticket
 from kvcore.transport import bounce
 from kvcore.transport.agent import (
     MemoryKind,
@@ -263,9 +264,13 @@ class Link:
             auth=self.auth,
             allow_insecure_bind=config.allow_insecure_bind,
         )
-        # Agree on the instance name and gather every rank's info (rank 0 serves it to peers).
+        # Agree on the instance name and on rank 0's ticket secret (it never leaves the instance: tickets of
+        # requests started without one are derived from it, the same on every rank), then gather every rank's
+        # info (rank 0 serves it to peers).
         name = instance_name or f"{role}-{uuid.uuid4().hex[:8]}"
-        self.instance_name = self.collective.allgather(name.encode())[0].decode()
+        agreed = self.collective.allgather(msgspec.msgpack.encode((name, os.urandom(32))))[0]
+        name0, self._ticket_secret = msgspec.msgpack.decode(agreed, type=tuple[str, bytes])
+        self.instance_name = name0
         self.rank_info = wire.RankInfo(
             instance_name=self.instance_name,
             rank=topology.rank,
@@ -306,6 +311,19 @@ class Link:
         self._last_other = 0.0  # worker only: when a message or work last came beside a chunked transfer
         if agent.capabilities.async_submit:
             agent.set_completion_listener(self._agent_event)
+
+    def request_ticket(self, request_id: Any) -> bytes:
+        """The ticket of a request whose engine chose none: the same on every rank of this instance, by construction.
+
+        Derived (``kvcore.params.derive_ticket``: keyed BLAKE2b, 16 bytes) from a 32-byte secret rank 0 drew
+        from the OS at construction and shared over the instance's own collective only; it is never sent to a
+        peer. So every rank that is told to send request ``r`` agrees on its ticket without the engine
+        forwarding anything between its ranks, while anyone outside the instance still cannot compute it: they
+        learn it only from the request's parameters. A new incarnation draws a new secret. Within one
+        incarnation a request id always has the same ticket, so an engine that reuses request ids for
+        different requests should pass its own ``ticket=`` (or ``params=``).
+        """
+        return derive_ticket(self._ticket_secret, api_id(request_id))
 
     # --- wiring ------------------------------------------------------------------------------
 

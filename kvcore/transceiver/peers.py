@@ -51,8 +51,10 @@ class PeerState(str, Enum):
 _ALLOWED: dict[PeerState, frozenset[PeerState]] = {
     PeerState.UNKNOWN: frozenset({PeerState.CONNECTING, PeerState.READY, PeerState.REFUSED}),
     PeerState.CONNECTING: frozenset({PeerState.READY, PeerState.REFUSED, PeerState.LOST, PeerState.SUSPECT}),
-    PeerState.READY: frozenset({PeerState.SUSPECT, PeerState.LOST}),
-    PeerState.SUSPECT: frozenset({PeerState.READY, PeerState.CONNECTING, PeerState.LOST}),
+    # READY/SUSPECT -> REFUSED: a context rank's answer to our registration (sent once its agents were loaded
+    # here) refuses us; it serves us nothing, so its instance is refused as at first contact.
+    PeerState.READY: frozenset({PeerState.SUSPECT, PeerState.LOST, PeerState.REFUSED}),
+    PeerState.SUSPECT: frozenset({PeerState.READY, PeerState.CONNECTING, PeerState.LOST, PeerState.REFUSED}),
     PeerState.LOST: frozenset({PeerState.UNLOADED}),
     PeerState.REFUSED: frozenset({PeerState.UNLOADED}),
     PeerState.UNLOADED: frozenset(),
@@ -96,6 +98,8 @@ class CtxInstance(Peer):
     peers: list[int] = field(default_factory=list)  # ctx ranks this generation rank exchanges with
     agents: dict[int, str] = field(default_factory=dict)  # ctx rank -> loaded agent name
     registered: set[int] = field(default_factory=set)  # ctx ranks that loaded our agent (we may READ from them)
+    #: REFUSED for compatibility: the ranks that hear of each request refused meanwhile (empty: tell nobody)
+    refusal_ranks: list[wire.RankInfo] = field(default_factory=list)
     lost_at: float | None = None
 
     @property

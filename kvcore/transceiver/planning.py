@@ -24,8 +24,10 @@ def plan_request(
     prompt_len: int = -1,
     layer_range: tuple[int, int] | None = None,
     merge: bool = True,
+    cached_tokens: int = 0,
 ) -> FragmentPlan:
-    """The fragments ``src`` writes into ``dst`` for one request; state slots and ``prompt_len`` use -1 for none.
+    """The fragments ``src`` writes into ``dst`` for one request; state slots and ``prompt_len`` use -1 for none;
+    ``cached_tokens`` is the destination's stated cached prefix (0: none).
 
     The sender's write, the receiver's bounce pre-plan and the receiver's pull read all plan through here, so
     both sides of a request compute the same fragments from the same fields.
@@ -41,4 +43,5 @@ def plan_request(
         prompt_len=_opt(prompt_len),
         layer_range=layer_range,
         merge=merge,
+        cached_tokens=cached_tokens,
     )

@@ -29,7 +29,7 @@ from kvcore import errors as E
 from kvcore.control import wire
 from kvcore.control.messenger import Source
 from kvcore.layout.blocks import as_id_array, encode_group_ids, normalize_block_ids, normalize_state_slot
-from kvcore.layout.mapping import validate_compatible
+from kvcore.layout.mapping import check_destination_covers, validate_compatible
 from kvcore.layout.peer import peer_ranks
 from kvcore.metrics import FenceReason
 from kvcore.params import InternalId
@@ -101,8 +101,9 @@ class Receiver(Role):
         ctx_incarnation: str = "",
         expecting: bool = False,
         lease_s: float = 0.0,
+        cached_tokens: int = 0,
     ) -> None:
-        blocks = normalize_block_ids(block_ids, self.link.page_table, f"request {rid} block_ids")
+        blocks = normalize_block_ids(block_ids, self.link.page_table, f"request {rid!r} block_ids")
         slot = normalize_state_slot(state_slot, self.link.page_table, f"request {rid} state_slot")
         state_slot = -1 if slot is None else slot
         wire.parse_endpoint(ctx_endpoint)
@@ -110,9 +111,22 @@ class Receiver(Role):
             ("prompt_len", prompt_len),
             ("ctx_dp_rank", ctx_dp_rank),
             ("ctx_state_slot", ctx_state_slot),
+            ("cached_tokens", cached_tokens),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise E.SessionError(f"request {rid}: {name} must be an integer, got {value!r}")
+                raise E.SessionError(f"request {rid!r}: {name} must be an integer, got {value!r}")
+        if cached_tokens < 0:
+            raise E.SessionError(f"request {rid!r}: cached_tokens must be >= 0, got {cached_tokens}")
+        if prompt_len >= 0 and not expecting:
+            if cached_tokens > prompt_len:
+                raise E.MappingError(f"request {rid!r}: cached_tokens {cached_tokens} exceeds prompt_len {prompt_len}")
+            check_destination_covers(
+                self.link.page_table,
+                blocks,
+                prompt_len=int(prompt_len),
+                cached_tokens=int(cached_tokens),
+                what=f"request {rid!r} block_ids",
+            )
         ctx_blocks: Any = {}
         if mode == "pull":
             ctx_blocks = (
@@ -136,6 +150,7 @@ class Receiver(Role):
                 s = old
                 s.expecting = False
                 s.block_ids, s.state_slot, s.prompt_len = blocks, int(state_slot), int(prompt_len)
+                s.cached_tokens = int(cached_tokens)
                 s.ctx_block_ids, s.ctx_state_slot, s.ctx_incarnation = ctx_blocks, int(ctx_state_slot), ctx_incarnation
                 if not s.terminal:
                     self.rx.set_deadline(s, now + self.config.request_timeout_s)
@@ -148,6 +163,7 @@ class Receiver(Role):
                     block_ids=blocks,
                     state_slot=int(state_slot),
                     prompt_len=int(prompt_len),
+                    cached_tokens=int(cached_tokens),
                     ctx_dp_rank=int(ctx_dp_rank),
                     ticket=ticket,
                     mode=mode,
@@ -172,6 +188,8 @@ class Receiver(Role):
                 self._fetch(inst)
             if inst.state is PeerState.REFUSED:
                 s.transition(SessionState.FAILED, inst.error)
+                if inst.refusal_ranks and inst.error is not None and not s.expecting:
+                    self._tell_refusal(s, inst.refusal_ranks, inst.error)
             elif inst.state is PeerState.READY and not s.expecting:
                 self._ask(s, inst)
             # CONNECTING / SUSPECT: asked once the instance is (again) ready
@@ -307,6 +325,7 @@ class Receiver(Role):
                     group_block_ids=encode_group_ids(s.block_ids) if len(s.block_ids) > 1 else {},
                     state_slot=s.state_slot,
                     prompt_len=s.prompt_len,
+                    cached_tokens=s.cached_tokens,
                     timeout_ms=remaining_ms,
                     bounce_addr=addr,
                     bounce_bytes=nbytes,
@@ -375,13 +394,46 @@ class Receiver(Role):
         inst = session.instance
         return inst.name if inst is not None else ""
 
-    def _refuse(self, inst: CtxInstance, exc: E.KvcoreError) -> None:
+    def _refuse(self, inst: CtxInstance, exc: E.KvcoreError, *, tell: list[wire.RankInfo] | None = None) -> None:
+        """Refuse a context instance (lock held): its requests here fail; with ``tell``, its ranks hear it too.
+
+        ``tell`` (the instance's ranks, as its rank 0 described them) is given where the refusal is about
+        compatibility (ours or theirs), not about who the peer is: each failed request's context ranks get a
+        refusal carrying the request's ticket, so they end it at once with the reason instead of holding its
+        pages until the lease runs out. Never after a failed authentication: the ticket goes to no endpoint
+        that did not prove who it is.
+        """
         log.error("refusing %s: %s", inst, exc)
         inst.move(PeerState.REFUSED, deadline=time.monotonic() + self.config.refused_peer_ttl_s, error=exc)
+        if tell:
+            inst.refusal_ranks = list(tell)  # requests started while the refusal is remembered are told too
         for s in self.rx.values():
             if s.ctx_endpoint == inst.endpoint and s.instance in (None, inst) and not s.terminal:
                 s.transition(SessionState.FAILED, exc)
                 self._note_quarantine(s)
+                if tell:
+                    self._tell_refusal(s, tell, exc)
+
+    def _tell_refusal(self, s: RxSession, ranks: list[wire.RankInfo], exc: E.KvcoreError) -> None:
+        """Tell the context ranks that hold ``s`` that this rank will not take it, and why (lock held)."""
+        if not s.ticket:
+            return  # nothing proves we may speak for the request
+        try:
+            writers = peer_ranks(self.link.topology, ranks[0].topology, s.ctx_dp_rank)
+        except E.KvcoreError:
+            writers = list(range(len(ranks)))  # the topologies do not even overlap: tell every rank
+        msg = wire.Cancel(
+            v=wire.PROTOCOL_VERSION,
+            request_id=s.request_id,
+            instance=self.link.instance_name,
+            rank=self.link.topology.rank,
+            reason=str(exc)[:2000],
+            ticket=s.ticket,
+            refusal=type(exc).__name__,
+        )
+        for r in writers:
+            if r < len(ranks):
+                self.link.send(ranks[r].endpoint, msg)
 
     def _lose(self, inst: CtxInstance, error: E.KvcoreError, *, replaced: bool = False) -> None:
         """A context incarnation is gone: its requests fail; its writers are fenced by the timer."""
@@ -422,7 +474,7 @@ class Receiver(Role):
             try:
                 ranks = self._validate_info(endpoint, msg)
             except E.KvcoreError as exc:
-                self._refuse(inst, exc)
+                self._refuse(inst, exc, tell=self._describable(endpoint, msg))
                 return
             if inst.ranks and ranks[0].incarnation == inst.incarnation:
                 inst.move(PeerState.READY)  # came back: the same process
@@ -449,6 +501,17 @@ class Receiver(Role):
                 {p for d in range(ctx_topo.dp_size) for p in peer_ranks(self.link.topology, ctx_topo, d)}
             )
         self.link.post(self._load_instance, inst)
+
+    def _describable(self, endpoint: str, msg: wire.InstanceInfo) -> list[wire.RankInfo] | None:
+        """The ranks of a refused instance's info when it is well formed enough to tell them (lock held), else None."""
+        ranks = sorted(msg.ranks, key=lambda r: r.rank)
+        if msg.error or not ranks or ranks[0].endpoint != endpoint:
+            return None
+        if [r.rank for r in ranks] != list(range(ranks[0].topology.world_size)):
+            return None
+        for info in ranks[1:]:
+            self.link.learn_key(info)  # as for an accepted instance: rank 0 vouches for its ranks' keys
+        return ranks
 
     def _validate_info(self, endpoint: str, msg: wire.InstanceInfo) -> list[wire.RankInfo]:
         if msg.error:
@@ -499,7 +562,7 @@ class Receiver(Role):
         with self.link.lock:
             for inst in list(self.instances.values()):
                 if inst.rank_of_endpoint(source.endpoint) is not None and not inst.gone:
-                    self._refuse(inst, err)
+                    self._refuse(inst, err, tell=inst.ranks)
 
     def on_error_reply(self, source: Source, msg: wire.ErrorReply) -> None:
         log.warning("peer %s answered with %s: %s", source.endpoint or "?", msg.kind, msg.error)
@@ -646,6 +709,7 @@ class Receiver(Role):
             fragments=fragments,
             error_kind=kind,
             error=error[:1000],
+            prompt_len=s.prompt_len,
         )
         s.pull_done[r] = msg
         link.send(inst.ranks[r].endpoint, msg)
@@ -728,7 +792,7 @@ class Receiver(Role):
                     inst.agents[r] = link.agent.load_remote_agent(inst.ranks[r].agent_descriptor)
         except E.KvcoreError as exc:
             with link.lock:
-                self._refuse(inst, exc)
+                self._refuse(inst, exc, tell=inst.ranks)
             return
         for r in inst.peers:
             link.send(inst.ranks[r].endpoint, wire.RegisterRankInfo(v=wire.PROTOCOL_VERSION, info=link.rank_info))
@@ -795,9 +859,10 @@ class Receiver(Role):
                     dst_state_slot=s.state_slot,
                     prompt_len=s.prompt_len,
                     merge=False,
+                    cached_tokens=s.cached_tokens,
                 )
             except E.KvcoreError as exc:
-                log.debug("request %d: no bounce for context rank %d: %s", rid, r, exc)
+                log.debug("request %r: no bounce for context rank %d: %s", rid, r, exc)
                 continue
             if plan.count and _count(s.block_ids):
                 self._plan_shape[(inst.endpoint, r)] = (plan.count / _count(s.block_ids), plan.nbytes / plan.count)
@@ -812,7 +877,7 @@ class Receiver(Role):
             off = self.arena.lease(plan.nbytes)
             if off is None:
                 self.counters["bounce_fallback_arena_full"] += 1
-                log.debug("request %d: bounce arena full, context rank %d writes fragments directly", rid, r)
+                log.debug("request %r: bounce arena full, context rank %d writes fragments directly", rid, r)
                 continue
             with link.lock:
                 s.leases[r] = off
@@ -853,6 +918,7 @@ class Receiver(Role):
                     dst_state_slot=s.state_slot,
                     prompt_len=s.prompt_len,
                     merge=True,
+                    cached_tokens=s.cached_tokens,
                 )
                 t1 = time.monotonic()
                 handle = None
@@ -868,7 +934,7 @@ class Receiver(Role):
                     )
                 link.metrics.transfer_posted(inst.name, plan.nbytes, plan.count, t1 - t0, time.monotonic() - t1)
             except E.KvcoreError as exc:
-                log.warning("request %s: reading from context rank %d: %s", rid, r, exc)
+                log.warning("request %r: reading from context rank %d: %s", rid, r, exc)
                 with link.lock:
                     s.transition(SessionState.FAILED, exc)
                     for r2 in ranks:
@@ -1052,7 +1118,7 @@ class Receiver(Role):
                 self.link.metrics.fenced(reason, inst.name)
                 if how == "grace":
                     log.warning(
-                        "request %d: context rank %d on another host lost %.1fs ago; its pages are released after "
+                        "request %r: context rank %d on another host lost %.1fs ago; its pages are released after "
                         "the fencing grace",
                         s.request_id,
                         r,

@@ -31,10 +31,11 @@ from kvcore.control import wire
 from kvcore.control.messenger import Source
 from kvcore.layout.blocks import decode_group_ids, normalize_block_ids, normalize_state_slot
 from kvcore.layout.mapping import validate_compatible
+from kvcore.layout.page import PageTable
 from kvcore.layout.peer import peer_ranks
-from kvcore.params import InternalId, TransferParams, api_id, check_ticket, new_ticket
+from kvcore.params import InternalId, TransferParams, api_id, check_ticket
 from kvcore.transceiver.early import EarlyRequests
-from kvcore.transceiver.link import Handler, Link
+from kvcore.transceiver.link import Handler, Link, error_from
 from kvcore.transceiver.peers import GenPeer, PeerState, writer_fenced
 from kvcore.transceiver.planning import plan_request
 from kvcore.transceiver.role import Role
@@ -114,6 +115,15 @@ class Sender(Role):
         self.events: list[tuple[Any, int, Any]] = []  # (request, layers upto, CUDA event) from layers_ready
         self.bounce_on = link.bounce_on
         self.counters = link.counters
+        # Pull mode describes a request for the whole instance: one page table per distinct shape of the ranks'
+        # tables (groups, their slots, state slots) is enough to check every group's ids and the state slot.
+        shapes: dict[Any, PageTable] = {}
+        for info in link.instance_ranks:
+            pt = info.page_table
+            shape = (tuple((g, pt.group_slots(g)) for g in pt.groups()), pt.state_slots())
+            shapes.setdefault(shape, pt)
+        self.instance_tables = list(shapes.values())
+        self.instance_groups = sorted({g for pt in self.instance_tables for g in pt.groups()})
 
     @property
     def sessions(self) -> SessionTable[Any]:
@@ -145,7 +155,7 @@ class Sender(Role):
     ) -> TransferParams:
         blocks = normalize_block_ids(block_ids, self.link.page_table, f"request {rid} block_ids")
         slot = normalize_state_slot(state_slot, self.link.page_table, f"request {rid} state_slot")
-        state_slot = -1 if slot is None else slot
+        given_slot, state_slot = state_slot, -1 if slot is None else slot
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)):
             raise E.SessionError(f"request {rid}: prompt_len must be an integer (-1: unknown), got {prompt_len!r}")
         mode = mode or self.config.transfer_mode
@@ -161,7 +171,11 @@ class Sender(Role):
                 raise E.UnsupportedOperationError(
                     f"request {rid}: pull mode needs an agent that can READ; {self.link.agent.backend!r} cannot"
                 )
-        tk = new_ticket() if ticket is None else check_ticket(ticket, f"request {rid} ticket")
+        whole: dict[str, np.ndarray] = {}
+        whole_slot = -1
+        if mode == "pull":
+            whole, whole_slot = self._whole_description(rid, block_ids, given_slot)
+        tk = self.link.request_ticket(rid) if ticket is None else check_ticket(ticket, f"request {rid!r} ticket")
         payload = self._check_aux(rid, aux)
         info0 = self.link.instance_ranks[0]
         now = time.monotonic()
@@ -182,7 +196,7 @@ class Sender(Role):
                 hold_until=now + self.config.max_lease_s,
             )
             if mode == "pull":
-                s.blocks_digest = blocks_digest(blocks, int(state_slot), info0.incarnation)
+                s.blocks_digest = blocks_digest(whole, whole_slot, info0.incarnation)
             self.tx[rid] = s
             self.link.metrics.request_started()
             tomb = self.tombstones.pop(rid)
@@ -202,12 +216,38 @@ class Sender(Role):
             mode=mode,  # type: ignore[arg-type]
             dp_rank=topo.dp_rank if topo.attention_dp else 0,
             prompt_len=int(prompt_len),
-            block_ids=_single(blocks).tolist() if mode == "pull" and len(blocks) <= 1 else (),
-            group_block_ids={g: v.tolist() for g, v in blocks.items()} if mode == "pull" and len(blocks) > 1 else None,
-            state_slot=int(state_slot) if mode == "pull" else -1,
+            block_ids=_single(whole).tolist() if mode == "pull" and len(whole) <= 1 else (),
+            group_block_ids={g: v.tolist() for g, v in whole.items()} if mode == "pull" and len(whole) > 1 else None,
+            state_slot=whole_slot,
             incarnation=info0.incarnation if mode == "pull" else "",
             lease_ms=int(self.config.lease_s * 1000),
         )
+
+    def _whole_description(self, rid: Any, block_ids: Any, state_slot: Any) -> tuple[dict[str, np.ndarray], int]:
+        """Pull mode: the request's block ids for every layer group of the *instance*, and its state slot.
+
+        What the parameters carry and the receiver's read is checked against: built from the engine's arguments
+        and the instance's page tables, not this rank's alone, so every context rank returns the same
+        parameters (a PP stage without attention layers still names the attention blocks; a stage with one of
+        two groups names both) and any rank's may be forwarded. The engine passes the same ``block_ids`` and
+        ``state_slot`` on every rank.
+        """
+        what = f"request {rid!r} block_ids"
+        if len(self.instance_groups) > 1 and not isinstance(block_ids, Mapping):
+            raise E.LayoutError(
+                f"{what}: this instance holds layer groups {self.instance_groups}; pull mode needs every group's "
+                "ids on every context rank (a mapping of group name to block ids), got one list"
+            )
+        whole: dict[str, np.ndarray] = {}
+        for pt in self.instance_tables:
+            whole.update(normalize_block_ids(block_ids, pt, f"{what} (the instance's layer groups)"))
+        slot = -1
+        tables = [pt for pt in self.instance_tables if pt.state_slots()]
+        if tables:
+            table = min(tables, key=lambda pt: pt.state_slots())
+            got = normalize_state_slot(state_slot, table, f"request {rid!r} state_slot (the instance's state pools)")
+            slot = -1 if got is None else got
+        return whole, slot
 
     def _check_aux(self, rid: Any, aux: Any) -> bytes:
         if aux is None:
@@ -483,6 +523,12 @@ class Sender(Role):
                             msg.request_id, msg.nonce, status="failed", kind=type(err).__name__, error=str(err)
                         ),
                     )
+                    s0 = self.tx.get(msg.request_id)
+                    if s0 is not None and not s0.terminal and msg.ticket and hmac.compare_digest(msg.ticket, s0.ticket):
+                        # Its receiver is one this rank refused: nobody else will take the request; end it now.
+                        self._end(
+                            s0, SessionState.FAILED, error_from(type(err).__name__, f"request {s0.request_id!r}: {err}")
+                        )
                 else:
                     self._not_registered(source, msg, f"generation rank {key} is not registered with this context rank")
                 return
@@ -585,6 +631,7 @@ class Sender(Role):
             bounce_addr=msg.bounce_addr,
             bounce_bytes=msg.bounce_bytes,
             bounce_digest=msg.bounce_digest,
+            cached_tokens=max(0, msg.cached_tokens),
         )
         s.tasks[key] = t
         assert peer.info is not None
@@ -615,7 +662,7 @@ class Sender(Role):
                         f"{len(ids)} blocks, the context side holds {len(held)}"
                     )
         except E.KvcoreError as exc:
-            log.warning("request %d from %s: %s", s.request_id, peer, exc)
+            log.warning("request %r from %s: %s", s.request_id, str(peer), exc)
             self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
             self._end(s, SessionState.FAILED, exc)
 
@@ -629,7 +676,7 @@ class Sender(Role):
             return False
         self.counters["tickets_refused"] += 1
         why = "no ticket was presented" if not ticket else "the ticket presented is not this request's"
-        log.warning("request %s: refused a receiver: %s", s.request_id, why)
+        log.warning("request %r: refused a receiver: %s", s.request_id, why)
         self._refuse_request(
             source,
             s.request_id,
@@ -717,10 +764,18 @@ class Sender(Role):
                 s.expected_receivers = 1
         if s.terminal:
             self._finish_for_session(s, t)
+        elif msg.status == "ok" and 0 <= s.prompt_len != msg.prompt_len >= 0:
+            exc = E.MappingError(
+                f"request {rid!r} prompt_len: context {s.prompt_len}, generation {msg.prompt_len} ({peer} read "
+                "blocks for another prompt length)"
+            )
+            self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
+            self._end(s, SessionState.FAILED, exc)
         elif msg.status == "ok" and not hmac.compare_digest(msg.blocks_digest, s.blocks_digest):
             exc = E.MappingError(
-                f"request {rid}: {peer} read other blocks than this context rank holds the request in (pull mode "
-                "needs the same block ids on every context rank, as the transfer parameters carry one list)"
+                f"request {rid!r}: {peer} read other blocks or another state slot than this context rank was given "
+                "(pull mode: pass the same block_ids and state_slot to start_send on every context rank, and "
+                "forward its parameters unchanged)"
             )
             self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
             self._end(s, SessionState.FAILED, exc)
@@ -770,10 +825,29 @@ class Sender(Role):
             s.renewers[key] = msg.nonce
             self.tx.set_deadline(s, min(max(s.deadline, now + self.config.lease_s), s.hold_until))
 
+    def _refused_by_receiver(self, msg: wire.Cancel) -> None:
+        """A receiver will not take a request: it refused this instance, or this rank refused it (lock held).
+
+        Honoured only with the request's own ticket (whatever ``require_tickets`` says: the sender may be a
+        rank this one never registered), so only the request's receiver can end it; the request ends FAILED at
+        once with the receiver's reason, typed as it reported it.
+        """
+        s = self.tx.get(msg.request_id)
+        if s is None or s.terminal:
+            return  # not started here (its start_send meets no receiver and ends by its lease) or already over
+        if not msg.ticket or not hmac.compare_digest(msg.ticket, s.ticket):
+            self.counters["tickets_refused"] += 1
+            return
+        who = f"generation rank {(msg.instance, msg.rank)}"
+        self._end(s, SessionState.FAILED, error_from(msg.refusal, f"request {s.request_id!r}: {who}: {msg.reason}"))
+
     def on_cancel(self, source: Source, msg: wire.Cancel) -> None:
         """A receiver cancels (or asks for the final word on) its part of a request."""
         key = (msg.instance, msg.rank)
         with self.link.lock:
+            if msg.refusal and not msg.nonce:
+                self._refused_by_receiver(msg)
+                return
             peer = self.peers.get(key)
             if peer is None or peer.gone:
                 self.counters["ignored_cancels"] += 1
@@ -978,10 +1052,11 @@ class Sender(Role):
             prompt_len=s.prompt_len if s.prompt_len >= 0 else t.prompt_len,
             layer_range=layers,
             merge=merge,
+            cached_tokens=t.cached_tokens,
         )
 
     def _fail_task(self, s: TxSession, t: ReceiverTask, exc: E.KvcoreError) -> None:
-        log.warning("request %d to %s: %s", s.request_id, t.peer, exc)
+        log.warning("request %r to %s: %s", s.request_id, str(t.peer), exc)
         with self.link.lock:
             self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
             self._end(s, SessionState.FAILED, exc)
@@ -1035,7 +1110,7 @@ class Sender(Role):
         if plan.nbytes != t.bounce_bytes or bounce.plan_digest(plan.dst, plan.sizes) != t.bounce_digest:
             self.counters["bounce_fallback_plan_mismatch"] += 1
             log.warning(
-                "request %d: receiver's bounce plan differs from ours; writing fragments directly", s.request_id
+                "request %r: receiver's bounce plan differs from ours; writing fragments directly", s.request_id
             )
             return False
         if self.staging is None:

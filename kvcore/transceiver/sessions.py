@@ -294,6 +294,7 @@ class RxSession(Session):
     block_ids: dict[str, np.ndarray] = field(default_factory=dict)
     state_slot: int = -1
     prompt_len: int = -1
+    cached_tokens: int = 0  # leading prompt tokens this side holds already (its stated cached prefix)
     ctx_dp_rank: int = 0
     instance: CtxInstance | None = None  # the context incarnation this request was asked of
     writers: dict[int, WriterState] = field(default_factory=dict)  # ctx rank -> state
@@ -388,6 +389,7 @@ class ReceiverTask:
     final: Any = None  # the final TransferResult sent, re-sent when the receiver asks again
     attached_at: float = field(default_factory=time.monotonic)  # when its RequestData arrived
     posted_at: float = 0.0  # when its current write was submitted
+    cached_tokens: int = 0  # the receiver's stated cached prefix: its blocks cover the prompt from there
 
     @property
     def key(self) -> tuple[str, int]:

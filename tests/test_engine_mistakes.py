@@ -1,0 +1,355 @@
+"""Engine mistakes refused at once (issue 27): no silent wrong KV, no false failures.
+
+Each test makes one mistake an engine can make (an off-by-one block allocation, generation and context
+disagreeing on the prompt length, a refused peer, tickets drawn per rank) through the public API, on in-process
+instances (``RankGroup``), and checks the typed error on *both* sides, long before any lease runs out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _faults import RankGroup, fault_plugin_manager
+from _instances import fill_value, ticket_for
+
+from kvcore import errors as E
+from kvcore.layout.mapping import align_blocks
+from kvcore.transceiver import SessionState
+
+pytestmark = pytest.mark.timeout(120)
+
+TPB = 8  # RankGroup's tokens per block
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(cache.shape[0], -1).view(torch.uint8)
+
+
+@pytest.fixture
+def pm() -> Any:
+    return fault_plugin_manager()
+
+
+@pytest.fixture
+def groups(pm: Any) -> Iterator[list[RankGroup]]:
+    made: list[RankGroup] = []
+    try:
+        yield made
+    finally:
+        for g in reversed(made):
+            g.close()
+
+
+def _outcomes(group: RankGroup, rids: list[Any], timeout: float = 20.0) -> dict[Any, Any]:
+    """Poll every rank of ``group`` in step until each of ``rids`` is reported and released; rank 0's outcomes."""
+    want, got, released = set(rids), {}, set()
+    deadline = time.monotonic() + timeout
+    while not (want <= set(got) and want <= released):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{group.role}: not reported/released in {timeout}s: {want - set(got)}, {got}")
+        results = group.poll()
+        for o in results[0].outcomes:
+            got[o.request_id] = o
+        released.update(results[0].released)
+        time.sleep(0.005)
+    return got
+
+
+def _fill(ctx: RankGroup, rid: Any, blocks: list[int]) -> None:
+    for cache in ctx.caches:
+        flat = _flat(cache)
+        flat[blocks] = torch.from_numpy(fill_value(rid, blocks, flat.shape[1]))
+
+
+# --- 1. the cached prefix is stated, never guessed ---------------------------------------------------
+
+
+def test_fewer_destination_blocks_than_the_prompt_needs_is_a_mapping_error_at_the_call(
+    groups: list[RankGroup], pm: Any
+) -> None:
+    """prompt_len 40 at 8 tokens a block is 5 blocks: 1 destination block (no cached prefix stated) is refused."""
+    gen = RankGroup.build("generation", pm=pm)
+    groups.append(gen)
+    with pytest.raises(E.MappingError, match=r"prompt_len 40 minus cached_tokens 0 needs 5 blocks") as err:
+        gen.txs[0].start_receive(1, "tcp://127.0.0.1:1", [3], prompt_len=40, ticket=ticket_for(1))
+    assert "1 blocks" in str(err.value)
+    assert gen.txs[0].leaks() == {}
+    # stated: 32 cached tokens are 4 whole blocks; the fifth is received
+    with pytest.raises(E.MappingError, match=r"prompt_len 40 minus cached_tokens 8 needs 4 blocks"):
+        gen.txs[0].start_receive(2, "tcp://127.0.0.1:1", [3], prompt_len=40, cached_tokens=8, ticket=ticket_for(2))
+    with pytest.raises(E.MappingError, match=r"cached_tokens 41 exceeds prompt_len 40"):
+        gen.txs[0].start_receive(3, "tcp://127.0.0.1:1", [], prompt_len=40, cached_tokens=41, ticket=ticket_for(3))
+
+
+def test_a_short_block_list_without_a_stated_prefix_fails_both_sides_in_push(groups: list[RankGroup], pm: Any) -> None:
+    """Neither side gave prompt_len: the context's planner finds the 1-of-3 list short; both sides end FAILED."""
+    ctx = RankGroup.build("context", pm=pm)
+    gen = RankGroup.build("generation", pm=pm)
+    groups.extend([ctx, gen])
+    _flat(gen.caches[0]).fill_(0)
+    _fill(ctx, 1, [1, 2, 3])
+    ctx.txs[0].start_send(1, [1, 2, 3], ticket=ticket_for(1))
+    gen.txs[0].start_receive(1, ctx.info_endpoint, [9], ticket=ticket_for(1))
+    out = _outcomes(gen, [1])[1]
+    assert out.state is SessionState.FAILED and isinstance(out.error, E.MappingError), out.error
+    assert "cached_tokens 0 needs 3 blocks" in str(out.error), out.error
+    c = _outcomes(ctx, [1])[1]
+    assert c.state is SessionState.FAILED and isinstance(c.error, E.MappingError), c.error
+    assert not _flat(gen.caches[0])[9].any(), "a short list must receive nothing"
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_stated_cached_prefix_receives_only_the_suffix(groups: list[RankGroup], pm: Any, mode: str) -> None:
+    ctx = RankGroup.build("context", pm=pm)
+    gen = RankGroup.build("generation", pm=pm)
+    groups.extend([ctx, gen])
+    src, dst = [1, 2, 3, 4, 5], [20, 21, 22]
+    _fill(ctx, 7, src)
+    _flat(gen.caches[0]).fill_(0)
+    params = ctx.txs[0].start_send(7, src, prompt_len=36, mode=mode, ticket=ticket_for(7))
+    gen.txs[0].start_receive(params=params, block_ids=dst, cached_tokens=16)
+    assert _outcomes(gen, [7])[7].state is SessionState.DONE
+    want = fill_value(7, src, _flat(gen.caches[0]).shape[1])[2:]
+    assert np.array_equal(_flat(gen.caches[0])[dst].numpy(), want)
+    assert _outcomes(ctx, [7])[7].state is SessionState.DONE
+
+
+def test_align_blocks_states_the_numbers() -> None:
+    ids = np.arange(3, dtype=np.int64)
+    with pytest.raises(E.MappingError, match=r"1 blocks do not cover the request: prompt_len 40 minus cached_tokens 0"):
+        align_blocks(ids, ids[:1], 16, prompt_len=40)
+    src, dst = align_blocks(ids, ids[1:], 16, prompt_len=40, cached_tokens=16)
+    assert src.tolist() == [1, 2] and dst.tolist() == [1, 2]
+    # the whole block table with a stated prefix: the cached blocks are not written
+    src, dst = align_blocks(ids, ids + 10, 16, prompt_len=40, cached_tokens=32)
+    assert src.tolist() == [2] and dst.tolist() == [12]
+    src, dst = align_blocks(ids, ids[:0], 16, prompt_len=40, cached_tokens=40)
+    assert len(src) == len(dst) == 0
+
+
+# --- 7. log calls format any request id -------------------------------------------------------------------
+
+
+class _FormatEvery(logging.Handler):
+    """Formats every record it sees (as any real handler would) and keeps what could not be formatted."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self.errors: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(record.getMessage())
+        except Exception as exc:  # what logging would print as "--- Logging error ---"
+            self.errors.append(f"{record.msg!r}: {type(exc).__name__}: {exc}")
+
+
+@pytest.fixture
+def logged() -> Iterator[_FormatEvery]:
+    handler = _FormatEvery()
+    logger = logging.getLogger("kvcore")
+    old = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+
+
+def _warned(handler: _FormatEvery, *words: str) -> str:
+    line = next((m for m in handler.lines if all(w in m for w in words)), None)
+    assert line is not None, f"no log line with {words}: {handler.lines[-10:]}"
+    assert len(line) < 2000, f"a log line of {len(line)} characters (a peer logged by its repr?)"
+    return line
+
+
+def test_the_mapping_error_warning_formats_a_str_id(groups: list[RankGroup], pm: Any, logged: _FormatEvery) -> None:
+    ctx = RankGroup.build("context", pm=pm)
+    gen = RankGroup.build("generation", pm=pm)
+    groups.extend([ctx, gen])
+    ctx.txs[0].start_send("cmpl-1", [1, 2], prompt_len=16, ticket=ticket_for("cmpl-1"))
+    gen.txs[0].start_receive("cmpl-1", ctx.info_endpoint, [3], prompt_len=8, ticket=ticket_for("cmpl-1"))
+    assert isinstance(_outcomes(gen, ["cmpl-1"])["cmpl-1"].error, E.MappingError)
+    assert logged.errors == []
+    assert "generation rank ('generation-instance', 0)" in _warned(logged, "'cmpl-1'", "prompt_len")
+    # and a plan that fails when written (a short list, no prompt length known here)
+    ctx.txs[0].start_send("cmpl-2", [1, 2], ticket=ticket_for("cmpl-2"))
+    gen.txs[0].start_receive("cmpl-2", ctx.info_endpoint, [3], ticket=ticket_for("cmpl-2"))
+    assert isinstance(_outcomes(gen, ["cmpl-2"])["cmpl-2"].error, E.MappingError)
+    assert logged.errors == []
+    _warned(logged, "'cmpl-2'", "do not cover")
+
+
+def test_the_remote_range_warning_formats_a_str_id(groups: list[RankGroup], pm: Any, logged: _FormatEvery) -> None:
+    ctx = RankGroup.build("context", pm=pm)
+    gen = RankGroup.build("generation", pm=pm, allocator=lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    groups.extend([ctx, gen])
+    rid = b"\x00bytes-id"
+    ctx.txs[0].start_send(rid, [1], ticket=ticket_for(rid))
+    gen.txs[0].start_receive(rid, ctx.info_endpoint, [2], ticket=ticket_for(rid))
+    assert isinstance(_outcomes(gen, [rid])[rid].error, E.RemoteRangeError)
+    assert logged.errors == []
+    _warned(logged, repr(rid), "generation rank")
+
+
+def test_the_cross_host_fencing_warning_formats_a_str_id(logged: _FormatEvery) -> None:
+    from _instances import ContextProcess, make_rank
+
+    agent, _, tx = make_rank("generation", "gen-fence-log", config={"fencing_grace_s": 0.5, "peer_lost_timeout_s": 1.0})
+    ctx = ContextProcess(timeout=60, env={"KVCORE_HOST_ID": "another-host"})
+    try:
+        tx.start_receive("cmpl-f", ctx.endpoint, [1], ticket=ticket_for("cmpl-f"))
+        deadline = time.monotonic() + 10
+        while ctx.stats()["early_requests"] != 1:
+            assert time.monotonic() < deadline, "the request never reached the context"
+            time.sleep(0.01)
+        ctx.kill()
+        out = tx.wait_all(["cmpl-f"], 30)["cmpl-f"]
+        assert isinstance(out.error, E.PeerLostError), out
+        assert tx.stats()["fenced_grace"] == 1
+        assert logged.errors == []
+        _warned(logged, "'cmpl-f'", "another host")
+    finally:
+        ctx.close()
+        tx.close()
+        agent.close()
+
+
+# --- 5. one ticket per request on every context rank ---------------------------------------------------
+
+
+@pytest.mark.parametrize("gen_tp", [1, 2])
+def test_ranks_that_start_send_without_a_ticket_agree_on_it(groups: list[RankGroup], pm: Any, gen_tp: int) -> None:
+    """TP2 context, each rank calling start_send(rid, blocks) alone: one ticket, identical parameters, DONE."""
+    ctx = RankGroup.build("context", pm=pm, tp=2)
+    gen = RankGroup.build("generation", pm=pm, tp=gen_tp)
+    groups.extend([ctx, gen])
+    rids: list[Any] = [5, "cmpl-5"]
+    params = {rid: ctx.each(lambda _r, tx, rid=rid: tx.start_send(rid, [1, 2])) for rid in rids}
+    for rid in rids:
+        assert params[rid][0] == params[rid][1], "context ranks returned different parameters"
+    assert params[5][0].ticket != params["cmpl-5"][0].ticket
+    for c in gen.caches:
+        _flat(c).fill_(0)
+    for rid in rids:
+        gen.each(lambda _r, tx, rid=rid: tx.start_receive(params=params[rid][1].to_dict(), block_ids=[6, 7]))
+    outs = _outcomes(gen, rids)
+    assert {o.state for o in outs.values()} == {SessionState.DONE}, outs
+    assert {o.state for o in _outcomes(ctx, rids).values()} == {SessionState.DONE}
+    # another instance draws another secret: its tickets for the same ids differ
+    other = RankGroup.build("context", pm=pm)
+    groups.append(other)
+    assert other.txs[0].start_send(5, [1]).ticket != params[5][0].ticket
+
+
+# --- 3. prompt_len compared in pull -------------------------------------------------------------------------
+
+
+def test_pull_with_another_prompt_len_fails_on_both_sides(groups: list[RankGroup], pm: Any) -> None:
+    """Context 32 tokens, generation 30 (both 4 blocks), parameters without prompt_len: MappingError, not DONE."""
+    ctx = RankGroup.build("context", pm=pm)
+    gen = RankGroup.build("generation", pm=pm)
+    groups.extend([ctx, gen])
+    p = ctx.txs[0].start_send(1, [1, 2, 3, 4], prompt_len=32, mode="pull", ticket=ticket_for(1)).to_dict()
+    del p["prompt_len"]  # made before prefill knew it, or dropped on the way: the generation side cannot compare
+    gen.txs[0].start_receive(params=p, block_ids=[5, 6, 7, 8], prompt_len=30)
+    out = _outcomes(gen, [1])[1]
+    assert out.state is SessionState.FAILED and isinstance(out.error, E.MappingError), out.error
+    assert "context 32, generation 30" in str(out.error), out.error
+    c = _outcomes(ctx, [1])[1]
+    assert c.state is SessionState.FAILED and isinstance(c.error, E.MappingError), c.error
+    assert "context 32, generation 30" in str(c.error)
+
+
+# --- 4. a refusal reaches both sides at once -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_context_the_generation_side_refuses_ends_at_once_on_both_sides(
+    groups: list[RankGroup], pm: Any, mode: str
+) -> None:
+    """A dtype the generation side cannot take: IncompatiblePeerError there, and the context's request too,
+    long before its 30 s lease (and not a byte in the generation pools)."""
+    ctx = RankGroup.build("context", pm=pm, tp=2, timeout=30)
+    gen = RankGroup.build("generation", pm=pm, geometry={"dtype": "float16"}, timeout=30)
+    groups.extend([ctx, gen])
+    _flat(gen.caches[0]).fill_(0)
+    params = ctx.each(lambda _r, tx: tx.start_send(1, [1, 2], mode=mode))[0]
+    t0 = time.monotonic()
+    gen.txs[0].start_receive(params=params, block_ids=[3, 4])
+    out = _outcomes(gen, [1])[1]
+    assert out.state is SessionState.FAILED and isinstance(out.error, E.IncompatiblePeerError), out.error
+    c = _outcomes(ctx, [1], 10.0)[1]
+    assert c.state is SessionState.FAILED and isinstance(c.error, E.IncompatiblePeerError), c.error
+    assert "dtype" in str(c.error) and "generation rank" in str(c.error), c.error
+    assert time.monotonic() - t0 < 10.0
+    assert not _flat(gen.caches[0]).any()
+    # the refusal is remembered: the next request fails here at once, and there too
+    params = ctx.each(lambda _r, tx: tx.start_send(2, [1, 2], mode=mode))[0]
+    gen.txs[0].start_receive(params=params, block_ids=[3, 4])
+    assert isinstance(_outcomes(gen, [2])[2].error, E.IncompatiblePeerError)
+    c = _outcomes(ctx, [2], 10.0)[2]
+    assert c.state is SessionState.FAILED and isinstance(c.error, E.IncompatiblePeerError), c.error
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_receiver_the_context_refuses_ends_the_request_at_once_on_both_sides(
+    groups: list[RankGroup], pm: Any, mode: str
+) -> None:
+    """The context admits one generation instance (max_peers=1): the second one's request fails on both sides
+    with ResourceExhaustedError at once, not at the end of the context's lease."""
+    from _instances import make_rank
+
+    ctx = RankGroup.build("context", pm=pm, max_peers=1, timeout=30)
+    groups.append(ctx)
+    gens = [make_rank("generation", f"gen-{i}-{mode}", instance_name=f"gen-{i}-{mode}") for i in range(2)]
+    try:
+        (_, _, first), (_, _, second) = gens
+        params = ctx.txs[0].start_send(1, [1], mode=mode)
+        first.start_receive(params=params, block_ids=[1])
+        assert first.wait_all([1], 20)[1].state is SessionState.DONE
+        assert _outcomes(ctx, [1])[1].state is SessionState.DONE
+        params = ctx.txs[0].start_send(2, [2], mode=mode)
+        t0 = time.monotonic()
+        second.start_receive(params=params, block_ids=[2])
+        out = second.wait_all([2], 20)[2]
+        assert out.state is SessionState.FAILED and isinstance(out.error, E.ResourceExhaustedError), out.error
+        c = _outcomes(ctx, [2], 10.0)[2]
+        assert c.state is SessionState.FAILED and isinstance(c.error, E.ResourceExhaustedError), c.error
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        for agent, _, tx in gens:
+            tx.close()
+            agent.close()
+
+
+def test_a_refusal_without_the_ticket_ends_nothing(groups: list[RankGroup], pm: Any) -> None:
+    """A stranger's refusal (no ticket, or another one) leaves the request to its receiver."""
+    from kvcore.control import wire
+
+    ctx = RankGroup.build("context", pm=pm)
+    gen = RankGroup.build("generation", pm=pm)
+    groups.extend([ctx, gen])
+    params = ctx.txs[0].start_send(1, [1], ticket=ticket_for(1))
+    for ticket in (b"", ticket_for(2)):
+        forged = wire.Cancel(
+            v=wire.PROTOCOL_VERSION, request_id=1, instance="stranger", rank=0, reason="go away",
+            ticket=ticket, refusal="IncompatiblePeerError",
+        )  # fmt: skip
+        gen.txs[0]._link.send(ctx.info_endpoint, forged)
+    deadline = time.monotonic() + 10
+    while ctx.txs[0].stats()["tickets_refused"] < 1:
+        assert time.monotonic() < deadline, "the forged refusal never arrived"
+        time.sleep(0.01)
+    gen.txs[0].start_receive(params=params, block_ids=[2])
+    assert _outcomes(gen, [1])[1].state is SessionState.DONE
+    assert _outcomes(ctx, [1])[1].state is SessionState.DONE
