@@ -191,7 +191,7 @@ class _SGLang(_Engine):
     def op_step(self, new: list[int], aborts: list[int], verify: bool = True) -> dict[str, Any]:
         """One scheduler iteration: new requests (prefill: bootstrap, init and send; decode: init and
         send_metadata), aborts, then every queued request polled (the MIN all-reduce is the collective poll)."""
-        from kvcore.adapters.sglang import KVPoll, KvcoreKVReceiver, KvcoreKVSender
+        from kvcore.adapters.sglang import KvcoreKVReceiver, KvcoreKVSender, KVPoll
 
         ctx = self.role == "context"
         for r in new:

@@ -138,7 +138,7 @@ def test_an_executor_loop_through_the_trtllm_adapter_lands_exact_bytes_and_frees
         for r in sorted(normal):
             assert c_log.reported[r] == "completed", (r, c_log.reported[r], c_log.errors.get(r))
             assert a_log.reported[r] == "completed", (r, a_log.reported[r], a_log.errors.get(r))
-        for r, (bad, nbytes, first) in a_log.verified.items():  # every completed receive, cancelled ones included
+        for bad, nbytes, first in a_log.verified.values():  # every completed receive, cancelled ones included
             assert bad == 0 and nbytes > 0, first
         assert set(a_log.verified) == {r for r, k in a_log.reported.items() if k == "completed"}
         for r in ctx_cancel | gen_cancel_after:
@@ -162,11 +162,11 @@ def test_an_executor_loop_through_the_trtllm_adapter_lands_exact_bytes_and_frees
 
 def test_at_least_request_num_validates_and_none_means_every_pending_request() -> None:
     """A one-rank pair in this process: None blocks for all, 0 never blocks, a bad value is a typed error."""
+    from _adapter_ranks import Req
     from _instances import make_rank
 
     from kvcore import errors as E
     from kvcore.adapters.trtllm import KvcoreCacheTransceiver
-    from _adapter_ranks import Req
 
     cagent, _, ctx_tx = make_rank("context", "trt-unit-ctx")
     gagent, _, gen_tx = make_rank("generation", "trt-unit-gen")
