@@ -160,7 +160,7 @@ def test_the_library_never_imports_the_tools() -> None:
 
 
 def test_the_planes_have_their_folders() -> None:
-    for package in ("extension", "control", "transport", "layout", "transceiver", "testing", "tools"):
+    for package in ("extension", "control", "transport", "layout", "transceiver", "adapters", "testing", "tools"):
         assert (PACKAGE / package / "__init__.py").is_file(), package
     flat = sorted(p.stem for p in PACKAGE.glob("*.py"))
     # Only the engine-facing API, base modules every layer shares, and settings stay at the top.
