@@ -30,7 +30,17 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvcore_vllm.demo import COMPUTED, LOADED, PROMPT_TOKENS, TTFT_COUNT, TTFT_SUM, Deployment, deployment, text_prompts
+from kvcore_vllm.demo import (
+    COMPUTED,
+    LOADED,
+    PROMPT_TOKENS,
+    TTFT_COUNT,
+    TTFT_SUM,
+    Deployment,
+    deployment,
+    stop_on_sigterm,
+    text_prompts,
+)
 from kvcore_vllm.local import complete
 from kvcore_vllm.tiny_model import LARGE_MODEL, MODEL, kv_bytes_per_token, write_model
 
@@ -154,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the repetitions here")
     parser.add_argument("--workdir", help="keep models and logs here (default: a temporary folder)")
     args = parser.parse_args(argv)
+    stop_on_sigterm()
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:

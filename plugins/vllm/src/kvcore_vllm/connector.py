@@ -117,6 +117,7 @@ class RecvSpec:
     params: dict[str, Any]
     block_ids: list[int]
     num_tokens: int = 0  # the prompt tokens the load brings (beyond the local prefix-cache hit)
+    cached_tokens: int = 0  # the local prefix-cache hit: leading prompt tokens this engine holds already
 
 
 @dataclass
@@ -464,7 +465,9 @@ class KvcoreConnector(KVConnectorBase_V1):
         for name, raw in meta.expects.items():
             engine.expect(name, TransferParams.from_dict(raw))
         for name, recv in meta.recvs.items():
-            engine.receive(name, TransferParams.from_dict(recv.params), recv.block_ids, recv.num_tokens)
+            engine.receive(
+                name, TransferParams.from_dict(recv.params), recv.block_ids, recv.num_tokens, recv.cached_tokens
+            )
         for name, raw in meta.drops.items():
             engine.drop(name, TransferParams.from_dict(raw) if raw else None, "the decode instance dropped it")
         for name, fail in meta.fails.items():
@@ -631,8 +634,14 @@ class KvcoreConnector(KVConnectorBase_V1):
             # Nothing to load (the local prefix cache covers the prompt): let the prefill free its blocks now.
             self._drops[rid] = tp.to_dict()
             return
+        # The load fills what get_num_new_matched_tokens counted: the prompt beyond the local prefix-cache hit, which
+        # kvcore is told (cached_tokens) so that it knows the unhashed blocks are a suffix, not a short allocation.
+        prompt = min(tp.prompt_len, len(request.prompt_token_ids or ()))
         self._recvs[rid] = RecvSpec(
-            params=tp.to_dict(), block_ids=blocks.get_unhashed_block_ids(), num_tokens=num_external_tokens
+            params=tp.to_dict(),
+            block_ids=blocks.get_unhashed_block_ids(),
+            num_tokens=num_external_tokens,
+            cached_tokens=max(0, prompt - num_external_tokens),
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcoreConnectorMetadata:

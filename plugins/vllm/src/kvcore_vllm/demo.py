@@ -226,6 +226,16 @@ def report(result: DemoResult, backend: str, mode: str) -> str:
     return "\n".join(lines)
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM ends the run like Ctrl-C does: the servers (in sessions of their own) are stopped on the way out."""
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcore_vllm.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="nixl", help="kvcore transport (nixl, shm, ucx, ...)")
@@ -235,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--workdir", help="keep the model and the logs here (default: a temporary folder)")
     args = parser.parse_args(argv)
+    stop_on_sigterm()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcore-vllm-demo-"))

@@ -265,8 +265,14 @@ class KvcoreEngine:
             return
         self._track(name, _Entry(Phase.EXPECTED, params.request_id))
 
-    def receive(self, name: str, params: TransferParams, block_ids: Sequence[int], num_tokens: int = 0) -> None:
-        """Fetch request ``name``'s KV into ``block_ids`` (the suffix not cached locally); reported once released."""
+    def receive(
+        self, name: str, params: TransferParams, block_ids: Sequence[int], num_tokens: int = 0, cached_tokens: int = 0
+    ) -> None:
+        """Fetch request ``name``'s KV into ``block_ids``, the suffix after the ``cached_tokens`` vLLM holds already.
+
+        Reported once kvcore released the request. kvcore checks that the blocks cover the prompt beyond
+        ``cached_tokens``: a short list is refused (a ``MappingError``), never taken for a longer cached prefix.
+        """
         blocks = list(block_ids)
         entry = self._entries.get(name)
         fresh = _Entry(Phase.RECEIVING, params.request_id, blocks, num_tokens)
@@ -290,7 +296,7 @@ class KvcoreEngine:
             self._ready.append((name, entry))
             return
         try:
-            self.transceiver.start_receive(params=params, block_ids=blocks)
+            self.transceiver.start_receive(params=params, block_ids=blocks, cached_tokens=cached_tokens)
         except E.KvcoreError as exc:
             if entry is not None:
                 # Expected but refused now: give the expectation up; report once kvcore released it.
@@ -350,7 +356,8 @@ class KvcoreEngine:
                 self.transceiver.cancel(entry.kv_id, reason)
             return
         try:
-            self.transceiver.start_receive(params=params, block_ids=[])
+            # The whole prompt is "cached" here: nothing is written, the context learns this receiver is done.
+            self.transceiver.start_receive(params=params, block_ids=[], cached_tokens=max(0, params.prompt_len))
         except E.KvcoreError as exc:
             log.info("request %r: could not tell the prefill to free it (%s); its lease frees it", name, exc)
             if entry is not None:
