@@ -85,9 +85,7 @@ class KvcoreCacheTransceiver:
     between two polls when there is no news.
     """
 
-    def __init__(
-        self, tx: Transceiver, *, ticket_secret: bytes | None = None, poll_interval_s: float = 0.001
-    ) -> None:
+    def __init__(self, tx: Transceiver, *, ticket_secret: bytes | None = None, poll_interval_s: float = 0.001) -> None:
         self.tx = tx
         self._secret = ticket_secret
         self._interval = float(poll_interval_s)
