@@ -148,12 +148,13 @@ def deployment(
         model_dir, free_port(), "decode", connector, backend, mode, extra, cpu=cores[1],
         tensor_parallel_size=tensor_parallel[1], log_path=str(workdir / f"decode-{tag}.log"), env=side_channel(),
     )  # fmt: skip
-    proxy = Proxy([prefill.url], [decode.url], free_port(), str(workdir / f"proxy-{tag}.log"))
+    proxy = Proxy([prefill.url], [decode.url], 0, str(workdir / f"proxy-{tag}.log"))
     try:
         prefill.start()
         decode.start()
         prefill.wait_ready(boot_timeout_s)
         decode.wait_ready(boot_timeout_s)
+        proxy.port = free_port()  # taken now, not before the boot: a port free a minute ago may be in use by now
         proxy.start().wait_ready()
         yield Deployment(prefill, decode, proxy, [prefill, decode])
     finally:
