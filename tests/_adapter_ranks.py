@@ -102,7 +102,11 @@ class _Engine:
         """Freed requests whose blocks no longer hold the sentinel (a write landed after the free)."""
         import torch
 
-        broken = [r for r in sorted(self.freed) if not bool((self.me.caches[torch.as_tensor(self.blocks(r))] == SENTINEL).all())]
+        broken = [
+            r
+            for r in sorted(self.freed)
+            if not bool((self.me.caches[torch.as_tensor(self.blocks(r))] == SENTINEL).all())
+        ]
         return {"broken": broken, "unsafe": self.unsafe, "leaks": self.tx.leaks()}
 
     def close(self) -> None:
@@ -188,10 +192,18 @@ class _SGLang(_Engine):
         )
         self.queue: dict[int, Any] = {}  # room -> sender / receiver, in SGLang's queue order
 
-    def op_step(self, new: list[int], aborts: list[int], verify: bool = True) -> dict[str, Any]:
-        """One scheduler iteration: new requests (prefill: bootstrap, init and send; decode: init and
-        send_metadata), aborts, then every queued request polled (the MIN all-reduce is the collective poll)."""
-        from kvcore.adapters.sglang import KvcoreKVReceiver, KvcoreKVSender, KVPoll
+    def op_step(
+        self,
+        new: list[int],
+        aborts: list[int],
+        hold: list[int] | None = None,
+        meta: list[int] | None = None,
+        verify: bool = True,
+    ) -> dict[str, Any]:
+        """One scheduler iteration: new requests (prefill: sender, init and a chunked send; decode: receiver and
+        init, then send_metadata unless held), held requests' send_metadata, aborts, then every queued request
+        polled in queue order (what SGLang's poll_and_all_reduce does on every rank)."""
+        from kvcore.adapters.sglang import POLL_NAMES, KvcoreKVReceiver, KvcoreKVSender, KVPoll
 
         ctx = self.role == "context"
         for r in new:
@@ -202,20 +214,27 @@ class _SGLang(_Engine):
                 s.init(len(self.blocks(r)), aux_index=r)
                 blocks = self.blocks(r)
                 half = len(blocks) // 2
-                s.send(np.asarray(blocks[:half], dtype=np.int32))  # chunked prefill: two chunks
-                s.send(np.asarray(blocks[half:], dtype=np.int32))
+                tpb = self.spec.tokens_per_block
+                s.send(np.asarray(blocks[:half], dtype=np.int32), num_kv_tokens=half * tpb)  # chunked prefill
+                s.send(np.asarray(blocks[half:], dtype=np.int32), num_kv_tokens=self.spec.tokens - half * tpb)
             else:
+                self.meta[r] = -1
                 s = KvcoreKVReceiver(self.mgr, "127.0.0.1:8998", r)
                 s.init(prefill_dp_rank=0)
-                s.send_metadata(np.asarray(self.blocks(r), dtype=np.int32), aux_index=r)
+                if r not in (hold or ()):
+                    s.send_metadata(np.asarray(self.blocks(r), dtype=np.int32), aux_index=r)
             self.queue[r] = s
+        for r in meta or ():
+            self.queue[r].send_metadata(np.asarray(self.blocks(r), dtype=np.int32), aux_index=r)
         for r in aborts:
-            self.queue[r].abort()
-        out: dict[str, Any] = {"success": [], "failed": [], "verified": []}
+            if r in self.queue:
+                self.queue[r].abort()
+        out: dict[str, Any] = {"success": [], "failed": [], "verified": [], "states": {}}
         for r, s in list(self.queue.items()):
             v = s.poll()
+            out["states"][r] = POLL_NAMES[v]
             if v in (KVPoll.Success, KVPoll.Failed):
-                if v is KVPoll.Success:
+                if v == KVPoll.Success:
                     out["success"].append(r)
                     if not ctx and verify:
                         ver = self.op_verify(r)
@@ -224,13 +243,14 @@ class _SGLang(_Engine):
                 else:
                     try:
                         s.failure_exception()
-                        err = ""
+                        err, why = "", ""
                     except Exception as exc:
-                        err = type(exc).__name__
+                        err, why = type(exc).__name__, str(exc)
                     out["failed"].append([r, err])
+                    out.setdefault("why", {})[r] = why
                     if not ctx and not s.is_abort_release_safe():
                         self.unsafe.append(f"request {r} Failed but is_abort_release_safe() is False")
-                self.free(r, f"KVPoll {v.name}")
+                self.free(r, f"KVPoll {POLL_NAMES[v]}")
                 s.clear()
                 del self.queue[r]
         out["pending"] = len(self.queue)

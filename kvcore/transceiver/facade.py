@@ -108,6 +108,19 @@ def _order(rid: Any) -> tuple[int, Any]:
     return (2, rid if isinstance(rid, bytes) else getattr(rid, "b", b""))
 
 
+def _elsewhere(rid: object, state: SessionState) -> E.KvcoreError:
+    """The error of a request that ended ``state`` on another rank of this instance (this rank has none of its own).
+
+    Typed by the agreed state, so every rank reports the same kind of error for one request.
+    """
+    what = f"request {rid!r} ended {state.value} on another rank of this instance"
+    if state is SessionState.CANCELLED:
+        return E.RequestCancelledError(what)
+    if state is SessionState.TIMED_OUT:
+        return E.TransferTimeoutError(what)
+    return E.TransferFailedError(what)
+
+
 class RequestStatus(str, Enum):
     """Where one request stands on this rank (``Transceiver.status``)."""
 
@@ -560,7 +573,7 @@ class Transceiver:
                 s.reported = True
                 err = s.error
                 if state is not s.state and err is None:
-                    err = E.SessionError(f"request {rid!r} ended {state.value} on another rank of this instance")
+                    err = _elsewhere(rid, state)
                 done = state is SessionState.DONE
                 aux = s.aux if done and isinstance(s, RxSession) else b""
                 out = Outcome(api_id(rid), state, None if done else err, s.nbytes, aux)
