@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from kvcore.extension.plugins import PluginManager
     from kvcore.transport.agent import TransferAgent
 
-__all__ = ["TransceiverConfig", "resolve_backend", "create_agent"]
+__all__ = ["TransceiverConfig", "config_table", "resolve_backend", "create_agent"]
 
 log = logging.getLogger("kvcore.config")
 
@@ -46,8 +46,8 @@ def _field_types() -> dict[str, Any]:
 class TransceiverConfig:
     """Everything a transceiver needs to know; every field has a safe default."""
 
-    backend: str = "auto"
-    agent_options: dict[str, Any] = field(default_factory=dict)
+    backend: str = "auto"  # transport plugin by name (shm, nixl, ucx, ...); "auto": the best one installed
+    agent_options: dict[str, Any] = field(default_factory=dict)  # options passed to the backend's agent
     host: str = "127.0.0.1"  # control-plane bind address; loopback unless asked otherwise ("0.0.0.0"/"::": all)
     port: int = 0  # rank 0's control port; rank r binds port + r * port_stride; 0 picks free ports
     advertise_host: str = ""  # the address peers dial (pod/node IP); "" = host (a wildcard host: the hostname)
@@ -57,12 +57,12 @@ class TransceiverConfig:
     first_contact_timeout_s: float = 10.0  # bound on fetching a peer's RankInfo
     transfer_timeout_s: float = 30.0  # bound on one submitted transfer at the transport
     max_message_bytes: int = 16 * 1024 * 1024  # control-plane frame size bound
-    max_inflight_requests: int = 4096
+    max_inflight_requests: int = 4096  # requests this rank holds at once (more: ResourceExhaustedError at the call)
     # Lifecycles (see docs/architecture.md): how long a silent peer stays SUSPECT before it is LOST; how long
     # after that a writer on another host is still assumed able to write (fencing); refusals are remembered.
-    peer_lost_timeout_s: float = 5.0
+    peer_lost_timeout_s: float = 5.0  # a silent peer (connection down, no goodbye) is SUSPECT this long, then LOST
     fencing_grace_s: float = 60.0  # must exceed the writer's transfer_timeout_s
-    refused_peer_ttl_s: float = 30.0
+    refused_peer_ttl_s: float = 30.0  # how long an incompatible peer stays refused before it is tried again
     quarantine_query_interval_s: float = 2.0  # re-ask a live writer for its final word on a quarantined request
     # Caps on what peers can make this rank hold.
     max_peers: int = 1024  # generation ranks registered with one context rank
@@ -72,9 +72,11 @@ class TransceiverConfig:
     max_tombstones: int = 65536  # outcomes of released requests kept for late receivers (~512 B each)
     bounce_min_fragments: int = 256  # plans with at least this many fragments ...
     bounce_max_fragment_bytes: int = 4096  # ... all this small or smaller go through a bounce buffer
-    bounce_enabled: bool = True
+    bounce_enabled: bool = True  # False: fragmented plans are written as they are, never through a bounce buffer
     bounce_buffer_bytes: int = 64 * 1024 * 1024  # receiver arena and sender staging buffer, per rank
-    required_plugins: list[str] = field(default_factory=list)
+    required_plugins: list[str] = field(
+        default_factory=list
+    )  # plugins that must be installed, "name>=version" (create_agent fails fast otherwise)
     transfer_mode: str = (
         "push"  # per request default: "push" (the context writes) or "pull" (the generation side reads)
     )
@@ -92,7 +94,7 @@ class TransceiverConfig:
     # The interpreter's GIL switch interval, lowered to this (seconds) when the transceiver starts; 0: left alone.
     # An engine thread running Python holds the GIL up to the interval each time the I/O thread gives it up
     # (every ZeroMQ or transport call): 5 ms by default, about 10 ms per one-block request (docs/engine-guide.md).
-    gil_switch_interval_s: float = 0.0
+    gil_switch_interval_s: float = 0.0  # lower the process's GIL switch interval to this at start; 0: leave it
 
     def __post_init__(self) -> None:
         self.validate()
@@ -339,3 +341,42 @@ def create_agent(config: TransceiverConfig | str, agent_name: str, pm: PluginMan
     _, cls = resolve_backend(config, pm)
     options = {} if isinstance(config, str) else config.agent_options
     return cls(agent_name, options)
+
+
+def config_table() -> str:
+    """``TransceiverConfig``'s fields as a Markdown table (field, environment variable, default, what it does).
+
+    Built from the class itself (its defaults and the comments on its field lines), so the table in
+    docs/engine-guide.md cannot drift: a test compares the two (regenerate it with ``python -c "from kvcore.config
+    import config_table; print(config_table())"``).
+    """
+    import ast
+    import inspect
+    import io
+    import tokenize
+
+    source = inspect.getsource(TransceiverConfig)
+    comments: dict[int, list[str]] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments.setdefault(tok.start[0], []).append(tok.string.lstrip("#").strip())
+    cls = ast.parse(source).body[0]
+    assert isinstance(cls, ast.ClassDef)
+    spans = {
+        node.target.id: (node.lineno, node.end_lineno or node.lineno)
+        for node in cls.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
+    rows = ["| field | environment | default | what it does |", "| --- | --- | --- | --- |"]
+    for f in dataclasses.fields(TransceiverConfig):
+        if f.default is not dataclasses.MISSING:
+            default: Any = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:  # pragma: no cover - every field has a default
+            default = None
+        first, last = spans[f.name]
+        what = " ".join(c for line in range(first, last + 1) for c in comments.get(line, [])) or "—"
+        what = what.replace("|", "\\|")
+        rows.append(f"| `{f.name}` | `KVCORE_{f.name.upper()}` | `{default!r}` | {what} |")
+    return "\n".join(rows) + "\n"

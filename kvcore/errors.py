@@ -32,6 +32,7 @@ __all__ = [
     "MappingError",
     "PoolMismatchError",
     "TopologyError",
+    "CollectiveError",
     "SessionError",
     "RequestCancelledError",
     "ResourceExhaustedError",
@@ -151,6 +152,11 @@ class PoolMismatchError(MappingError):
 
 class TopologyError(KvcoreError, ValueError):
     """A parallel topology is malformed or not supported."""
+
+
+class CollectiveError(KvcoreError):
+    """The agreement among an instance's ranks failed: another rank closed its transceiver, exited, or stopped
+    calling the collective ``poll()`` in step (the process group's own error is chained)."""
 
 
 # --- sessions -------------------------------------------------------------------------------

@@ -393,8 +393,11 @@ class TransceiverMetrics:
             raise E.ConfigError(f"max_peers must be >= 0, got {max_peers!r}")
         self.backend, self.role, self.rank, self.instance = backend, role, int(rank), instance
         self.max_peers = max_peers
-        #: Live counts exported as gauges (``kvcore_live_objects``): typically ``Transceiver.stats``.
+        #: Live counts exported as gauges (``kvcore_live_objects``): typically ``Transceiver.stats`` less its counters.
         self.gauges = gauges
+        #: Event counts that only grow, exported as ``kvcore_control_events_total{kind}`` (refused tickets, lost
+        #: peers, fenced writers, expired early requests...).
+        self.events: Callable[[], Mapping[str, int]] | None = None
         #: The I/O thread's CPU seconds so far (``kvcore_io_thread_cpu_seconds``): typically ``Messenger.cpu_seconds``.
         self.cpu_seconds: Callable[[], float] | None = None
         self._cpu_seen = 0.0  # the highest reading: the counter never goes back when the thread has ended
@@ -682,6 +685,11 @@ def _families(recorders: Iterable[TransceiverMetrics]) -> Iterator[Any]:
     live = GaugeMetricFamily(
         "kvcore_live_objects", "Live sessions, leases, tombstones, peers, transfers (stats()).", labels=[*base, "kind"]
     )
+    events = CounterMetricFamily(
+        "kvcore_control_events",
+        "Control-plane events since start, by kind (stats() counters: tickets refused, peers lost, ...).",
+        labels=[*base, "kind"],
+    )
 
     def buckets(h: Histogram) -> list[tuple[str, float]]:
         out: list[tuple[str, float]] = []
@@ -726,6 +734,13 @@ def _families(recorders: Iterable[TransceiverMetrics]) -> Iterator[Any]:
             for kind, v in sorted(values.items()):
                 if not kind.endswith("_total"):
                     live.add_metric([*b, kind], float(v))
+        if r.events is not None:
+            try:
+                counts = dict(r.events())
+            except Exception:  # a closed transceiver
+                counts = {}
+            for kind, v in sorted(counts.items()):
+                events.add_metric([*b, kind.removesuffix("_total")], float(v))
     yield started
     yield cpu
     yield stall
@@ -741,6 +756,7 @@ def _families(recorders: Iterable[TransceiverMetrics]) -> Iterator[Any]:
     yield fenced
     yield from hists.values()
     yield live
+    yield events
 
 
 class KvcoreCollector:

@@ -55,3 +55,32 @@ def test_writing_a_transport_points_at_a_real_example() -> None:
     assert "class TestCmaContract(TransferAgentContract):" in (example / "tests/test_cma_contract.py").read_text()
     assert 'cma = "kvcore_cma.plugin"' in (example / "pyproject.toml").read_text()
     assert "KVCORE_PLUGIN_API = 1" in (example / "src/kvcore_cma/plugin.py").read_text()
+
+
+def test_the_guides_config_table_is_the_one_the_code_generates() -> None:
+    """docs/engine-guide.md's TransceiverConfig table: every field, its environment variable and its real default."""
+    from kvcore.config import TransceiverConfig, config_table
+
+    text = (DOCS / "engine-guide.md").read_text()
+    m = re.search(r"<!-- config-table:start -->\n(.*?)<!-- config-table:end -->", text, flags=re.DOTALL)
+    assert m, "docs/engine-guide.md has no generated TransceiverConfig table"
+    assert m.group(1) == config_table(), (
+        "the table is stale: regenerate it with kvcore.config.config_table() "
+        "(python -c 'from kvcore.config import config_table; print(config_table())')"
+    )
+    import dataclasses
+
+    for f in dataclasses.fields(TransceiverConfig):
+        assert f"| `{f.name}` | `KVCORE_{f.name.upper()}` |" in m.group(1)
+    assert "—" not in m.group(1), "a field without a comment in kvcore/config.py documents nothing"
+
+
+@pytest.mark.parametrize("stale", ["once wired", "being added", "once merged", "Wiring status"])
+def test_no_doc_promises_work_that_already_landed(stale: str) -> None:
+    hits = [
+        f"{p.relative_to(DOCS.parent)}:{i}"
+        for p in [*DOCS.glob("*.md"), DOCS.parent / "README.md"]
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if stale in line
+    ]
+    assert not hits, f"{stale!r} in {hits}"

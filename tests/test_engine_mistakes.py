@@ -353,3 +353,170 @@ def test_a_refusal_without_the_ticket_ends_nothing(groups: list[RankGroup], pm: 
     gen.txs[0].start_receive(params=params, block_ids=[2])
     assert _outcomes(gen, [1])[1].state is SessionState.DONE
     assert _outcomes(ctx, [1])[1].state is SessionState.DONE
+
+
+# --- 11. smaller: mismatched id types, cancel's answer, counters apart from gauges ------------------------
+
+
+def test_an_int_id_against_the_same_number_as_str_is_named_when_the_ask_expires(
+    groups: list[RankGroup], pm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The context started 5 (int), the generation side asks for "5" (str): counted, logged, and the receiver's
+    error says both ids and their types, at the receiver's deadline (not silently at the end of the lease)."""
+    ctx = RankGroup.build("context", pm=pm, timeout=3.0)
+    gen = RankGroup.build("generation", pm=pm, timeout=1.5)
+    groups.extend([ctx, gen])
+    ctx.txs[0].start_send(5, [1, 2], ticket=ticket_for(5))
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        gen.txs[0].start_receive("5", ctx.info_endpoint, [3, 4], ticket=ticket_for("5"))
+        out = _outcomes(gen, ["5"])["5"]
+        deadline = time.monotonic() + 10
+        while ctx.txs[0].stats()["early_requests_expired"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert out.state is not SessionState.DONE
+    assert "same request id type" in str(out.error) and "'5' (str)" in str(out.error), out.error
+    assert ctx.txs[0].stats()["early_requests_expired"] == 1
+    assert any("same request id type" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
+    ctx.txs[0].cancel(5)
+    _outcomes(ctx, [5])
+
+
+def test_cancel_answers_true_for_a_remembered_cancel_and_false_once_released(groups: list[RankGroup], pm: Any) -> None:
+    ctx = RankGroup.build("context", pm=pm)
+    gen = RankGroup.build("generation", pm=pm)
+    groups.extend([ctx, gen])
+    assert ctx.txs[0].cancel(9, "dropped before prefill finished") is True, "remembered: takes effect at start_send"
+    ctx.txs[0].start_send(9, [1], ticket=ticket_for(9))
+    assert _outcomes(ctx, [9])[9].state is SessionState.CANCELLED
+    assert ctx.txs[0].cancel(9) is False, "already ended and released here"
+    assert gen.txs[0].cancel(123) is False, "unknown on the generation side"
+    params = ctx.txs[0].start_send(10, [2], ticket=ticket_for(10))
+    gen.txs[0].start_receive(params=params, block_ids=[5])
+    assert _outcomes(gen, [10])[10].state is SessionState.DONE
+    _outcomes(ctx, [10])
+    assert ctx.txs[0].cancel(10) is False and gen.txs[0].cancel(10) is False
+
+
+def test_counters_export_as_events_and_never_as_live_objects(groups: list[RankGroup], pm: Any) -> None:
+    """kvcore_live_objects returns to 0 when idle; the counters of stats() go to kvcore_control_events_total."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvcore.metrics import KvcoreCollector
+    from kvcore.transceiver.facade import COUNTERS
+
+    ctx = RankGroup.build("context", pm=pm)
+    groups.append(ctx)
+    reg = CollectorRegistry()
+    reg.register(KvcoreCollector([ctx.txs[0].metrics]))
+    text = generate_latest(reg).decode()
+    live = {
+        line.split('kind="')[1].split('"')[0] for line in text.splitlines() if line.startswith("kvcore_live_objects{")
+    }
+    events = {line.split('kind="')[1].split('"')[0] for line in text.splitlines()
+              if line.startswith("kvcore_control_events_total{")}  # fmt: skip
+    assert live and not live & COUNTERS, live & COUNTERS
+    assert {c.removesuffix("_total") for c in COUNTERS} <= events, COUNTERS - events
+
+
+# --- 10. shutdown: an orderly goodbye, and a typed error for a collective a rank left ----------------------
+
+
+@pytest.mark.parametrize("closing", ["generation", "context"])
+def test_a_normal_close_reaches_the_peer_as_a_goodbye_not_as_silence(
+    groups: list[RankGroup], pm: Any, closing: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With peer_lost_timeout_s at 30 s, the peer lets the closed rank go within a few seconds, counted as closed."""
+    ctx = RankGroup.build("context", pm=pm, peer_lost_timeout_s=30.0)
+    gen = RankGroup.build("generation", pm=pm, peer_lost_timeout_s=30.0)
+    groups.extend([ctx, gen])
+    params = ctx.txs[0].start_send(1, [1, 2], ticket=ticket_for(1))
+    gen.txs[0].start_receive(params=params, block_ids=[3, 4])
+    assert _outcomes(gen, [1])[1].state is SessionState.DONE
+    _outcomes(ctx, [1])
+    closer, peer = (gen, ctx) if closing == "generation" else (ctx, gen)
+    key = "gen_peers" if closing == "generation" else "ctx_instances"
+    assert peer.txs[0].stats()[key] == 1
+    with caplog.at_level(logging.INFO, logger="kvcore"):
+        closer.txs[0].close()
+        deadline = time.monotonic() + 10
+        while peer.txs[0].stats()["peers_closed"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    st = peer.txs[0].stats()
+    assert st["peers_closed"] == 1 and st["peers_lost"] == 0, st
+    said = [r for r in caplog.records if "closed" in r.getMessage() and r.name.startswith("kvcore.transceiver")]
+    assert said and all(r.levelno == logging.INFO for r in said), [(r.levelname, r.getMessage()) for r in said]
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
+
+
+def test_a_forged_goodbye_lets_nothing_go(groups: list[RankGroup], pm: Any) -> None:
+    """A goodbye from another connection (right names, right incarnation) is ignored; the peer still serves."""
+    from kvcore.control import wire
+
+    ctx = RankGroup.build("context", pm=pm)
+    gen = RankGroup.build("generation", pm=pm)
+    stranger = RankGroup.build("generation", pm=pm)
+    groups.extend([ctx, gen, stranger])
+    params = ctx.txs[0].start_send(1, [1], ticket=ticket_for(1))
+    gen.txs[0].start_receive(params=params, block_ids=[3])
+    assert _outcomes(gen, [1])[1].state is SessionState.DONE
+    _outcomes(ctx, [1])
+    g, c = gen.txs[0], ctx.txs[0]
+    as_gen = wire.Goodbye(v=wire.PROTOCOL_VERSION, instance=g.instance_name, rank=0, incarnation=g.incarnation)
+    as_ctx = wire.Goodbye(v=wire.PROTOCOL_VERSION, instance=c.instance_name, rank=0, incarnation=c.incarnation)
+    stranger.txs[0]._link.send(ctx.info_endpoint, as_gen)
+    stranger.txs[0]._link.send(g.endpoint, as_ctx)
+    time.sleep(0.5)
+    assert c.stats()["gen_peers"] == 1 and g.stats()["ctx_instances"] == 1
+    params = c.start_send(2, [2], ticket=ticket_for(2))
+    g.start_receive(params=params, block_ids=[5])
+    assert _outcomes(gen, [2])[2].state is SessionState.DONE
+    assert c.stats()["peers_closed"] == 0 and g.stats()["peers_closed"] == 0
+
+
+def _collective_rank(rank: int, port: int, out: Any) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from kvcore import errors as Errors
+    from kvcore.control.collective import TorchCollective
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))  # fmt: skip
+    c = TorchCollective()
+    assert c.allgather(b"x%d" % rank) == [b"x0", b"x1"]
+    if rank == 1:
+        dist.destroy_process_group()  # this rank closes and leaves; rank 0 still polls
+        out.put("left")
+        return
+    time.sleep(0.5)
+    try:
+        c.allgather(b"again")
+        out.put("no error")
+    except Errors.CollectiveError as exc:
+        out.put(f"CollectiveError: {exc}")
+    except Exception as exc:
+        out.put(f"raw {type(exc).__name__}: {exc}")
+
+
+def test_a_rank_that_left_the_collective_is_a_typed_error_on_the_others() -> None:
+    import multiprocessing as mp
+
+    from _instances import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_collective_rank, args=(r, port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(out.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert got[1] == "left" and got[0].startswith("CollectiveError: allgather among this instance's 2 ranks"), got

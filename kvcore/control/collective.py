@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from kvcore.errors import CollectiveError
+
 __all__ = ["Collective", "LocalCollective", "TorchCollective"]
 
 
@@ -58,6 +60,19 @@ class TorchCollective:
         return self._size
 
     def allgather(self, data: bytes) -> list[bytes]:
+        """All ranks' payloads; ``CollectiveError`` when the group fails (a rank closed, exited or fell out of step)."""
+        try:
+            return self._allgather(data)
+        except CollectiveError:
+            raise
+        except Exception as exc:  # gloo/NCCL raise RuntimeError (connection closed, timeout) or DistBackendError
+            raise CollectiveError(
+                f"allgather among this instance's {self._size} ranks failed on rank {self._rank}: another rank "
+                f"closed its transceiver or exited, or the ranks stopped calling poll() in step "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"
+            ) from exc
+
+    def _allgather(self, data: bytes) -> list[bytes]:
         import torch
 
         n = torch.tensor([len(data)], dtype=torch.int64)

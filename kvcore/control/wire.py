@@ -34,6 +34,7 @@ __all__ = [
     "ErrorReply",
     "PullDone",
     "Renew",
+    "Goodbye",
     "RequestId",
     "Message",
     "encode",
@@ -233,6 +234,19 @@ class Renew(_Msg, tag="renew", frozen=True):
     nonce: Nonce  # a failure answer (lease already gone) echoes it
 
 
+class Goodbye(_Msg, tag="goodbye", frozen=True):
+    """Either direction: this rank is closing its transceiver (an orderly shutdown, not a crash).
+
+    The peer takes it as final only together with the connection dropping (which a stranger cannot cause), so a
+    forged goodbye changes nothing; with it, a closed peer is let go at once instead of after
+    ``peer_lost_timeout_s`` of silence.
+    """
+
+    instance: Name
+    rank: int
+    incarnation: Name
+
+
 Message = (
     InstanceInfoRequest
     | InstanceInfo
@@ -244,6 +258,7 @@ Message = (
     | ErrorReply
     | PullDone
     | Renew
+    | Goodbye
 )
 
 

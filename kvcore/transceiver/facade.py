@@ -86,6 +86,8 @@ COUNTERS = frozenset(
         "forged_messages",
         "peers_lost",
         "tickets_refused",
+        "early_requests_expired",
+        "peers_closed",
     }
 )
 
@@ -241,7 +243,8 @@ class Transceiver:
         link.on_bad_frame = self._role.on_bad_frame
         link.on_auth_failed = self._role.on_auth_failed
         self.metrics = link.metrics
-        self.metrics.gauges = self.stats
+        self.metrics.gauges = self._live_gauges
+        self.metrics.events = self._event_counts
         self.metrics.cpu_seconds = self._link.messenger.cpu_seconds
         self.metrics.io_timing = self._link.messenger.io_timing
         self._poll_lock = threading.Lock()
@@ -475,9 +478,12 @@ class Transceiver:
     def cancel(self, request_id: RequestId, reason: str = "cancelled by the engine") -> bool:
         """Cancel a request (logical). Its pages are released only once no write can still land.
 
-        Returns False when the request is unknown here or already terminal. On the
-        context side an unknown request is remembered for a while, so a later
-        ``start_send`` of it ends CANCELLED at once.
+        Returns True when the cancel will take effect: the request is in flight
+        here, or (context side) not started yet and remembered, so a later
+        ``start_send`` of it ends CANCELLED at once and a receiver asking for it
+        is told. False when the request already ended, or is unknown on the
+        generation side. True never means the pages may be reused: that is
+        the release, reported by ``poll()``.
         """
         self._check_open()
         accepted = self._role.cancel(internal_id(request_id), str(reason)[:500])
@@ -655,11 +661,20 @@ class Transceiver:
                 time.sleep(0.001)  # collective: the other ranks poll on their own clocks
         return outcomes
 
+    def _live_gauges(self) -> dict[str, int]:
+        """``stats()`` without the counters: what ``kvcore_live_objects`` exports."""
+        return {k: v for k, v in self.stats().items() if k not in COUNTERS and not k.endswith("_total")}
+
+    def _event_counts(self) -> dict[str, int]:
+        """The counters of ``stats()``: what ``kvcore_control_events_total`` exports."""
+        return {k: v for k, v in self.stats().items() if k in COUNTERS or k.endswith("_total")}
+
     def stats(self) -> dict[str, int]:
         """Live counts for leak checks (all return to zero, but peers, once every request is released) and counters.
 
-        Keys ending in ``_total`` and the ``fenced_*``, ``bounce_fallback_*``, ``forged_messages``,
-        ``peers_lost`` counters only grow.
+        Keys ending in ``_total`` and the keys of ``COUNTERS`` (``fenced_*``, ``bounce_fallback_*``,
+        ``forged_messages``, ``peers_lost``, ``tickets_refused``, ``early_requests_expired``) only grow; the
+        metrics export those as ``kvcore_control_events_total`` and the rest as ``kvcore_live_objects``.
         """
         res = self.agent.resources()
         out = {
@@ -683,9 +698,21 @@ class Transceiver:
         self._closed = True
         self._link.notify_news()  # threads blocked in wait() raise SessionError
         self.metrics.close()
+        self._say_goodbye()
         self._link.close(timeout)
         self._role.close()
         self._link.deregister()
+
+    def _say_goodbye(self) -> None:
+        """Tell every peer rank this one is closing: it lets go at once instead of after ``peer_lost_timeout_s``."""
+        link = self._link
+        with link.lock:
+            endpoints = self._role.goodbye_endpoints()
+        msg = wire.Goodbye(
+            v=wire.PROTOCOL_VERSION, instance=link.instance_name, rank=link.topology.rank, incarnation=link.incarnation
+        )
+        for endpoint in endpoints:
+            link.send(endpoint, msg)  # queued; the messenger writes its outbox before its sockets close
 
     def __enter__(self) -> Transceiver:
         return self

@@ -101,6 +101,7 @@ class CtxInstance(Peer):
     #: REFUSED for compatibility: the ranks that hear of each request refused meanwhile (empty: tell nobody)
     refusal_ranks: list[wire.RankInfo] = field(default_factory=list)
     lost_at: float | None = None
+    goodbye: set[int] = field(default_factory=set)  # ctx ranks that said they are closing (wire.Goodbye)
 
     @property
     def incarnation(self) -> str:
@@ -130,6 +131,7 @@ class GenPeer(Peer):
     lost_at: float | None = None
     ready_at: float = 0.0
     identity: bytes | None = None  # ROUTER identity of the connection it registered (and last asked) on
+    goodbye: bool = False  # it said it is closing (wire.Goodbye); final once its connection drops
 
     @property
     def name(self) -> str:

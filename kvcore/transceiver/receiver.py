@@ -81,6 +81,7 @@ class Receiver(Role):
             wire.RegisterResult: self.on_register_result,
             wire.TransferResult: self.on_transfer_result,
             wire.ErrorReply: self.on_error_reply,
+            wire.Goodbye: self.on_goodbye,
         }
 
     # --- engine API ----------------------------------------------------------------------------
@@ -435,13 +436,16 @@ class Receiver(Role):
             if r < len(ranks):
                 self.link.send(ranks[r].endpoint, msg)
 
-    def _lose(self, inst: CtxInstance, error: E.KvcoreError, *, replaced: bool = False) -> None:
-        """A context incarnation is gone: its requests fail; its writers are fenced by the timer."""
+    def _lose(self, inst: CtxInstance, error: E.KvcoreError, *, replaced: bool = False, orderly: bool = False) -> None:
+        """A context incarnation is gone: its requests fail; its writers are fenced by the timer.
+
+        ``orderly``: a rank of it said goodbye and its connection dropped (a normal shutdown).
+        """
         if not inst.move(PeerState.LOST, error=error):
             return
         inst.lost_at = time.monotonic()
-        self.counters["peers_lost"] += 1
-        log.warning("%s", error)
+        self.counters["peers_closed" if orderly else "peers_lost"] += 1
+        log.log(logging.INFO if orderly else logging.WARNING, "%s", error)
         if self.instances.get(inst.endpoint) is inst:
             del self.instances[inst.endpoint]
         self._forget_plan_shapes(inst.endpoint)
@@ -734,6 +738,28 @@ class Receiver(Role):
             inst.move(PeerState.SUSPECT, deadline=time.monotonic() + self.config.peer_lost_timeout_s)
             self._fetch(inst)
 
+    def goodbye_endpoints(self) -> list[str]:
+        out: set[str] = set()
+        for inst in self.instances.values():
+            if not inst.gone:
+                out.update(inst.ranks[r].endpoint for r in inst.peers if r < len(inst.ranks))
+        return sorted(out)
+
+    def on_goodbye(self, source: Source, msg: wire.Goodbye) -> None:
+        """A context rank is closing: its instance is let go once that rank's connection drops (or dropped)."""
+        with self.link.lock:
+            inst = next(
+                (i for i in self.instances.values()
+                 if not i.gone and i.name == msg.instance and i.incarnation == msg.incarnation),
+                None,
+            )  # fmt: skip
+            if inst is None or not 0 <= msg.rank < len(inst.ranks):
+                self.counters["ignored_messages"] += 1
+                return
+            inst.goodbye.add(msg.rank)
+            if inst.state is PeerState.SUSPECT:  # a connection of it is down already
+                self._lose(inst, E.PeerLostError(f"{inst} closed (rank {msg.rank} said goodbye)"), orderly=True)
+
     def on_disconnect(self, endpoint: str) -> None:
         now = time.monotonic()
         with self.link.lock:
@@ -741,7 +767,9 @@ class Receiver(Role):
                 r = inst.rank_of_endpoint(endpoint)
                 if r is None and inst.endpoint != endpoint:
                     continue
-                if r is not None and writer_fenced(inst.ranks[r], None, self.config.fencing_grace_s, now)[0]:
+                if r is not None and r in inst.goodbye:
+                    self._lose(inst, E.PeerLostError(f"{inst} closed (rank {r} said goodbye)"), orderly=True)
+                elif r is not None and writer_fenced(inst.ranks[r], None, self.config.fencing_grace_s, now)[0]:
                     self._lose(inst, E.PeerLostError(f"context rank {r} at {endpoint} died"))
                 elif inst.state in (PeerState.READY, PeerState.CONNECTING):
                     first_contact = inst.state is PeerState.CONNECTING and not inst.ranks

@@ -87,6 +87,10 @@ class Role(ABC):
         """The peer instance a session deals with, for metric labels ("" when none is known)."""
         return ""
 
+    def goodbye_endpoints(self) -> list[str]:
+        """The peer endpoints to tell that this rank is closing (``wire.Goodbye``), lock held."""
+        return []
+
     def on_disconnect(self, endpoint: str) -> None:
         """A DEALER of ours lost its peer (messenger I/O thread)."""
 

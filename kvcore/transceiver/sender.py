@@ -33,7 +33,7 @@ from kvcore.layout.blocks import decode_group_ids, normalize_block_ids, normaliz
 from kvcore.layout.mapping import validate_compatible
 from kvcore.layout.page import PageTable
 from kvcore.layout.peer import peer_ranks
-from kvcore.params import InternalId, TransferParams, api_id, check_ticket
+from kvcore.params import BytesId, InternalId, TransferParams, api_id, check_ticket
 from kvcore.transceiver.early import EarlyRequests
 from kvcore.transceiver.link import Handler, Link, error_from
 from kvcore.transceiver.peers import GenPeer, PeerState, writer_fenced
@@ -137,6 +137,7 @@ class Sender(Role):
             wire.Cancel: self.on_cancel,
             wire.PullDone: self.on_pull_done,
             wire.Renew: self.on_renew,
+            wire.Goodbye: self.on_goodbye,
         }
 
     # --- engine API ----------------------------------------------------------------------------
@@ -326,11 +327,14 @@ class Sender(Role):
         with self.link.lock:
             s = self.tx.get(rid)
             if s is None:
+                prior = self.tombstones.get(rid)
                 # Not started here (yet): a later start_send ends CANCELLED; waiting receivers are told now.
                 self.tombstones.put(rid, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid}: {reason}"))
                 for _, req, source in self.early.pop(rid):
                     self._answer_unheld(req, source, self.tombstones.get(rid))
-                return False
+                # True: remembered for a start_send to come; False: the request already ended and was released here.
+                # (A cancel remembered earlier has no ticket; a released request's tombstone has its ticket.)
+                return prior is None or (prior.state is SessionState.CANCELLED and prior.ticket is None)
             if s.terminal:
                 return False
             self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid}: {reason}"))
@@ -424,11 +428,29 @@ class Sender(Role):
             return  # nobody left to tell
         self.link.send(t.peer.info.endpoint, msg)
 
-    def _answer_unheld(self, req: wire.RequestData | wire.PullDone, source: Source, tomb: Any) -> None:
+    def _id_type_hint(self, rid: Any) -> str:
+        """A hint when this rank holds the same request id under another type (int 5 vs str "5"), lock held."""
+        text = rid.b.decode(errors="replace") if isinstance(rid, BytesId) else str(rid)
+        others: list[Any] = [text, BytesId(text.encode())]
+        if text.lstrip("-").isdigit():
+            others.append(int(text))
+        for other in others:
+            if type(other) is type(rid) or (self.tx.get(other) is None and other not in self.tombstones):
+                continue
+            mine, theirs = api_id(other), api_id(rid)
+            return (f" (this context holds request {mine!r} ({type(mine).__name__}) while the receiver named "
+                    f"{theirs!r} ({type(theirs).__name__}): both sides must use the same request id type)")  # fmt: skip
+        return ""
+
+    def _answer_unheld(self, req: wire.RequestData | wire.PullDone, source: Source, tomb: Any, hint: str = "") -> None:
         """Answer a receiver asking for a request this rank does not hold, from its tombstone (lock held)."""
         rid = req.request_id
         if tomb is None:
-            status, kind, error = "failed", "TransferTimeoutError", f"context side never started sending request {rid}"
+            status, kind, error = (
+                "failed",
+                "TransferTimeoutError",
+                f"context side never started sending request {rid!r}{hint}",
+            )
         elif tomb.state is SessionState.CANCELLED:
             status, kind, error = "cancelled", tomb.error_kind, tomb.message
         elif tomb.state is SessionState.DONE:
@@ -564,8 +586,11 @@ class Sender(Role):
     def _keep_early(self, msg: wire.RequestData | wire.PullDone, source: Source, ttl: float) -> None:
         """Keep a receiver's message for a request not started here yet, within the caps (lock held).
 
-        Kept until ``ttl`` (the receiver's deadline, bounded by ours); then it is answered with a failure.
+        Kept until ``ttl`` (the receiver's deadline, bounded by ours) less a margin, then answered with a failure:
+        the answer (which may name a request id of another type held here) reaches the receiver before its own
+        timer ends the request with a bare timeout.
         """
+        ttl = max(0.0, ttl - min(0.5, 0.1 * ttl))
         why = self.early.refusal(msg)
         if why is not None:
             self._refuse_request(source, msg.request_id, msg.nonce, "ResourceExhaustedError", why)
@@ -896,6 +921,23 @@ class Sender(Role):
             # A submitted write cannot be recalled: its final answer follows when the transport finishes.
         self.link.post(self._drive, msg.request_id)
 
+    def goodbye_endpoints(self) -> list[str]:
+        return sorted({p.info.endpoint for p in self.peers.values() if p.info is not None and not p.gone})
+
+    def on_goodbye(self, source: Source, msg: wire.Goodbye) -> None:
+        """A generation rank is closing: final once its connection drops (or dropped already)."""
+        with self.link.lock:
+            peer = self.peers.get((msg.instance, msg.rank))
+            if peer is None or peer.gone or peer.incarnation != msg.incarnation:
+                self.counters["ignored_messages"] += 1
+                return
+            if peer.identity is not None and source.identity != peer.identity:
+                self.counters["ignored_messages"] += 1  # not over the connection it registered on
+                return
+            peer.goodbye = True
+            if peer.state is PeerState.SUSPECT:  # its connection is down already
+                self._lose(peer, E.PeerLostError(f"{peer} closed its transceiver"), orderly=True)
+
     def on_disconnect(self, endpoint: str) -> None:
         with self.link.lock:
             now = time.monotonic()
@@ -903,7 +945,9 @@ class Sender(Role):
                 if peer.gone or peer.info is None or peer.info.endpoint != endpoint:
                     continue
                 dead, _ = writer_fenced(peer.info, None, self.config.fencing_grace_s, now)
-                if dead:
+                if peer.goodbye:
+                    self._lose(peer, E.PeerLostError(f"{peer} closed its transceiver"), orderly=True)
+                elif dead:
                     self._lose(peer, E.PeerLostError(f"{peer} at {endpoint} died"))
                 elif peer.state in (PeerState.READY, PeerState.CONNECTING):
                     peer.move(PeerState.SUSPECT, deadline=now + self.config.peer_lost_timeout_s)
@@ -915,13 +959,16 @@ class Sender(Role):
                     peer.move(PeerState.READY if peer.agent_name else PeerState.CONNECTING)
         self.link.post(self._drive_all)
 
-    def _lose(self, peer: GenPeer, error: E.KvcoreError) -> None:
-        """A generation rank is gone (lock held): its waiting tasks fail, its requests fail, it is unloaded later."""
+    def _lose(self, peer: GenPeer, error: E.KvcoreError, *, orderly: bool = False) -> None:
+        """A generation rank is gone (lock held): its waiting tasks fail, its requests fail, it is unloaded later.
+
+        ``orderly``: it said goodbye and its connection dropped (a normal shutdown): counted and logged as closed.
+        """
         if not peer.move(PeerState.LOST, error=error):
             return
         peer.lost_at = time.monotonic()
-        self.counters["peers_lost"] += 1
-        log.warning("%s", error)
+        self.counters["peers_closed" if orderly else "peers_lost"] += 1
+        log.log(logging.INFO if orderly else logging.WARNING, "%s", error)
         key = peer.key
         if self.peers.get(key) is peer:
             del self.peers[key]
@@ -1242,7 +1289,11 @@ class Sender(Role):
                     ),
                 )
         for _, req, source in self.early.expired(now):
-            self._answer_unheld(req, source, None)
+            self.counters["early_requests_expired"] += 1
+            hint = self._id_type_hint(req.request_id)
+            log.warning("request %r: a receiver asked for it, but it was never started here before the receiver's "
+                        "deadline%s", req.request_id, hint)  # fmt: skip
+            self._answer_unheld(req, source, None, hint)
         self.tombstones.expire(now)
         for key, peer in list(self.peers.items()):
             if peer.state is PeerState.SUSPECT and peer.deadline is not None and now > peer.deadline:
