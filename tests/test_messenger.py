@@ -285,3 +285,52 @@ def test_io_timing_counts_the_gil_a_busy_thread_holds_and_a_lock_wait_but_not_cp
     busy_mean = (after_busy.sum - before_busy.sum) / n
     assert busy_mean >= 0.005, busy_mean
     assert busy_mean > idle.mean, (busy_mean, idle.mean)
+
+
+def test_a_failed_handshake_without_auth_is_no_auth_verdict_and_the_queued_message_still_arrives() -> None:
+    """Without CURVE, a peer that garbles its ZMTP greeting (as a starved or resetting peer can) is not refused:
+    on_auth_failed is not called, the socket is kept, and once a real ROUTER listens there the message arrives.
+
+    (vLLM TP2 prefill -> TP1 decode on two busy cores hit this: the decode refused the prefill's rank 1 for a
+    "CURVE handshake failed" although no key was configured.)"""
+    import socket
+    import time
+
+    import zmq
+
+    refused: list[tuple[str, str]] = []
+    m = Messenger(lambda s, msg: None, name="handshake", on_auth_failed=lambda ep, why: refused.append((ep, why)))
+    m.start()
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    raw.bind(("127.0.0.1", 0))
+    raw.listen(4)
+    port = raw.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    try:
+        m.send(endpoint, wire.ErrorReply(v=wire.PROTOCOL_VERSION, kind="KvcoreError", error="hello"))
+        raw.settimeout(10)
+        conn, _ = raw.accept()
+        # A ZMTP 3.0 greeting offering the CURVE mechanism to our NULL socket: the handshake fails (mismatch).
+        conn.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\x00") + b"\x00" * 32)
+        deadline = time.monotonic() + 10
+        while m.counters["handshakes_failed"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        conn.close()
+        raw.close()
+        assert m.counters["handshakes_failed"] >= 1
+        assert refused == [] and m.counters["peer_auth_failed"] == 0
+        assert m.peer_count == 1, "the socket (and what is queued on it) is kept"
+        ctx = zmq.Context.instance()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(endpoint)
+        try:
+            assert router.poll(15_000), "the queued message never arrived after the reconnect"
+            frame = router.recv_multipart()[-1]
+            msg = wire.decode(frame)
+            assert isinstance(msg, wire.ErrorReply) and msg.error == "hello"
+        finally:
+            router.close(0)
+    finally:
+        m.close()

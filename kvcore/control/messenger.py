@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -55,6 +55,10 @@ DEFAULT_MAX_PEER_SOCKETS = 1024
 
 log = logging.getLogger("kvcore.control.messenger")
 
+#: Fresh sockets made for an endpoint whose ZMTP handshake failed without authentication, before giving up.
+_HANDSHAKE_RETRIES = 3
+#: Frames kept per socket until its handshake succeeded (to send again after a failed one).
+_MAX_UNCONFIRMED = 1024
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
@@ -126,6 +130,10 @@ class _Dealer:
     connected: bool = False
     authenticated: bool = False
     last_used: float = 0.0
+    #: Frames written before the ZMTP handshake succeeded (none of them can have been delivered yet): sent again
+    #: on a fresh socket when the handshake fails without authentication (bounded).
+    unconfirmed: list[bytes] = field(default_factory=list)
+    retries: int = 0  # fresh sockets made for this endpoint after failed handshakes
 
 
 _WILDCARDS = {"0.0.0.0", "::", "*", "[::]"}
@@ -290,6 +298,7 @@ class Messenger:
         self._peer_keys: dict[str, bytes] = {}  # endpoint -> Z85 server key (set_peer_key)
         self._outbox: collections.deque[tuple[str, object, bytes]] = collections.deque()
         self._dealers: dict[str, _Dealer] = {}
+        self._handshake_retries: dict[str, int] = {}  # endpoint -> fresh sockets made after failed handshakes
         self._by_sock: dict[zmq.Socket[bytes], _Dealer] = {}
         self._by_monitor: dict[zmq.Socket[bytes], _Dealer] = {}
         self._stop = threading.Event()
@@ -494,7 +503,7 @@ class Messenger:
                 sock.close(0)
                 raise
             sock.connect(endpoint)
-            d = _Dealer(endpoint, sock, mon, key)
+            d = _Dealer(endpoint, sock, mon, key, retries=self._handshake_retries.pop(endpoint, 0))
             self._dealers[endpoint] = d
             self._by_sock[sock] = d
             self._by_monitor[mon] = d
@@ -665,7 +674,10 @@ class Messenger:
                         self._drop_dealer(d, "the peer is gone")
                     continue
                 else:
-                    self._dealer(str(dest)).sock.send(frame, zmq.NOBLOCK)
+                    d = self._dealer(str(dest))
+                    d.sock.send(frame, zmq.NOBLOCK)
+                    if not d.authenticated and len(d.unconfirmed) < _MAX_UNCONFIRMED:
+                        d.unconfirmed.append(frame)
                 self.counters["sent"] += 1
                 self._full_since.pop(key, None)
             except zmq.Again as exc:
@@ -792,6 +804,32 @@ class Messenger:
                     self._on_connect(d.endpoint)
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 d.authenticated = True
+                d.unconfirmed.clear()
+            elif event & _HANDSHAKE_FAILED and self._auth is None:
+                # No CURVE here: a failed ZMTP handshake is no authentication verdict (a peer too starved of CPU
+                # to answer its greeting in time, a connection reset mid-handshake). ZeroMQ does not reconnect
+                # such a socket: a fresh one is made and what was written before the handshake (never delivered)
+                # is sent again on it, a bounded number of times; then the peer's lifecycle decides.
+                self.counters["handshakes_failed"] += 1
+                frames, retries = list(d.unconfirmed), d.retries + 1
+                self._drop_dealer(d, "its ZMTP handshake failed")
+                if retries <= _HANDSHAKE_RETRIES:
+                    self._rlog(logging.WARNING, "handshake", "messenger %s: ZMTP handshake with %s failed (event "
+                               "%d); reconnecting (%d of %d), %d messages sent again", self.name, d.endpoint,
+                               int(event), retries, _HANDSHAKE_RETRIES, len(frames))  # fmt: skip
+                    self._handshake_retries[d.endpoint] = retries
+                    if len(self._handshake_retries) > 4 * self._max_dealers:
+                        self._handshake_retries.clear()
+                    self._outbox.extendleft(reversed([("dealer", d.endpoint, f) for f in frames]))
+                    if not frames:
+                        self._dealer(d.endpoint)
+                else:
+                    self.counters["send_failed"] += len(frames)
+                    self._rlog(logging.WARNING, "handshake", "messenger %s: ZMTP handshake with %s failed %d times; "
+                               "%d messages dropped", self.name, d.endpoint, retries, len(frames))  # fmt: skip
+                    if d.connected and self._on_disconnect is not None:
+                        self._on_disconnect(d.endpoint)
+                return
             elif event & _HANDSHAKE_FAILED or (
                 event == zmq.EVENT_DISCONNECTED and self._auth is not None and not d.authenticated
             ):
