@@ -668,13 +668,21 @@ class Link:
         else:
             self._tick(time.monotonic())  # a transfer the role submitted itself: its timer polls it now
 
-    def unload_agent(self, name: str, incarnation: str) -> None:
-        """Unload a peer's agent if the one loaded under ``name`` is still that incarnation (worker thread)."""
+    def unload_agent(self, name: str, incarnation: str, descriptor: bytes = b"") -> None:
+        """Unload a peer's agent if the one loaded under ``name`` is still that one (worker thread).
+
+        ``descriptor``: the agent descriptor that peer announced. Two agents of one name and one process (an
+        engine that rebuilt its transceiver in place) share the process's incarnation; their descriptors differ
+        (regions, generation), so a lost peer never unloads the agent its successor loaded under the same name.
+        """
         if name not in self.agent.remote_agents:
             return
         try:
-            if self.agent.remote(name).incarnation != incarnation:
+            remote = self.agent.remote(name)
+            if remote.incarnation != incarnation:
                 return  # a newer incarnation took the name over
+            if descriptor and remote.descriptor != TransferAgent.decode_descriptor(descriptor):
+                return  # a successor of the same process took the name over
             self.agent.unload_remote_agent(name)
         except E.KvcoreError as exc:
             log.warning("could not unload peer agent %s: %s", name, exc)

@@ -1157,7 +1157,7 @@ class Receiver(Role):
 
     def _unload(self, inst: CtxInstance) -> None:
         for r, name in inst.agents.items():
-            self.link.unload_agent(name, inst.ranks[r].incarnation)
+            self.link.unload_agent(name, inst.ranks[r].incarnation, inst.ranks[r].agent_descriptor)
         with self.link.lock:
             inst.move(PeerState.UNLOADED)
             if not any(i.name == inst.name for i in self.instances.values()):
@@ -1189,7 +1189,7 @@ class Receiver(Role):
     def close(self) -> None:
         for inst in list(self.instances.values()) + self.retired:
             for r, name in inst.agents.items():
-                self.link.unload_agent(name, inst.ranks[r].incarnation)
+                self.link.unload_agent(name, inst.ranks[r].incarnation, inst.ranks[r].agent_descriptor)
 
 
 def _count(ids: dict[str, np.ndarray]) -> int:

@@ -1330,7 +1330,7 @@ class Sender(Role):
     def _unload(self, peer: GenPeer) -> None:
         assert peer.info is not None
         if peer.agent_name:
-            self.link.unload_agent(peer.agent_name, peer.incarnation)
+            self.link.unload_agent(peer.agent_name, peer.incarnation, peer.info.agent_descriptor if peer.info else b"")
         with self.link.lock:
             in_use = any(p.info is not None and p.info.endpoint == peer.info.endpoint for p in self.peers.values())
             peer.move(PeerState.UNLOADED)
@@ -1361,7 +1361,9 @@ class Sender(Role):
     def close(self) -> None:
         for peer in list(self.peers.values()) + self.retired:
             if peer.agent_name:
-                self.link.unload_agent(peer.agent_name, peer.incarnation)
+                self.link.unload_agent(
+                    peer.agent_name, peer.incarnation, peer.info.agent_descriptor if peer.info else b""
+                )
 
 
 def _single(ids: dict[str, np.ndarray]) -> np.ndarray:
