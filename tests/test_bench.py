@@ -193,12 +193,14 @@ def test_busy_case_times_each_busy_engine_and_switch_interval() -> None:
         assert r["kvcore_vs_idle_p50"] == pytest.approx(r["kvcore_ms_p50"] / rows[0]["kvcore_ms_p50"], rel=1e-9)
         assert all(v >= 0 for v in (*r["io_wake_lag_ms_mean"].values(), *r["io_stall_us_per_request"].values()))
     # The busy side's own metrics see the GIL: at the interpreter's switch interval (5 ms) its I/O thread waits
-    # for it at several points of every request, much longer than with nothing busy.
+    # for it at several points of every request, at least a millisecond more than with nothing busy. (An absolute
+    # margin, not a ratio: load from outside the run raises the idle row too; with two CPU hogs beside the suite
+    # the idle row read 1.2 ms and the busy one 3.0 ms.)
     idle = rows[0]["io_stall_us_per_request"]
     for side, row in (("context", rows[1]), ("generation", rows[1 + 1 + len(BUSY_SWITCH_S)])):
         assert row["busy"] == side and row["switch_interval_s"] == pytest.approx(sys.getswitchinterval())
         stall = row["io_stall_us_per_request"][side]
-        assert stall >= 1000 and stall > 5 * idle[side], (side, stall, idle)
+        assert stall >= 1000 and stall - idle[side] >= 1000, (side, stall, idle)
     assert case["requests_per_row"] == 10 and case["not_done"] == [] and case["leaks"] == {}
     assert case["verified"] is True and result["ok"] is True
 
