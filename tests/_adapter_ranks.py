@@ -21,9 +21,45 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.testing.ranks import Channel, serve
+from kvcore.testing.ranks import Channel, RankProcess, serve
 
 SENTINEL = -3.0
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: The deployment both adapter tests run: 24 requests of 32 tokens (4 blocks), a TP2 context instance and TP1
+#: generation instances, on shm; peers that go silent are lost after 2 s.
+SPEC: dict[str, Any] = dict(
+    backend="shm",
+    requests=24,
+    tokens=32,
+    layers=4,
+    kv_heads=4,
+    head_dim=32,
+    tokens_per_block=8,
+    ctx_tp=2,
+    gen_tp=1,
+    timeout_s=40.0,
+    extra={"peer_lost_timeout_s": 2.0},
+)
+
+
+def start_instance(target: str, role: str, ranks: int, name: str, **kwargs: Any) -> list[RankProcess]:
+    """``ranks`` rank processes of one instance running ``target`` (``"_adapter_ranks:..._main"``), started.
+
+    ``kwargs`` go to every rank (``spec``, ``secret``...); each process's start message is kept as ``p.info``.
+    """
+    from _instances import free_port
+
+    port = free_port()
+    procs = [
+        RankProcess(
+            target, name=f"{name}-{r}", kwargs={"role": role, "rank": r, "dist_port": port, **kwargs}, path=[HERE]
+        )  # fmt: skip
+        for r in range(ranks)
+    ]
+    for p in procs:
+        p.info = p.recv(120, op="start")
+    return procs
 
 
 @dataclass

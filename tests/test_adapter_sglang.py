@@ -10,51 +10,25 @@ every page the adapter let the scheduler free is overwritten at once and checked
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import numpy as np
 import pytest
+from _adapter_ranks import SPEC, start_instance
 
 from kvcore.testing.ranks import RankProcess
 
 pytestmark = pytest.mark.timeout(300)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SECRET = b"sglang-adapter-test-secret-0001!"
-N = 24
-SPEC: dict[str, Any] = dict(
-    backend="shm",
-    requests=N,
-    tokens=32,
-    layers=4,
-    kv_heads=4,
-    head_dim=32,
-    tokens_per_block=8,
-    ctx_tp=2,
-    gen_tp=1,
-    timeout_s=20.0,
-    extra={"peer_lost_timeout_s": 2.0},
-)
+N = SPEC["requests"]
+SPEC = {**SPEC, "timeout_s": 20.0}  # the lease the dead decode's requests run out on the prefill
 
 
 def _start(role: str, ranks: int, name: str, ctx_endpoint: str = "") -> list[RankProcess]:
-    from _instances import free_port
-
-    port = free_port()
-    procs = [
-        RankProcess(
-            "_adapter_ranks:sglang_rank_main",
-            name=f"{name}-{r}",
-            kwargs=dict(role=role, rank=r, spec=SPEC, dist_port=port, secret=SECRET, ctx_endpoint=ctx_endpoint),
-            path=[HERE],
-        )
-        for r in range(ranks)
-    ]
-    for p in procs:
-        p.info = p.recv(120, op="start")
-    return procs
+    return start_instance("_adapter_ranks:sglang_rank_main", role, ranks, name, spec=SPEC, secret=SECRET,
+                          ctx_endpoint=ctx_endpoint)  # fmt: skip
 
 
 def _step(ranks: list[RankProcess], timeout: float = 120, **args: Any) -> dict[str, Any]:

@@ -9,50 +9,22 @@ the adapter let the engine free is overwritten at once and checked for late writ
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import pytest
+from _adapter_ranks import SPEC, start_instance
 
 from kvcore.testing.ranks import RankProcess
 
 pytestmark = pytest.mark.timeout(300)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SECRET = b"trtllm-adapter-test-secret-0001!"
-N = 24
-SPEC: dict[str, Any] = dict(
-    backend="shm",
-    requests=N,
-    tokens=32,
-    layers=4,
-    kv_heads=4,
-    head_dim=32,
-    tokens_per_block=8,
-    ctx_tp=2,
-    gen_tp=1,
-    timeout_s=40.0,
-    extra={"peer_lost_timeout_s": 2.0},
-)
+N = SPEC["requests"]
 
 
 def _start(role: str, ranks: int, name: str) -> list[RankProcess]:
-    from _instances import free_port
-
-    port = free_port()
-    procs = [
-        RankProcess(
-            "_adapter_ranks:trt_rank_main",
-            name=f"{name}-{r}",
-            kwargs={"role": role, "rank": r, "spec": SPEC, "dist_port": port, "secret": SECRET},
-            path=[HERE],
-        )
-        for r in range(ranks)
-    ]
-    for p in procs:
-        p.recv(120, op="start")
-    return procs
+    return start_instance("_adapter_ranks:trt_rank_main", role, ranks, name, spec=SPEC, secret=SECRET)
 
 
 def _step(ranks: list[RankProcess], timeout: float = 120, **args: Any) -> dict[str, Any]:

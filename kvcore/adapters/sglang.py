@@ -296,12 +296,21 @@ class _Request:
     conclude_state: int | None
     _started_at: float | None
     _settled_at: float
+    _aux_done: bool = True  # decode: False from send_metadata until the metadata rows were written
+
+    def _poll_settled(self) -> int | None:
+        """This poll's share of the collective tick, then the request's terminal value (None until released)."""
+        self.kv_mgr._on_poll(self.room)
+        value = self._terminal()
+        if value is not None and not self._settled_at:
+            self._settled_at = time.monotonic()
+        return value
 
     def _terminal(self) -> int | None:
         s = self.kv_mgr.settled(self.room)
         if s is None:
             return None
-        if s[0] == KVPoll.Success and not getattr(self, "_aux_done", True):
+        if s[0] == KVPoll.Success and not self._aux_done:
             self._finish_aux(s[1])
             s = self.kv_mgr.settled(self.room)
             assert s is not None
@@ -410,11 +419,8 @@ class KvcoreKVSender(_Request, _SenderBase):  # type: ignore[misc]
 
     def poll(self) -> int:
         """``WaitingForInput`` until the last chunk, then ``Transferring``; ``Success``/``Failed`` once released."""
-        self.kv_mgr._on_poll(self.room)
-        value = self._terminal()
+        value = self._poll_settled()
         if value is not None:
-            if not self._settled_at:
-                self._settled_at = time.monotonic()
             return value
         if not self.started:
             return KVPoll.WaitingForInput  # kvcore needs no bootstrap gate: an early ask waits for start_send
@@ -453,7 +459,6 @@ class KvcoreKVReceiver(_Request, _ReceiverBase):  # type: ignore[misc]
         self.aborted = False
         self.abort_notified = False
         self.require_staging = False
-        self._aux_done = True
         self._started_at: float | None = None
         self._settled_at = 0.0
 
@@ -513,11 +518,8 @@ class KvcoreKVReceiver(_Request, _ReceiverBase):  # type: ignore[misc]
 
     def poll(self) -> int:
         """``Bootstrapping`` before ``init``, ``WaitingForInput`` until ``send_metadata``, then ``Transferring``."""
-        self.kv_mgr._on_poll(self.room)
-        value = self._terminal()
+        value = self._poll_settled()
         if value is not None:
-            if not self._settled_at:
-                self._settled_at = time.monotonic()
             return value
         if self.params is None:
             return KVPoll.Bootstrapping
