@@ -54,7 +54,7 @@ def start_instance(target: str, role: str, ranks: int, name: str, **kwargs: Any)
     procs = [
         RankProcess(
             target, name=f"{name}-{r}", kwargs={"role": role, "rank": r, "dist_port": port, **kwargs}, path=[HERE]
-        )  # fmt: skip
+        )
         for r in range(ranks)
     ]
     for p in procs:
