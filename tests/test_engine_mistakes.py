@@ -368,14 +368,20 @@ def test_an_int_id_against_the_same_number_as_str_is_named_when_the_ask_expires(
     groups.extend([ctx, gen])
     ctx.txs[0].start_send(5, [1, 2], ticket=ticket_for(5))
     with caplog.at_level(logging.WARNING, logger="kvcore"):
-        gen.txs[0].start_receive("5", ctx.info_endpoint, [3, 4], ticket=ticket_for("5"))
-        out = _outcomes(gen, ["5"])["5"]
+        # The engine forwarded the context's ticket but rebuilt the id as a str; a stranger asks for 5 as bytes.
+        gen.txs[0].start_receive("5", ctx.info_endpoint, [3, 4], ticket=ticket_for(5))
+        gen.txs[0].start_receive(b"5", ctx.info_endpoint, [6], ticket=ticket_for(b"5"))
+        outs = _outcomes(gen, ["5", b"5"])
         deadline = time.monotonic() + 10
-        while ctx.txs[0].stats()["early_requests_expired"] == 0 and time.monotonic() < deadline:
+        while ctx.txs[0].stats()["early_requests_expired"] < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
+    out = outs["5"]
     assert out.state is not SessionState.DONE
     assert "same request id type" in str(out.error) and "'5' (str)" in str(out.error), out.error
-    assert ctx.txs[0].stats()["early_requests_expired"] == 1
+    stranger = outs[b"5"]
+    assert stranger.state is not SessionState.DONE
+    assert "holds request" not in str(stranger.error), "an asker without the request's ticket learns nothing of it"
+    assert ctx.txs[0].stats()["early_requests_expired"] == 2
     assert any("same request id type" in r.getMessage() for r in caplog.records), [
         r.getMessage() for r in caplog.records
     ]

@@ -57,8 +57,9 @@ log = logging.getLogger("kvcore.control.messenger")
 
 #: Fresh sockets made for an endpoint whose ZMTP handshake failed without authentication, before giving up.
 _HANDSHAKE_RETRIES = 3
-#: Frames kept per socket until its handshake succeeded (to send again after a failed one).
+#: Frames (and their bytes) kept per socket until its handshake succeeded, to send again after a failed one.
 _MAX_UNCONFIRMED = 1024
+_MAX_UNCONFIRMED_BYTES = 16 * 1024 * 1024
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
@@ -133,6 +134,7 @@ class _Dealer:
     #: Frames written before the ZMTP handshake succeeded (none of them can have been delivered yet): sent again
     #: on a fresh socket when the handshake fails without authentication (bounded).
     unconfirmed: list[bytes] = field(default_factory=list)
+    unconfirmed_bytes: int = 0
     retries: int = 0  # fresh sockets made for this endpoint after failed handshakes
 
 
@@ -677,7 +679,9 @@ class Messenger:
                     d = self._dealer(str(dest))
                     d.sock.send(frame, zmq.NOBLOCK)
                     if not d.authenticated and len(d.unconfirmed) < _MAX_UNCONFIRMED:
-                        d.unconfirmed.append(frame)
+                        if d.unconfirmed_bytes + len(frame) <= _MAX_UNCONFIRMED_BYTES:
+                            d.unconfirmed.append(frame)
+                            d.unconfirmed_bytes += len(frame)
                 self.counters["sent"] += 1
                 self._full_since.pop(key, None)
             except zmq.Again as exc:
@@ -805,6 +809,7 @@ class Messenger:
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 d.authenticated = True
                 d.unconfirmed.clear()
+                d.unconfirmed_bytes = 0
             elif event & _HANDSHAKE_FAILED and self._auth is None:
                 # No CURVE here: a failed ZMTP handshake is no authentication verdict (a peer too starved of CPU
                 # to answer its greeting in time, a connection reset mid-handshake). ZeroMQ does not reconnect

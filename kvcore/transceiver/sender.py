@@ -428,19 +428,28 @@ class Sender(Role):
             return  # nobody left to tell
         self.link.send(t.peer.info.endpoint, msg)
 
-    def _id_type_hint(self, rid: Any) -> str:
-        """A hint when this rank holds the same request id under another type (int 5 vs str "5"), lock held."""
+    def _id_type_hint(self, rid: Any) -> tuple[str, bytes | None]:
+        """A hint when this rank holds the same request id under another type (int 5 vs str "5"), lock held.
+
+        Returns the hint and the ticket that request holds here: the asker is told only if its ticket may speak
+        for that request (a stranger learns nothing of requests it cannot read; the log always says it).
+        """
         text = rid.b.decode(errors="replace") if isinstance(rid, BytesId) else str(rid)
         others: list[Any] = [text, BytesId(text.encode())]
         if text.lstrip("-").isdigit():
             others.append(int(text))
         for other in others:
-            if type(other) is type(rid) or (self.tx.get(other) is None and other not in self.tombstones):
+            if type(other) is type(rid):
+                continue
+            held = self.tx.get(other)
+            tomb = self.tombstones.get(other) if held is None else None
+            if held is None and tomb is None:
                 continue
             mine, theirs = api_id(other), api_id(rid)
-            return (f" (this context holds request {mine!r} ({type(mine).__name__}) while the receiver named "
+            hint = (f" (this context holds request {mine!r} ({type(mine).__name__}) while the receiver named "
                     f"{theirs!r} ({type(theirs).__name__}): both sides must use the same request id type)")  # fmt: skip
-        return ""
+            return hint, (held.ticket if held is not None else tomb.ticket if tomb is not None else None)
+        return "", None
 
     def _answer_unheld(self, req: wire.RequestData | wire.PullDone, source: Source, tomb: Any, hint: str = "") -> None:
         """Answer a receiver asking for a request this rank does not hold, from its tombstone (lock held)."""
@@ -1290,10 +1299,11 @@ class Sender(Role):
                 )
         for _, req, source in self.early.expired(now):
             self.counters["early_requests_expired"] += 1
-            hint = self._id_type_hint(req.request_id)
+            hint, held_ticket = self._id_type_hint(req.request_id)
             log.warning("request %r: a receiver asked for it, but it was never started here before the receiver's "
                         "deadline%s", req.request_id, hint)  # fmt: skip
-            self._answer_unheld(req, source, None, hint)
+            told = hint if held_ticket is not None and self._ticket_ok(held_ticket, req.ticket) else ""
+            self._answer_unheld(req, source, None, told)
         self.tombstones.expire(now)
         for key, peer in list(self.peers.items()):
             if peer.state is PeerState.SUSPECT and peer.deadline is not None and now > peer.deadline:
