@@ -84,7 +84,11 @@ class TransceiverConfig:
     max_aux_bytes: int = 64 * 1024  # bound on one request's aux payload (first token, draft tokens...)
     lease_s: float = 60.0  # the context keeps a request's pages this long after start_send or the last renewal
     max_lease_s: float = 600.0  # ... but never longer than this from start_send, however often it is renewed
-    # --- control-plane authentication (docs/security.md); no own key configured: no authentication ---
+    # --- control-plane authentication (docs/security.md) ---
+    # "auto": the configured key if any; else, on a loopback host, this uid's local key (created on first use,
+    # mode 0600, in auth_local_dir), so other local users are refused; "none": no authentication (logged).
+    auth_mode: str = "auto"
+    auth_local_dir: str = ""  # where the local key lives; empty: $KVCORE_STATE_DIR, else ~/.local/state/kvcore
     auth_key_file: str = ""  # this rank's secret CurveZMQ certificate (*.key_secret, from `kvcore keygen`)
     auth_secret_key: str = field(default="", repr=False)  # or its Z85 secret key itself (KVCORE_AUTH_SECRET_KEY)
     auth_allowed_keys_dir: str = ""  # directory of public certificates (*.key) of the clients admitted
@@ -162,6 +166,8 @@ class TransceiverConfig:
             )
         if float(self.max_lease_s) < float(self.lease_s):
             raise ConfigError(f"max_lease_s ({self.max_lease_s}) must be >= lease_s ({self.lease_s})")
+        if self.auth_mode not in ("auto", "none"):
+            raise ConfigError(f"auth_mode must be 'auto' or 'none', got {self.auth_mode!r}")
         if not isinstance(self.auth_allowed_keys, list):
             raise ConfigError(
                 f"auth_allowed_keys must be a list of Z85 keys, got {type(self.auth_allowed_keys).__name__}"

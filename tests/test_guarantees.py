@@ -269,8 +269,14 @@ def test_a_request_to_a_peer_that_never_answers_times_out_within_its_bound(pm: A
     """Nothing answers at the context endpoint (a silent socket): the receiver's own deadline ends the request."""
     import zmq
 
+    from kvcore.config import TransceiverConfig
+    from kvcore.control.auth import AuthConfig
+
     silent = zmq.Context.instance().socket(zmq.ROUTER)
     silent.setsockopt(zmq.LINGER, 0)
+    local = AuthConfig.from_config(TransceiverConfig())  # a peer of this uid (a stranger fails the handshake)
+    assert local is not None
+    silent.curve_server, silent.curve_secretkey = True, local.secret_key
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     gen = RankGroup.build("generation", pm=pm, timeout=2.0)
     try:

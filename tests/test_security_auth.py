@@ -212,7 +212,7 @@ def test_auth_config_from_files_env_and_keygen(tmp_path: Path) -> None:
     )
     env_auth = AuthConfig.from_config(env_cfg)
     assert env_auth is not None and env_auth.public_key == public and env_auth.allows(raw_key(other.public_key))
-    assert AuthConfig.from_config(TransceiverConfig()) is None
+    assert AuthConfig.from_config(TransceiverConfig(auth_mode="none")) is None
     with pytest.raises(ConfigError, match="holds no secret-key"):
         AuthConfig.from_files(pub)
     with pytest.raises(ConfigError, match="no own key"):

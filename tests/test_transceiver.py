@@ -10,8 +10,8 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-import zmq
 from _instances import ContextProcess, fill_value, make_rank, ticket_for
+from _local_auth import local_dealer
 
 from kvcore import errors as E
 from kvcore.control import wire
@@ -113,10 +113,7 @@ def test_incompatible_peer_refused_at_first_contact(
 
 
 def test_malformed_frame_answered_with_typed_error_while_requests_work(ctx: ContextProcess, gen: Gen) -> None:
-    zctx = zmq.Context.instance()
-    sock = zctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(ctx.endpoint)
+    sock = local_dealer(ctx.endpoint)  # an admitted same-uid peer: strangers are refused before any frame
     try:
         ctx.send(5, [1, 2])
         gen.tx.start_receive(5, ctx.endpoint, [7, 9], ticket=ticket_for(5))
@@ -139,10 +136,7 @@ def test_forged_result_from_unknown_incarnation_is_ignored(ctx: ContextProcess, 
     deadline = time.monotonic() + 5
     while gen.tx.status(3) is not RequestStatus.TRANSFERRING and time.monotonic() < deadline:
         time.sleep(0.01)
-    zctx = zmq.Context.instance()
-    sock = zctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(gen.tx.endpoint)
+    sock = local_dealer(gen.tx.endpoint)
     try:
         forged = wire.TransferResult(v=1, request_id=3, ctx_rank=0, ctx_incarnation="not-the-peer", status="ok")
         sock.send(wire.encode(forged))

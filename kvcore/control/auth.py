@@ -16,7 +16,9 @@ rank its own pair and list the others' public keys.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,7 +36,11 @@ __all__ = [
     "load_public_keys",
     "write_key_pair",
     "keys_equal",
+    "local_key_dir",
+    "local_auth",
 ]
+
+log = logging.getLogger("kvcore.auth")
 
 #: A CurveZMQ key: 32 raw bytes, 40 characters in Z85.
 KEY_BYTES = 32
@@ -199,13 +205,25 @@ class AuthConfig:
 
     @classmethod
     def from_config(cls, config: TransceiverConfig) -> AuthConfig | None:
-        """The ``AuthConfig`` a transceiver configuration describes, or None when it configures no key."""
-        if not config.auth_key_file and not config.auth_secret_key:
+        """The ``AuthConfig`` a transceiver configuration describes, or None for no authentication.
+
+        ``auth_mode="auto"`` (the default): the configured key if there is one; otherwise, on a loopback host, this
+        uid's local key (``local_auth``), so that processes of other users are refused; otherwise (a non-loopback
+        host that ``allow_insecure_bind`` accepted) none. ``auth_mode="none"``: none, whatever else is set.
+        """
+        configured = bool(config.auth_key_file or config.auth_secret_key)
+        if config.auth_mode == "none":
+            if configured:
+                raise ConfigError("auth_mode is 'none' but an own key is configured (auth_key_file/auth_secret_key)")
+            return None
+        if not configured:
             if config.auth_allowed_keys_dir or config.auth_allowed_keys or config.auth_server_key:
                 raise ConfigError(
                     "auth_allowed_keys_dir/auth_allowed_keys/auth_server_key are set but no own key is: "
                     "set auth_key_file (a *.key_secret file from `kvcore keygen`) or auth_secret_key"
                 )
+            if is_loopback_host(str(config.host)):
+                return local_auth(local_key_dir(config.auth_local_dir))
             return None
         if config.auth_key_file and config.auth_secret_key:
             raise ConfigError("set either auth_key_file or auth_secret_key, not both")
@@ -255,3 +273,87 @@ def write_key_pair(directory: str | os.PathLike[str], name: str) -> tuple[Path, 
     with os.fdopen(fd, "w") as f:
         f.write(pub_text)
     return pub_path, sec_path
+
+
+LOCAL_KEY_NAME = "local"
+
+
+def local_key_dir(configured: str = "") -> Path:
+    """Where this uid's local key lives: ``configured``, else ``$KVCORE_STATE_DIR``, else ``~/.local/state/kvcore``."""
+    if configured:
+        return Path(configured)
+    env = os.environ.get("KVCORE_STATE_DIR", "")
+    if env:
+        return Path(env)
+    try:
+        home = Path.home()
+    except (KeyError, RuntimeError) as exc:
+        raise ConfigError(
+            f"no home directory for uid {os.getuid()} to keep the local authentication key in ({exc}); set "
+            "auth_local_dir (KVCORE_AUTH_LOCAL_DIR) or KVCORE_STATE_DIR, or configure a key (docs/security.md)"
+        ) from None
+    return home / ".local" / "state" / "kvcore"
+
+
+def _check_private(st: os.stat_result, path: Path, kind: str) -> None:
+    """``ConfigError`` unless ``path`` (``st``: its lstat) is a ``kind`` of this uid that no other user can access."""
+    is_kind = stat.S_ISDIR(st.st_mode) if kind == "directory" else stat.S_ISREG(st.st_mode)
+    if not is_kind:
+        raise ConfigError(f"local authentication key: {str(path)!r} is not a {kind} (a link or another file type?)")
+    if st.st_uid != os.getuid():
+        raise ConfigError(
+            f"local authentication key: {str(path)!r} belongs to uid {st.st_uid}, not to this process's uid "
+            f"{os.getuid()}; it cannot prove who we are"
+        )
+    if st.st_mode & 0o077:
+        raise ConfigError(
+            f"local authentication key: {str(path)!r} has mode {stat.S_IMODE(st.st_mode):o}: other users could "
+            f"read it; `chmod {'700' if kind == 'directory' else '600'}` it (or remove it to have a new one made)"
+        )
+
+
+def local_auth(directory: str | os.PathLike[str]) -> AuthConfig:
+    """This uid's own key pair on this host, made on first use: instances of one user admit each other only.
+
+    The secret lives in ``directory/local.key_secret`` (directory mode 0700, file mode 0600, both owned by this
+    uid; anything else is a ``ConfigError``, never a silent weaker key). Every instance of the uid serves and
+    connects with the same pair, so no set-up is needed and another uid, which cannot read the file, can neither
+    connect to their control ports nor pose as one of them. Processes racing to make it agree on one file (it is
+    written aside and hard-linked into place, so a reader never sees half of it).
+    """
+    import zmq
+
+    d = Path(directory)
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_private(os.lstat(d), d, "directory")
+        path = d / f"{LOCAL_KEY_NAME}.key_secret"
+        if not os.path.lexists(path):
+            public, secret = zmq.curve_keypair()
+            text = (
+                "#   ****  Generated by kvcore: this user's local authentication key  ****\n"
+                "#   ZeroMQ CURVE **Secret** Certificate\n#   THIS USER ONLY: DO NOT PROVIDE TO OTHER PARTIES\n"
+                f'metadata\ncurve\n    public-key = "{public.decode()}"\n    secret-key = "{secret.decode()}"\n'
+            )
+            tmp = d / f".{LOCAL_KEY_NAME}.{os.getpid()}.{os.urandom(4).hex()}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                try:
+                    os.link(tmp, path)
+                    log.info("kvcore made this user's local authentication key: %s", path)
+                except FileExistsError:
+                    pass  # another process made it first: use theirs
+            finally:
+                os.unlink(tmp)
+        _check_private(os.lstat(path), path, "file")
+    except OSError as exc:
+        raise ConfigError(
+            f"local authentication key in {str(d)!r}: {exc}; set auth_local_dir (KVCORE_AUTH_LOCAL_DIR) to a "
+            "private directory, configure a key (docs/security.md), or turn authentication off (auth_mode='none')"
+        ) from exc
+    public, secret = _load_certificate(path)
+    if secret is None:
+        raise ConfigError(f"local authentication key: {str(path)!r} holds no secret-key; remove it to have one made")
+    return AuthConfig(public, secret)

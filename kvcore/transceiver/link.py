@@ -250,6 +250,15 @@ class Link:
         from kvcore.control.auth import AuthConfig
 
         self.auth = AuthConfig.from_config(config)
+        if self.auth is None:
+            why = "auth_mode='none'" if config.auth_mode == "none" else f"host {config.host!r}, allow_insecure_bind"
+            log.warning(
+                "kvcore %s rank %d runs WITHOUT authentication (%s): any process that can reach its control port, "
+                "another local user's included, can register with it (docs/security.md)",
+                role,
+                topology.rank,
+                why,
+            )
         self.messenger = Messenger(
             self._on_message,
             host=config.host,
