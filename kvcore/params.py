@@ -52,6 +52,11 @@ _MIN_TICKET, _MAX_TICKET = 16, 64
 #: Bound on the context block ids a TransferParams may carry (a 1M-token prompt at 16 tokens per block).
 MAX_PARAM_BLOCKS = 65536
 PARAMS_VERSION = 1
+#: Bound on transfer parameters as JSON (65536 ids of 20 digits, with room to spare), checked before parsing.
+MAX_PARAMS_JSON_BYTES = 4 * 1024 * 1024
+#: What ``from_json`` parses: one object whose values nest no deeper than ``group_block_ids`` (a map of lists of
+#: ints). A typed decode refuses a deeper value at its first bracket, so hostile nesting never recurses.
+_JsonForm = dict[str, int | str | list[int] | dict[str, list[int]]]
 
 
 class BytesId(msgspec.Struct, frozen=True, array_like=True):
@@ -132,7 +137,7 @@ def check_ticket(ticket: Any, what: str = "ticket") -> bytes:
     return bytes(ticket)
 
 
-class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """What the generation side needs to receive one request; made by ``start_send``, forwarded by the engine."""
 
     request_id: Any  # RequestId: int, str or bytes (checked in __post_init__; JSON carries bytes as hex)
@@ -195,10 +200,21 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TransferParams:
-        """Parse what ``to_dict`` made (after any JSON round trip); ``SessionError`` names what is wrong."""
+        """Parse what ``to_dict`` made (after any JSON round trip); ``SessionError`` names what is wrong.
+
+        A field this kvcore does not know is refused, naming it: parameters come from another process, and a
+        field silently dropped (a newer kvcore's, a typo, a stranger's) would change what the request means.
+        """
         if not isinstance(data, Mapping):
             raise E.SessionError(f"transfer parameters must be a mapping, got {type(data).__name__}")
         d = dict(data)
+        unknown = sorted(str(k)[:64] for k in d if k not in _FIELDS)
+        if unknown:
+            raise E.SessionError(
+                f"transfer parameters: unknown field {unknown[0]!r}"
+                + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
+                + f"; TransferParams version {PARAMS_VERSION} has {', '.join(sorted(_FIELDS))}"
+            )
         if "request_id_hex" in d:
             try:
                 d["request_id"] = bytes.fromhex(str(d.pop("request_id_hex")))
@@ -208,19 +224,30 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             return msgspec.convert(d, cls)
         except msgspec.ValidationError as exc:
             raise E.SessionError(f"malformed transfer parameters: {exc}") from None
-        except E.KvcoreError:
-            raise
+        except RecursionError:  # hostile nesting in a value msgspec walks
+            raise E.SessionError("malformed transfer parameters: values nest too deep") from None
 
     def to_json(self) -> str:
         return msgspec.json.encode(self.to_dict()).decode()
 
     @classmethod
     def from_json(cls, text: str | bytes) -> TransferParams:
+        """Parse what ``to_json`` made; ``SessionError`` for anything else (its size and nesting are bounded)."""
+        if not isinstance(text, (str, bytes, bytearray, memoryview)):
+            raise E.SessionError(f"transfer parameters must be a JSON str or bytes, got {type(text).__name__}")
+        data = text.encode() if isinstance(text, str) else bytes(text)
+        if len(data) > MAX_PARAMS_JSON_BYTES:
+            raise E.SessionError(f"transfer parameters are {len(data)} bytes of JSON (at most {MAX_PARAMS_JSON_BYTES})")
         try:
-            data = msgspec.json.decode(text)
+            parsed = msgspec.json.decode(data, type=_JsonForm)
+        except msgspec.ValidationError as exc:
+            raise E.SessionError(
+                f"malformed transfer parameters: a value is none of an integer, a string, a list of integers or "
+                f"a map of such lists ({exc})"
+            ) from None
         except msgspec.DecodeError as exc:
             raise E.SessionError(f"transfer parameters are not JSON: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parsed)
 
     @classmethod
     def make(
@@ -253,3 +280,7 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             incarnation=incarnation,
             lease_ms=int(lease_ms),
         )
+
+
+#: The keys ``from_dict`` reads: the fields, and ``request_id_hex`` (how ``to_dict`` carries a bytes request id).
+_FIELDS = frozenset(TransferParams.__struct_fields__) | {"request_id_hex"}

@@ -110,6 +110,32 @@ def test_malformed_params_are_refused_with_the_field(data: dict[str, Any], match
         TransferParams.from_dict(data)
 
 
+def test_deeply_nested_params_json_is_a_typed_error_not_a_recursion_error() -> None:
+    """2 KB of nested JSON (a router's payload from a stranger) is refused as malformed, before any recursion."""
+    tail = ', "endpoint": "tcp://a:1", "ticket": "' + "00" * 16 + '"}'
+    nested = '{"request_id": ' + "[" * 1000 + "]" * 1000 + tail
+    assert len(nested) < 2100
+    with pytest.raises(E.SessionError, match="malformed transfer parameters"):
+        TransferParams.from_json(nested)
+    for text in ("[" * 2048, '{"group_block_ids": {"a": ' + "[" * 2048 + "}", b"{" * 2048):
+        with pytest.raises(E.SessionError):
+            TransferParams.from_json(text)
+    with pytest.raises(E.SessionError, match="bytes of JSON"):
+        TransferParams.from_json(" " * (8 * 1024 * 1024) + "{}")
+
+
+@pytest.mark.parametrize("rid", [7, b"\x00\xffid"])
+def test_unknown_params_fields_are_refused_naming_the_field(rid: Any) -> None:
+    """A field this kvcore does not read is refused (a typo, a stranger's addition), never dropped silently."""
+    p = TransferParams.make(rid, "tcp://10.0.0.1:5555", mode="pull", block_ids=[3], incarnation="inc0")
+    d = json.loads(p.to_json())
+    assert TransferParams.from_dict(d) == p == TransferParams.from_json(json.dumps(d))  # the known ones still parse
+    with pytest.raises(E.SessionError, match="unknown field 'block_id'"):
+        TransferParams.from_dict({**d, "block_id": [4]})
+    with pytest.raises(E.SessionError, match="unknown field 'owner'"):
+        TransferParams.from_json(json.dumps({**d, "owner": "someone else"}))
+
+
 def test_derived_tickets_differ_per_request_and_type() -> None:
     s = b"s" * 32
     assert derive_ticket(s, 5) != derive_ticket(s, "5") != derive_ticket(s, b"5")
