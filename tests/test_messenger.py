@@ -334,3 +334,146 @@ def test_a_failed_handshake_without_auth_is_no_auth_verdict_and_the_queued_messa
             router.close(0)
     finally:
         m.close()
+
+
+def _http_like_server() -> tuple[object, str]:
+    """A TCP service that is not kvcore (it answers anything with an HTTP error), on a loopback port."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            try:
+                conn.settimeout(2)
+                conn.recv(64)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            except OSError:
+                pass
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, f"tcp://127.0.0.1:{srv.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("curve", [False, True])
+def test_a_peer_that_is_not_kvcore_is_reported_as_such_not_as_a_curve_failure(
+    curve: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An endpoint that speaks another protocol: the log (and the auth-failure reason, with CURVE) says the peer
+    does not speak kvcore's protocol; without CURVE no line blames a CURVE handshake."""
+    import time
+
+    from kvcore.control.auth import AuthConfig
+
+    srv, endpoint = _http_like_server()
+    reasons: list[str] = []
+    m = Messenger(
+        lambda s, x: None,
+        name="not-kvcore",
+        auth=AuthConfig.generate() if curve else None,
+        on_auth_failed=lambda ep, why: reasons.append(why),
+    )
+    m.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="kvcore.control.messenger"):
+            m.send(endpoint, wire.ErrorReply(v=V, kind="KvcoreError", error="hello"))
+            deadline = time.monotonic() + 15
+            while not (reasons if curve else m.counters["handshakes_failed"]) and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        m.close()
+        srv.close()  # type: ignore[attr-defined]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvcore.control.messenger"]
+    assert any("does not speak kvcore's protocol" in line for line in lines), lines
+    if curve:
+        assert reasons and all("does not speak kvcore's protocol" in why for why in reasons), reasons
+    else:
+        assert reasons == [] and not any("CURVE handshake" in line for line in lines), lines
+
+
+_BUDGET_CHILD = r"""
+import json, os, resource, sys, time
+from kvcore.control import wire
+from kvcore.control.messenger import Messenger
+
+args = json.loads(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_NOFILE, (args["nofile"], resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+m = Messenger(lambda s, x: None, name="budget")
+m.start()
+fds = lambda: len(os.listdir("/proc/self/fd"))
+n0 = fds()
+for ep in args["live"]:
+    m.send(ep, wire.ErrorReply(v=1, kind="KvcoreError", error="measure"))
+print("sent", flush=True)
+sys.stdin.readline()  # the parent saw every one arrive: each socket is connected
+per_live = (fds() - n0) / len(args["live"])
+for ep in args["dead"]:
+    m.send(ep, wire.ErrorReply(v=1, kind="KvcoreError", error="flood"))
+while m.counters["sent"] < len(args["live"]) + len(args["dead"]) and m.counters["send_failed"] == 0:
+    time.sleep(0.05)
+m.send(args["live"][0], wire.ErrorReply(v=1, kind="KvcoreError", error="after the flood"))
+sys.stdin.readline()
+print(json.dumps({"per_live": per_live, "fds": fds(), "sockets": m.peer_count, "bound": m._max_dealers,
+                  "failed": m.counters["send_failed"], "evicted": m.counters["peer_sockets_evicted"]}), flush=True)
+m.close()
+"""
+
+
+def test_the_peer_socket_bound_is_a_descriptor_budget_under_a_low_rlimit() -> None:
+    """A child with RLIMIT_NOFILE 512 sends to 600 endpoints nobody serves, then to a live peer: it never runs out
+    of descriptors (the bound is derived from the limit, at the descriptors one socket was measured to cost) and
+    its message after the flood arrives."""
+    import json
+    import subprocess
+    import sys
+
+    from kvcore.control.messenger import FDS_PER_PEER_SOCKET, peer_socket_budget
+
+    assert peer_socket_budget(1024) * FDS_PER_PEER_SOCKET <= 1024 // 2
+    assert peer_socket_budget(1 << 20) == 1024
+    got: queue.Queue = queue.Queue()
+    live = [Messenger(lambda s, x: got.put(x), name=f"live{i}") for i in range(8)]
+    for m in live:
+        m.start()
+    import socket
+
+    held = [socket.socket() for _ in range(600)]
+    for s in held:
+        s.bind(("127.0.0.1", 0))
+    dead = [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in held]  # bound, never listening: refused
+    args = {"nofile": 512, "live": [m.endpoint for m in live], "dead": dead}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _BUDGET_CHILD, json.dumps(args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "sent"
+        for _ in live:
+            assert got.get(timeout=20).error == "measure"
+        child.stdin.write("\n")
+        child.stdin.flush()
+        after = got.get(timeout=30)
+        assert after.error == "after the flood", after
+        child.stdin.write("\n")
+        child.stdin.flush()
+        report = json.loads(child.stdout.readline())
+        assert child.wait(30) == 0
+    finally:
+        child.kill()
+        for m in live:
+            m.close()
+        for s in held:
+            s.close()
+    assert report["per_live"] <= FDS_PER_PEER_SOCKET, report  # what one connected socket costs, measured
+    assert report["sockets"] <= report["bound"] == peer_socket_budget(512), report
+    assert report["fds"] < 512 and report["failed"] == 0 and report["evicted"] > 0, report

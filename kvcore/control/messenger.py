@@ -45,13 +45,21 @@ from kvcore.control.auth import AuthConfig, is_loopback_host, z85_key
 from kvcore.errors import ConfigError, KvcoreError, ProtocolError
 from kvcore.metrics import Histogram, _cell_histogram, _hist_cell, _observe
 
-__all__ = ["Messenger", "Source"]
+__all__ = ["Messenger", "Source", "RateLimitedLog", "peer_socket_budget", "FDS_PER_PEER_SOCKET"]
 
 _WAKE_IDS = itertools.count()
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: one handler per context
 _ZAP_DOMAIN = b"kvcore"
-#: Default bound on DEALER sockets (one per peer endpoint) a messenger keeps open.
+#: The most DEALER sockets (one per peer endpoint) a messenger keeps open, however many descriptors it may use.
 DEFAULT_MAX_PEER_SOCKETS = 1024
+#: File descriptors one DEALER costs (measured with /proc/self/fd, pyzmq 26 / libzmq 4.3; a test keeps it honest):
+#: the socket's mailbox, its monitor's two PAIR ends' mailboxes (eventfds) and its TCP connection.
+FDS_PER_PEER_SOCKET = 4
+#: Descriptors left to the rest of the process (engine, transport, accepted connections) before the budget of
+#: DEALERs is taken, which is then at most half of what is left under RLIMIT_NOFILE.
+_RESERVED_FDS = 256
+#: DEALERs a messenger may keep however low the limit (below this, least recently used ones are closed).
+_MIN_PEER_SOCKETS = 4
 
 log = logging.getLogger("kvcore.control.messenger")
 
@@ -60,6 +68,8 @@ _HANDSHAKE_RETRIES = 3
 #: Frames (and their bytes) kept per socket until its handshake succeeded, to send again after a failed one.
 _MAX_UNCONFIRMED = 1024
 _MAX_UNCONFIRMED_BYTES = 16 * 1024 * 1024
+#: What a failed ZMTP handshake most often means (the greeting is ZeroMQ's, before any security mechanism).
+_NOT_KVCORE = "the peer does not speak kvcore's protocol (ZeroMQ's ZMTP), or it reset the connection mid-handshake"
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
@@ -100,10 +110,32 @@ _MAX_DEFERRED_PER_PEER = 16384
 _MAX_DEFERRED_BYTES_PER_PEER = 16 * 1024 * 1024
 
 
-class _RateLimitedLog:
-    """At most one line per key per interval; the next line says how many were suppressed."""
+def peer_socket_budget(nofile: int | None = None) -> int:
+    """How many DEALERs a messenger may keep open, from the soft RLIMIT_NOFILE (``nofile``: given, for tests).
 
-    def __init__(self, interval_s: float = 5.0) -> None:
+    A bound in sockets alone is not one in descriptors: 1024 DEALERs cost about 4096 descriptors, past the common
+    limit of 1024, so a stranger naming 600 endpoints made every socket call fail with "Too many open files".
+    The budget is half of the descriptors left after a reserve for the rest of the process, at
+    ``FDS_PER_PEER_SOCKET`` each, between ``_MIN_PEER_SOCKETS`` and ``DEFAULT_MAX_PEER_SOCKETS``.
+    """
+    if nofile is None:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        nofile = DEFAULT_MAX_PEER_SOCKETS * FDS_PER_PEER_SOCKET * 4 if soft == resource.RLIM_INFINITY else int(soft)
+    fds = max(0, nofile - _RESERVED_FDS) // 2
+    return max(_MIN_PEER_SOCKETS, min(DEFAULT_MAX_PEER_SOCKETS, fds // FDS_PER_PEER_SOCKET))
+
+
+class RateLimitedLog:
+    """At most one line per key per interval; the next line says how many were suppressed.
+
+    For lines a peer can cause at will (a refused frame, a refused ticket): they are all counted elsewhere, and a
+    flood of them must not become a flood of log lines.
+    """
+
+    def __init__(self, interval_s: float = 5.0, logger: logging.Logger | None = None) -> None:
+        self._log = logger or log
         self._interval = interval_s
         self._last: dict[str, float] = {}
         self._suppressed: collections.Counter[str] = collections.Counter()
@@ -117,7 +149,7 @@ class _RateLimitedLog:
             self._last.clear()
         self._last[key] = now
         n = self._suppressed.pop(key, 0)
-        log.log(level, msg + (f" ({n} similar suppressed)" if n else ""), *args, exc_info=exc_info)
+        self._log.log(level, msg + (f" ({n} similar suppressed)" if n else ""), *args, exc_info=exc_info)
 
 
 @dataclass(eq=False)
@@ -209,6 +241,9 @@ class Messenger:
     endpoint is the one given to ``set_peer_key``/``send(server_key=...)``, else
     ``auth.server_key``. Without ``auth`` a non-loopback ``host`` needs
     ``allow_insecure_bind=True`` (``ConfigError`` otherwise) and logs a warning.
+
+    ``max_peer_sockets``: the bound on DEALERs open at once (least recently used never-connected ones are closed
+    first); ``None``: :func:`peer_socket_budget`, derived from RLIMIT_NOFILE.
     """
 
     def __init__(
@@ -227,7 +262,7 @@ class Messenger:
         name: str = "kvcore",
         auth: AuthConfig | None = None,
         allow_insecure_bind: bool = False,
-        max_peer_sockets: int = DEFAULT_MAX_PEER_SOCKETS,
+        max_peer_sockets: int | None = None,
     ) -> None:
         if not is_loopback_host(host):
             if auth is None and not allow_insecure_bind:
@@ -244,6 +279,8 @@ class Messenger:
                 )
             else:
                 log.info("kvcore control plane binding to non-loopback address %s with CURVE authentication", host)
+        if max_peer_sockets is None:
+            max_peer_sockets = peer_socket_budget()
         if max_peer_sockets < 1:
             raise ConfigError(f"max_peer_sockets must be >= 1, got {max_peer_sockets}")
         self._handler = handler
@@ -257,7 +294,7 @@ class Messenger:
         self._max_dealers = max_peer_sockets
         self.name = name
         self.counters = collections.Counter[str]()
-        self._rlog = _RateLimitedLog()
+        self._rlog = RateLimitedLog()
         # With authentication, a context of our own: its ZAP endpoint (one per context) then belongs to this
         # messenger's allow-list alone. Without, the process-wide context (one I/O thread for every messenger).
         self._own_ctx = auth is not None
@@ -820,8 +857,8 @@ class Messenger:
                 self._drop_dealer(d, "its ZMTP handshake failed")
                 if retries <= _HANDSHAKE_RETRIES:
                     self._rlog(logging.WARNING, "handshake", "messenger %s: ZMTP handshake with %s failed (event "
-                               "%d); reconnecting (%d of %d), %d messages sent again", self.name, d.endpoint,
-                               int(event), retries, _HANDSHAKE_RETRIES, len(frames))  # fmt: skip
+                               "%d: %s); reconnecting (%d of %d), %d messages sent again", self.name, d.endpoint,
+                               int(event), _NOT_KVCORE, retries, _HANDSHAKE_RETRIES, len(frames))  # fmt: skip
                     self._handshake_retries[d.endpoint] = retries
                     if len(self._handshake_retries) > 4 * self._max_dealers:
                         self._handshake_retries.clear()
@@ -830,8 +867,9 @@ class Messenger:
                         self._dealer(d.endpoint)
                 else:
                     self.counters["send_failed"] += len(frames)
-                    self._rlog(logging.WARNING, "handshake", "messenger %s: ZMTP handshake with %s failed %d times; "
-                               "%d messages dropped", self.name, d.endpoint, retries, len(frames))  # fmt: skip
+                    self._rlog(logging.WARNING, "handshake", "messenger %s: ZMTP handshake with %s failed %d times "
+                               "(%s; no CURVE is configured here, so this is no authentication failure); %d messages "
+                               "dropped", self.name, d.endpoint, retries, _NOT_KVCORE, len(frames))  # fmt: skip
                     if d.connected and self._on_disconnect is not None:
                         self._on_disconnect(d.endpoint)
                 return
@@ -840,13 +878,21 @@ class Messenger:
             ):
                 # The peer did not prove the expected server key, or refused ours: no socket is kept for it.
                 self.counters["peer_auth_failed"] += 1
+                # libzmq cannot tell a peer that speaks no ZMTP at all (any other TCP service) from one that fails
+                # the CURVE exchange: each reason says both, the likelier first.
                 reasons: dict[int, str] = {
-                    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the peer refused our key",
-                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake protocol error",
-                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "CURVE handshake failed",
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the peer refused our key (its allow-list lacks our CURVE key)",
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: (
+                        "handshake protocol error: the peer speaks ZMTP without CURVE, or not kvcore's protocol"
+                    ),
+                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: (
+                        f"handshake failed: {_NOT_KVCORE}, or it does not prove the CURVE server key expected"
+                    ),
                 }
                 reason = reasons.get(
-                    int(event), "disconnected before the CURVE handshake completed (wrong server key?)"
+                    int(event),
+                    f"disconnected before the handshake completed: {_NOT_KVCORE}, or it serves another CURVE key "
+                    "than the one expected, or refused ours",
                 )
                 self._rlog(
                     logging.WARNING,
