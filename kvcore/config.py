@@ -66,10 +66,13 @@ class TransceiverConfig:
     quarantine_query_interval_s: float = 2.0  # re-ask a live writer for its final word on a quarantined request
     # Caps on what peers can make this rank hold.
     max_peers: int = 1024  # generation ranks registered with one context rank
+    idle_peer_ttl_s: float = 300.0  # a registered generation rank that asks for nothing this long is dropped
     max_early_requests: int = 4096  # RequestData waiting for start_send, in total ...
     max_early_per_peer: int = 1024  # ... per generation rank ...
     max_early_bytes: int = 64 * 1024 * 1024  # ... and their block lists in bytes
+    max_early_bytes_per_peer: int = 0  # ... of which one generation rank may hold this much; 0: an eighth of it
     max_tombstones: int = 65536  # outcomes of released requests kept for late receivers (~512 B each)
+    max_peer_tombstones: int = 16384  # apart from those: requests peers declined or cancelled before start_send
     bounce_min_fragments: int = 256  # plans with at least this many fragments ...
     bounce_max_fragment_bytes: int = 4096  # ... all this small or smaller go through a bounce buffer
     bounce_enabled: bool = True  # False: fragmented plans are written as they are, never through a bounce buffer
@@ -87,7 +90,7 @@ class TransceiverConfig:
     # --- control-plane authentication (docs/security.md) ---
     # "auto": the configured key if any; else, on a loopback host, this uid's local key (created on first use,
     # mode 0600, in auth_local_dir), so other local users are refused; "none": no authentication (logged).
-    auth_mode: str = "auto"
+    auth_mode: str = "auto"  # "auto": configured key, else this uid's local key on loopback; "none": off (logged)
     auth_local_dir: str = ""  # where the local key lives; empty: $KVCORE_STATE_DIR, else ~/.local/state/kvcore
     auth_key_file: str = ""  # this rank's secret CurveZMQ certificate (*.key_secret, from `kvcore keygen`)
     auth_secret_key: str = field(default="", repr=False)  # or its Z85 secret key itself (KVCORE_AUTH_SECRET_KEY)
@@ -135,6 +138,7 @@ class TransceiverConfig:
             "peer_lost_timeout_s",
             "fencing_grace_s",
             "refused_peer_ttl_s",
+            "idle_peer_ttl_s",
             "quarantine_query_interval_s",
             "lease_s",
             "max_lease_s",
@@ -149,12 +153,18 @@ class TransceiverConfig:
             "max_early_per_peer",
             "max_early_bytes",
             "max_tombstones",
+            "max_peer_tombstones",
             "bounce_min_fragments",
             "bounce_max_fragment_bytes",
             "bounce_buffer_bytes",
         ):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if int(self.max_early_bytes_per_peer) < 0:
+            raise ConfigError(
+                "max_early_bytes_per_peer must be >= 0 (0: an eighth of max_early_bytes), "
+                f"got {self.max_early_bytes_per_peer!r}"
+            )
         if self.transfer_mode not in ("push", "pull"):
             raise ConfigError(f"transfer_mode must be 'push' or 'pull', got {self.transfer_mode!r}")
         if not 0 <= int(self.max_aux_bytes) <= MAX_AUX_BYTES:

@@ -96,7 +96,7 @@ class _Instance:
         self.channel = channel
         self.agent, cache, self.tx = make_rank(
             role,
-            f"{'ctx' if role == 'context' else 'gen'}-{os.getpid()}",
+            opts.get("agent_name") or f"{'ctx' if role == 'context' else 'gen'}-{os.getpid()}",
             backend,
             num_blocks,
             timeout,
@@ -132,12 +132,23 @@ class _Instance:
         self.tx.start_receive(rid, endpoint, blocks, ticket=ticket or ticket_for(rid))
         return {}
 
+    def op_receive_params(self, params: dict[str, Any], blocks: list[int]) -> dict[str, Any]:
+        """``start_receive`` from the context's transfer parameters (``to_dict()``), as an engine forwards them."""
+        self.tx.start_receive(params=params, block_ids=blocks)
+        return {}
+
     def op_cancel(self, rid: Any) -> dict[str, Any]:
         self.tx.cancel(rid)
         return {}
 
     def op_stats(self) -> dict[str, Any]:
         return {"stats": self.tx.stats()}
+
+    def op_rank_info(self) -> dict[str, Any]:
+        """This rank's own full RankInfo (agent descriptor included): what an attacker at best could know of it."""
+        import msgspec
+
+        return {"info": msgspec.msgpack.encode(self.tx.rank_info)}
 
     def op_read(self, blocks: list[int]) -> dict[str, Any]:
         return {"bytes": self.flat[blocks].numpy().tobytes()}
@@ -165,10 +176,15 @@ def instance_main(
 
 
 class ContextProcess(RankProcess):
-    """Start a one-rank context instance; ``send``/``cancel``/``stats`` drive it; ``kill`` SIGKILLs it."""
+    """Start a one-rank context instance; ``send``/``cancel``/``stats`` drive it; ``kill`` SIGKILLs it.
+
+    ``agent_name``: its transfer agent's name (default ``ctx-<pid>``/``gen-<pid>``, unique per process).
+    """
 
     #: The role the child process plays (the generation subclass plays its own).
     role = "context"
+    #: The rank function the child runs (a test's own instance may serve more commands).
+    target = "_instances:instance_main"
 
     def __init__(
         self,
@@ -179,13 +195,14 @@ class ContextProcess(RankProcess):
         config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         instance_name: str | None = None,
+        agent_name: str | None = None,
         **geo: Any,
     ) -> None:
         self.geo = geometry_kwargs(**geo)
         self.num_blocks = num_blocks
-        opts = {"config": config, "instance_name": instance_name}
+        opts = {"config": config, "instance_name": instance_name, "agent_name": agent_name}
         super().__init__(
-            "_instances:instance_main",
+            self.target,
             name=f"{self.role} instance",
             kwargs={"role": self.role, "backend": backend, "geo": self.geo, "num_blocks": num_blocks,
                     "timeout": timeout, "opts": opts},

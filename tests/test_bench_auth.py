@@ -1,9 +1,14 @@
-"""``kvcore bench --auth``: the small case without and with CurveZMQ, one invocation, real rank processes."""
+"""``kvcore bench --auth``: the small case without and with CurveZMQ, one invocation, real rank processes.
+
+Without authentication is a choice made explicitly (``KVCORE_AUTH_MODE=none``); by default the small case runs
+with this user's local key.
+"""
 
 from __future__ import annotations
 
 import glob
 import json
+import os
 import subprocess
 import tempfile
 
@@ -12,7 +17,8 @@ def test_bench_auth_runs_small_with_and_without_curve_and_removes_the_keys() -> 
     before = set(glob.glob(f"{tempfile.gettempdir()}/kvcore-demo-keys-*"))
     cmd = ["kvcore", "bench", "--backend", "shm", "--auth", "--cases", "small", "--json"]
     cmd += ["--small-requests", "20", "--latency-requests", "20"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "KVCORE_AUTH_MODE": "none"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     result = json.loads(p.stdout)
     assert p.returncode == 0, p.stderr[-2000:]
     assert result["ok"] and result["spec"]["cases"] == ["small", "small_auth"]

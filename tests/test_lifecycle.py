@@ -141,7 +141,10 @@ def test_context_restart_at_the_same_endpoint_then_next_request_done(
     st = gen.tx.stats()
     # A killed incarnation is lost; a closed one said goodbye (counted as closed): either way it is gone.
     assert st["peers_lost"] + st["peers_closed"] >= 1, "the old incarnation was never let go"
-    _wait(lambda: gen.tx.stats()["remote_agents"] == 1, 10, "the old incarnation's agent to be unloaded")
+    # Push: the receiver loads a context's identity only where the transport needs it (shm: it hands its memfds
+    # to loaded peers only); nixl and ucx load no context agent at all. Either way the old one is not kept.
+    loaded = 1 if backend == "shm" else 0
+    _wait(lambda: gen.tx.stats()["remote_agents"] == loaded, 10, "the old incarnation's agent to be unloaded")
     assert gen.tx.leaks() == {}
 
 

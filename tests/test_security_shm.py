@@ -8,20 +8,19 @@ to ``nobody``.
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import torch
+from _local_auth import as_uid
 from _shm_attacker import Attacker, forge_notification, steal
 
 from kvcore.errors import PeerLostError, RemoteAgentError, TransferTimeoutError
@@ -80,47 +79,6 @@ def _forged(real: bytes, **changes: Any) -> bytes:
 
 def _payload(desc: bytes) -> dict[str, Any]:
     return msgspec.msgpack.decode(TransferAgent.decode_descriptor(desc).payload)
-
-
-def _as_uid(uid: int | None, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` in a forked child (as ``uid`` when given) and return its result (JSON)."""
-    if uid is not None and os.geteuid() != 0:
-        pytest.skip(f"switching to uid {uid} needs root; this test runs as uid {os.geteuid()}")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.close(r)
-            if uid is not None:
-                try:
-                    os.setgroups([])
-                    os.setgid(uid)
-                    os.setuid(uid)
-                except OSError as exc:
-                    os.write(w, json.dumps({"setuid_error": repr(exc)}).encode())
-                    os._exit(0)
-            os.write(w, json.dumps({"result": fn(*args), "uid": os.getuid(), "pid": os.getpid()}).encode())
-        except BaseException as exc:
-            os.write(w, json.dumps({"error": repr(exc)}).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    chunks = []
-    try:
-        while select.select([r], [], [], 30)[0]:
-            chunk = os.read(r, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-        os.waitpid(pid, 0)
-    out = json.loads(b"".join(chunks) or b"{}")
-    if "setuid_error" in out:  # e.g. a container without CAP_SETUID
-        pytest.skip(f"this machine does not allow dropping to uid {uid}: {out['setuid_error']}")
-    assert "error" not in out, out
-    assert uid is None or out["uid"] == uid
-    return out["result"]
 
 
 # --- "A descriptor naming another process's segments makes the context write into the victim" ---------------
@@ -251,7 +209,7 @@ def test_a_process_never_loaded_gets_no_fds(writer: ShmAgent, victim: PeerProces
         ("thief", uuid.uuid4().hex),  # a name the victim never loaded
     ]
     for client, inc in claims:
-        got = _as_uid(uid, steal, sock, client, inc, desc.name, desc.incarnation)
+        got = as_uid(uid, steal, sock, client, inc, desc.name, desc.incarnation)
         assert got["fds"] == 0 and not got["ok"], got
         assert "pid" in got["error"] or "not loaded" in got["error"]
     # The legitimate writer still gets the memory.
@@ -266,8 +224,8 @@ def test_forged_notifications_are_dropped(writer: ShmAgent, victim: PeerProcess,
     dst = victim.call("alloc", key="v", nbytes=4096)["address"]
     victim.call("load", descriptor=writer.descriptor())
     notify = _payload(victim.call("descriptor")["descriptor"])["notify"]
-    _as_uid(uid, forge_notification, notify, writer.name, b"request 7 done")
-    _as_uid(uid, forge_notification, notify, "nobody-loaded-me", b"request 8 done")
+    as_uid(uid, forge_notification, notify, writer.name, b"request 7 done")
+    as_uid(uid, forge_notification, notify, "nobody-loaded-me", b"request 8 done")
     assert victim.call("notifications", expect=0, settle=0.5)["notifications"] == []
     src = _source(writer, 15, 4096)
     peer = writer.load_remote_agent(victim.call("descriptor")["descriptor"])

@@ -353,7 +353,7 @@ def local_auth(directory: str | os.PathLike[str]) -> AuthConfig:
             f"local authentication key in {str(d)!r}: {exc}; set auth_local_dir (KVCORE_AUTH_LOCAL_DIR) to a "
             "private directory, configure a key (docs/security.md), or turn authentication off (auth_mode='none')"
         ) from exc
-    public, secret = _load_certificate(path)
-    if secret is None:
+    public, own_secret = _load_certificate(path)
+    if own_secret is None:
         raise ConfigError(f"local authentication key: {str(path)!r} holds no secret-key; remove it to have one made")
-    return AuthConfig(public, secret)
+    return AuthConfig(public, own_secret)

@@ -35,6 +35,8 @@ __all__ = [
     "PullDone",
     "Renew",
     "Goodbye",
+    "ExposeRequest",
+    "Exposure",
     "RequestId",
     "Message",
     "encode",
@@ -116,7 +118,11 @@ class InstanceInfoRequest(_Msg, tag="instance_info_request", frozen=True):
 
 
 class InstanceInfo(_Msg, tag="instance_info", frozen=True):
-    """ctx rank 0 -> gen: every context rank's RankInfo (or an error explaining the refusal)."""
+    """ctx rank 0 -> gen: every context rank's RankInfo (or an error explaining the refusal).
+
+    Public parts only: no agent descriptor, pid, start time or host id (each rank gives its own in the
+    ``RegisterResult`` that accepts a generation rank).
+    """
 
     instance_name: Name
     ranks: Annotated[list[RankInfo], msgspec.Meta(max_length=MAX_RANKS)]
@@ -134,6 +140,33 @@ class RegisterResult(_Msg, tag="register_result", frozen=True):
 
     ctx_rank: int
     ok: bool
+    error_kind: Name = ""
+    error: ErrorText = ""
+    #: With ``ok``: the context rank's own RankInfo, its agent descriptor identity-only (no key to its memory;
+    #: empty where the transport needs none), with the pid and start time that let a same-host receiver fence it.
+    info: RankInfo | None = None
+
+
+class ExposeRequest(_Msg, tag="expose_request", frozen=True):
+    """gen -> ctx rank (pull mode): give me access to your memory to read request ``request_id``, whose ticket
+    I present. Sent once per context rank, before the first read from it."""
+
+    request_id: RequestId
+    gen_instance: Name
+    gen_rank: int
+    gen_incarnation: Name
+    ticket: Ticket
+    nonce: Nonce  # echoed by the answer
+
+
+class Exposure(_Msg, tag="exposure", frozen=True):
+    """ctx rank -> gen rank: the answer to ``ExposeRequest``: this rank's full agent descriptor, or the refusal."""
+
+    request_id: RequestId
+    ctx_rank: int
+    ctx_incarnation: Name
+    nonce: Nonce
+    agent_descriptor: bytes = b""
     error_kind: Name = ""
     error: ErrorText = ""
 
@@ -259,6 +292,8 @@ Message = (
     | PullDone
     | Renew
     | Goodbye
+    | ExposeRequest
+    | Exposure
 )
 
 
@@ -354,6 +389,8 @@ def _validate(msg: Message) -> None:
     elif isinstance(msg, InstanceInfo):
         for info in msg.ranks:
             _validate_rank_info(info)
+    elif isinstance(msg, RegisterResult) and msg.info is not None:
+        _validate_rank_info(msg.info)
 
 
 def _validate_rank_info(info: RankInfo) -> None:

@@ -592,7 +592,9 @@ def _run_local(spec: DemoSpec, *, progress: bool) -> dict[str, Any]:
             and nbytes > 0
             and not teardown["killed"]
             and not teardown["exit_codes"]
-            and (summary["auth_ranks"] == len(gen + ctx) if spec.auth else summary["auth_ranks"] == 0)
+            # Every rank authenticates: with --auth by the instance keys, on loopback by this user's local key
+            # (the default); only the namespaced hosts without --auth run without (an isolated link, warned).
+            and summary["auth_ranks"] == (len(gen + ctx) if spec.auth or not spec.two_hosts else 0)
         )
         return summary
     finally:
@@ -788,7 +790,12 @@ def _print_summary(s: dict[str, Any]) -> None:
         "on: CurveZMQ, one key pair per instance, allow-list of both public keys (temporary keys, removed)"
         + (f"; {s['auth_ranks']} of {s['processes']} ranks serve CURVE" if "auth_ranks" in s else "")
         if sp.get("auth")
-        else "off (control plane on loopback or an isolated link)",
+        else (
+            "off (an isolated link between the hosts)"
+            if s.get("hosts")
+            else "on: CurveZMQ with this user's local key (the default; other users are refused)"
+            + (f"; {s['auth_ranks']} of {s['processes']} ranks serve CURVE" if "auth_ranks" in s else "")
+        ),
     )
     t.add_row("requests", f"{s['requests']} ({s['done']} rank-outcomes DONE, {s['not_done']} not)")
     if "timed_requests" in s:  # two hosts: checked after release; first contact timed apart

@@ -2,7 +2,8 @@
 
 A generation rank may ask for a request (``RequestData``, or ``PullDone`` after a pull read) before the context's
 engine called ``start_send`` for it. The context keeps such messages until the request starts, its receiver takes
-them back, or they expire, within three caps (messages in total, per generation rank, bytes). Every operation
+them back, or they expire, within four caps: messages in total and per generation rank, bytes in total and per
+generation rank (so one peer, a stranger's flood among them, cannot fill the store for the others). Every operation
 costs the same with 4096 messages kept as with one: admission reads counters, expiry pops a heap.
 """
 
@@ -18,14 +19,15 @@ from kvcore.transceiver.sessions import TimerHeap
 
 __all__ = ["EarlyMessage", "EarlyEntry", "EarlyRequests", "early_size"]
 
-EarlyMessage = wire.RequestData | wire.PullDone
+EarlyMessage = wire.RequestData | wire.PullDone | wire.ExposeRequest
 #: ``(expiry, message, source)``: kept until ``time.monotonic()`` passes ``expiry``.
 EarlyEntry = tuple[float, EarlyMessage, Source]
 _Key = tuple[str, int]
 
 
 def early_size(msg: EarlyMessage) -> int:
-    """Bytes an early message is charged against the byte cap (its block lists; a PullDone a fixed 256)."""
+    """Bytes an early message is charged against the byte cap (its block lists; a PullDone or ExposeRequest a
+    fixed 256)."""
     if isinstance(msg, wire.RequestData):
         return len(msg.block_ids) + sum(len(v) for v in msg.group_block_ids.values())
     return 256
@@ -38,10 +40,15 @@ def _sender(msg: EarlyMessage) -> _Key:
 class EarlyRequests:
     """Early messages by request id, in arrival order per request, with their caps and their expiry."""
 
-    def __init__(self, max_messages: int, max_per_peer: int, max_bytes: int) -> None:
+    def __init__(
+        self, max_messages: int, max_per_peer: int, max_bytes: int, max_bytes_per_peer: int | None = None
+    ) -> None:
+        """``max_bytes_per_peer``: one generation rank's share of ``max_bytes`` (None: all of it)."""
         self.max_messages, self.max_per_peer, self.max_bytes = max_messages, max_per_peer, max_bytes
+        self.max_bytes_per_peer = max_bytes if max_bytes_per_peer is None else min(max_bytes, max_bytes_per_peer)
         self._by_rid: dict[InternalId, list[EarlyEntry]] = {}
         self._per_peer: Counter[_Key] = Counter()
+        self._bytes_per_peer: Counter[_Key] = Counter()
         self._count = 0
         self.bytes = 0
         self._expiry = TimerHeap()  # request ids under the earliest expiry of their messages
@@ -53,14 +60,22 @@ class EarlyRequests:
     def __contains__(self, rid: object) -> bool:
         return rid in self._by_rid
 
+    def holds(self, key: _Key) -> bool:
+        """Whether a message of generation rank ``key`` is kept."""
+        return self._per_peer.get(key, 0) > 0
+
     def refusal(self, msg: EarlyMessage) -> str | None:
         """Why ``msg`` may not be kept (a cap is reached), or None."""
-        if (
-            self._count >= self.max_messages
-            or self._per_peer[_sender(msg)] >= self.max_per_peer
-            or self.bytes + early_size(msg) > self.max_bytes
-        ):
+        key, size = _sender(msg), early_size(msg)
+        if self._count >= self.max_messages or self.bytes + size > self.max_bytes:
             return f"{self._count} requests ({self.bytes} bytes) already wait for start_send here"
+        if self._per_peer[key] >= self.max_per_peer or self._bytes_per_peer[key] + size > self.max_bytes_per_peer:
+            return (
+                f"generation rank {key} has {self._per_peer[key]} requests ({self._bytes_per_peer[key]} bytes) "
+                f"waiting for start_send here already; its share is {self.max_per_peer} requests and "
+                f"{self.max_bytes_per_peer} bytes (max_early_per_peer, max_early_bytes_per_peer), this one is "
+                f"{size} bytes"
+            )
         return None
 
     def add(self, msg: EarlyMessage, source: Source, expiry: float) -> None:
@@ -68,18 +83,22 @@ class EarlyRequests:
         lst = self._by_rid.setdefault(msg.request_id, [])
         lst.append((expiry, msg, source))
         self._count += 1
-        self._per_peer[_sender(msg)] += 1
-        self.bytes += early_size(msg)
+        key, size = _sender(msg), early_size(msg)
+        self._per_peer[key] += 1
+        self._bytes_per_peer[key] += size
+        self.bytes += size
         self._expiry.file(msg.request_id, expiry)
 
     def _forget(self, entries: list[EarlyEntry]) -> None:
         for _, msg, _ in entries:
+            key, size = _sender(msg), early_size(msg)
             self._count -= 1
-            self.bytes -= early_size(msg)
-            key = _sender(msg)
+            self.bytes -= size
             self._per_peer[key] -= 1
+            self._bytes_per_peer[key] -= size
             if self._per_peer[key] <= 0:
                 del self._per_peer[key]
+                del self._bytes_per_peer[key]
 
     def pop(self, rid: InternalId) -> list[EarlyEntry]:
         """Every message kept for ``rid``, in arrival order, taken out."""

@@ -88,6 +88,9 @@ COUNTERS = frozenset(
         "tickets_refused",
         "early_requests_expired",
         "peers_closed",
+        "exposed_to_peers",
+        "idle_peers_dropped",
+        "idle_peers_readmitted",
     }
 )
 

@@ -301,6 +301,14 @@ class Link:
         dec = msgspec.msgpack.Decoder(wire.RankInfo)
         gathered = self.collective.allgather(msgspec.msgpack.encode(self.rank_info))
         self.instance_ranks = sorted((dec.decode(b) for b in gathered), key=lambda r: r.rank)
+        #: What rank 0 tells anyone who asks (InstanceInfo): no descriptor, pid, start time or host id. Each rank
+        #: gives its own only to a generation rank it accepted (``accepted_info``).
+        self.public_ranks = [
+            msgspec.structs.replace(r, agent_descriptor=b"", pid=0, start_time=0, host_id="")
+            for r in self.instance_ranks
+        ]
+        #: This rank's info for a generation rank it accepted: its agent descriptor identity-only, no memory keys.
+        self.accepted_info = msgspec.structs.replace(self.rank_info, agent_descriptor=agent.descriptor(exposed=False))
         self.placement = RankPlacement(topology=topology, geometry=geometry, page_table=page_table, mamba=mamba)
         self.metrics = TransceiverMetrics(
             backend=agent.backend, role=role, rank=topology.rank, instance=self.instance_name

@@ -22,6 +22,9 @@
   ``UNLOADED``: its agent unloaded, its sockets closed, its entries dropped.
 * ``REFUSED``: incompatible or failed first contact; cached for
   ``refused_peer_ttl_s`` so repeated requests fail fast, then forgotten.
+* A generation rank that asks for nothing for ``idle_peer_ttl_s`` (or, while the
+  table is full, one that never asked) is dropped like a lost one: ``LOST``, then
+  ``UNLOADED``. If it had asked before, a later ask admits it again.
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ class CtxInstance(Peer):
     peers: list[int] = field(default_factory=list)  # ctx ranks this generation rank exchanges with
     agents: dict[int, str] = field(default_factory=dict)  # ctx rank -> loaded agent name
     registered: set[int] = field(default_factory=set)  # ctx ranks that loaded our agent (we may READ from them)
+    loaded: dict[int, bytes] = field(default_factory=dict)  # ctx rank -> the agent descriptor of its we loaded last
+    exposed: set[int] = field(default_factory=set)  # ctx ranks whose full descriptor we loaded (pull reads)
+    exposing: dict[int, bytes] = field(default_factory=dict)  # ctx rank -> nonce of our unanswered ExposeRequest
     #: REFUSED for compatibility: the ranks that hear of each request refused meanwhile (empty: tell nobody)
     refusal_ranks: list[wire.RankInfo] = field(default_factory=list)
     lost_at: float | None = None
@@ -132,6 +138,13 @@ class GenPeer(Peer):
     ready_at: float = 0.0
     identity: bytes | None = None  # ROUTER identity of the connection it registered (and last asked) on
     goodbye: bool = False  # it said it is closing (wire.Goodbye); final once its connection drops
+    #: When it last asked for a request (RequestData, PullDone, Renew); None: never since it registered.
+    asked_at: float | None = None
+
+    @property
+    def active_at(self) -> float:
+        """Since when it has asked for nothing: its last ask, else its registration."""
+        return self.asked_at if self.asked_at is not None else self.created
 
     @property
     def name(self) -> str:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvcore import errors as E
@@ -82,6 +83,7 @@ class Receiver(Role):
             wire.TransferResult: self.on_transfer_result,
             wire.ErrorReply: self.on_error_reply,
             wire.Goodbye: self.on_goodbye,
+            wire.Exposure: self.on_exposure,
         }
 
     # --- engine API ----------------------------------------------------------------------------
@@ -549,18 +551,16 @@ class Receiver(Role):
             with self.link.lock:
                 for inst in self.instances.values():
                     r = inst.rank_of_endpoint(source.endpoint)
-                    if r is None or r != msg.ctx_rank or inst.gone:
+                    if r is None or r != msg.ctx_rank or inst.gone or r in inst.registered or r in inst.loaded:
                         continue
-                    inst.registered.add(r)
-                    for s in self.rx.values():
-                        if (
-                            s.mode == "pull"
-                            and s.instance is inst
-                            and not s.terminal
-                            and not s.writers
-                            and set(s.nonces) <= inst.registered
-                        ):
-                            self.link.post(self._pull, s.request_id)
+                    why = _accepted_info_mismatch(inst.ranks[r], msg.info)
+                    if why:
+                        self._refuse(inst, E.ProtocolError(f"context rank {r} of {inst}: {why}"))
+                        continue
+                    assert msg.info is not None
+                    inst.ranks[r] = msg.info  # now with its pid and start time (fencing) and identity descriptor
+                    inst.loaded[r] = b""  # claimed: one load per rank
+                    self.link.post(self._registered, inst, r)
             return
         err = error_from(msg.error_kind, f"context rank {msg.ctx_rank} refused this generation rank: {msg.error}")
         with self.link.lock:
@@ -812,23 +812,127 @@ class Receiver(Role):
     # --- worker thread -----------------------------------------------------------------------------
 
     def _load_instance(self, inst: CtxInstance) -> None:
-        """Load the agents of the context ranks this rank exchanges with, register with them, ask waiting requests."""
+        """Register with the context ranks this rank exchanges with (each answers with its own RankInfo)."""
+        link = self.link
+        for r in inst.peers:
+            link.send(inst.ranks[r].endpoint, wire.RegisterRankInfo(v=wire.PROTOCOL_VERSION, info=link.rank_info))
+
+    def _registered(self, inst: CtxInstance, r: int) -> None:
+        """Worker: context rank ``r`` accepted us; load its identity (where the transport needs one) and, once every
+        rank we exchange with did, ask the requests that waited for the instance.
+
+        The identity descriptor carries no key to the context's memory: in push mode this rank reads nothing of it
+        (``_pull`` asks for access per rank, with a request's ticket). Loading it with ``expose=True`` lets that rank
+        write into our memory (the shm agent hands its memfds only to loaded, exposed peers).
+        """
+        link = self.link
+        desc = inst.ranks[r].agent_descriptor
+        if desc:
+            try:
+                name = link.agent.load_remote_agent(desc, expose=True)
+            except E.KvcoreError as exc:
+                with link.lock:
+                    self._refuse(inst, exc, tell=inst.ranks)
+                return
+        with link.lock:
+            if desc:
+                inst.agents[r], inst.loaded[r] = name, desc
+            if inst.gone:
+                return  # _unload (now or later) unloads what we loaded
+            inst.registered.add(r)
+            if inst.state is PeerState.CONNECTING and set(inst.peers) <= inst.registered:
+                inst.move(PeerState.READY)
+                link.metrics.first_contact(inst.name, time.monotonic() - inst.created)
+                self._resume(inst)
+            self._kick_pulls(inst)
+
+    def _kick_pulls(self, inst: CtxInstance) -> None:
+        """Post a read for every pull request of ``inst`` that waits only for its writers' registration (lock held)."""
+        for s in self.rx.values():
+            if (
+                s.mode == "pull"
+                and s.instance is inst
+                and not s.terminal
+                and not s.writers
+                and set(s.nonces) <= inst.registered
+            ):
+                self.link.post(self._pull, s.request_id)
+
+    def _ask_exposure(self, s: RxSession, inst: CtxInstance, ranks: list[int]) -> None:
+        """Ask the context ranks ``ranks`` for access to their memory for pull request ``s`` (lock held; once per
+        rank at a time: the answer lets every waiting request read)."""
+        link = self.link
+        for r in ranks:
+            if r in inst.exposing:
+                continue
+            nonce = os.urandom(16)
+            inst.exposing[r] = nonce
+            link.send(
+                inst.ranks[r].endpoint,
+                wire.ExposeRequest(
+                    v=wire.PROTOCOL_VERSION,
+                    request_id=s.request_id,
+                    gen_instance=link.instance_name,
+                    gen_rank=link.topology.rank,
+                    gen_incarnation=link.incarnation,
+                    ticket=s.ticket,
+                    nonce=nonce,
+                ),
+            )
+
+    def on_exposure(self, source: Source, msg: wire.Exposure) -> None:
+        """A context rank's answer to our ExposeRequest: its full descriptor (we may read it), or why not."""
+        if source.endpoint is None:
+            self.counters["ignored_messages"] += 1
+            return
+        with self.link.lock:
+            for inst in self.instances.values():
+                r = inst.rank_of_endpoint(source.endpoint)
+                if r is None or r != msg.ctx_rank or inst.gone:
+                    continue
+                nonce = inst.exposing.get(r)
+                if nonce is None or not msg.nonce or not hmac.compare_digest(nonce, msg.nonce):
+                    self.counters["forged_messages"] += 1
+                    return
+                if msg.ctx_incarnation != inst.ranks[r].incarnation:
+                    self.counters["forged_messages"] += 1
+                    return
+                if msg.error_kind or not msg.agent_descriptor:
+                    del inst.exposing[r]
+                    err = error_from(
+                        msg.error_kind or "ProtocolError",
+                        f"context rank {r} gave no access to its memory for request {msg.request_id}: "
+                        f"{msg.error or 'no descriptor'}",
+                    )
+                    s = self.rx.get(msg.request_id)
+                    if s is not None and s.instance is inst and not s.terminal and not s.writers:
+                        s.transition(SessionState.FAILED, err)
+                        self._note_quarantine(s)
+                    self._kick_pulls(inst)  # another waiting request asks with its own ticket
+                    return
+                self.link.post(self._load_exposed, inst, r, msg.agent_descriptor, nonce)
+                return
+        self.counters["ignored_messages"] += 1
+
+    def _load_exposed(self, inst: CtxInstance, r: int, desc: bytes, nonce: bytes) -> None:
+        """Worker: load context rank ``r``'s full descriptor (same agent as its identity: a refresh)."""
         link = self.link
         try:
-            for r in inst.peers:
-                if r not in inst.agents:
-                    inst.agents[r] = link.agent.load_remote_agent(inst.ranks[r].agent_descriptor)
+            name = link.agent.load_remote_agent(desc, expose=True)
+            if inst.agents.get(r, name) != name:
+                raise E.ProtocolError(f"context rank {r} of {inst} exposed another agent than it registered with")
         except E.KvcoreError as exc:
             with link.lock:
                 self._refuse(inst, exc, tell=inst.ranks)
             return
-        for r in inst.peers:
-            link.send(inst.ranks[r].endpoint, wire.RegisterRankInfo(v=wire.PROTOCOL_VERSION, info=link.rank_info))
         with link.lock:
-            if inst.state is PeerState.CONNECTING:
-                inst.move(PeerState.READY)
-                link.metrics.first_contact(inst.name, time.monotonic() - inst.created)
-                self._resume(inst)
+            inst.agents[r], inst.loaded[r] = name, desc
+            if inst.exposing.get(r) == nonce:
+                del inst.exposing[r]
+            if inst.gone:
+                return
+            inst.exposed.add(r)
+            self._kick_pulls(inst)
 
     def _decline(self, inst: CtxInstance, requests: list[tuple[Any, int, bytes]]) -> None:
         """Tell the context ranks of requests we never asked for that we never will (lock held; with the ticket)."""
@@ -925,6 +1029,10 @@ class Receiver(Role):
             inst = s.instance
             ranks = sorted(s.nonces)
             if not set(ranks) <= inst.registered:
+                return
+            closed = [r for r in ranks if r not in inst.exposed]
+            if closed:
+                self._ask_exposure(s, inst, closed)  # the answer posts this read again
                 return
             for r in ranks:
                 s.writers[r] = WriterState.READING  # claimed (not settled: a read may be posted from now on)
@@ -1157,7 +1265,7 @@ class Receiver(Role):
 
     def _unload(self, inst: CtxInstance) -> None:
         for r, name in inst.agents.items():
-            self.link.unload_agent(name, inst.ranks[r].incarnation, inst.ranks[r].agent_descriptor)
+            self.link.unload_agent(name, inst.ranks[r].incarnation, inst.loaded.get(r, b""))
         with self.link.lock:
             inst.move(PeerState.UNLOADED)
             if not any(i.name == inst.name for i in self.instances.values()):
@@ -1189,7 +1297,7 @@ class Receiver(Role):
     def close(self) -> None:
         for inst in list(self.instances.values()) + self.retired:
             for r, name in inst.agents.items():
-                self.link.unload_agent(name, inst.ranks[r].incarnation, inst.ranks[r].agent_descriptor)
+                self.link.unload_agent(name, inst.ranks[r].incarnation, inst.loaded.get(r, b""))
 
 
 def _count(ids: dict[str, np.ndarray]) -> int:
@@ -1198,3 +1306,15 @@ def _count(ids: dict[str, np.ndarray]) -> int:
 
 def _single_bytes(ids: dict[str, np.ndarray]) -> bytes:
     return next(iter(ids.values()), np.zeros(0, np.int64)).astype("<i8").tobytes() if len(ids) <= 1 else b""
+
+
+def _accepted_info_mismatch(public: wire.RankInfo, info: wire.RankInfo | None) -> str:
+    """Why a context rank's own RankInfo (in its RegisterResult) cannot be the rank its rank 0 described; '' if
+    it can. Every field rank 0 told must be the same; only the private ones (descriptor, pid...) are new."""
+    if info is None:
+        return "accepted this rank without saying who it is (no RankInfo)"
+    told = msgspec.structs.replace(info, agent_descriptor=b"", pid=0, start_time=0, host_id="")
+    if told != public:
+        differ = [f for f in public.__struct_fields__ if getattr(told, f) != getattr(public, f)]
+        return f"its RankInfo differs from what its instance's rank 0 said in: {', '.join(differ)}"
+    return ""

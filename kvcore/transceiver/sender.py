@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -28,7 +29,7 @@ import numpy as np
 
 from kvcore import errors as E
 from kvcore.control import wire
-from kvcore.control.messenger import Source
+from kvcore.control.messenger import RateLimitedLog, Source
 from kvcore.layout.blocks import decode_group_ids, normalize_block_ids, normalize_state_slot
 from kvcore.layout.mapping import validate_compatible
 from kvcore.layout.page import PageTable
@@ -49,7 +50,7 @@ from kvcore.transceiver.sessions import (
     TxSession,
 )
 from kvcore.transport import bounce
-from kvcore.transport.agent import TransferOp, TransferStatus
+from kvcore.transport.agent import TransferAgent, TransferOp, TransferStatus
 
 __all__ = ["Sender", "blocks_digest"]
 
@@ -106,9 +107,23 @@ class Sender(Role):
         self.tx: SessionTable[TxSession] = SessionTable()
         self.peers: dict[_Key, GenPeer] = {}  # current incarnation (or refusal) per generation rank
         self.retired: list[GenPeer] = []  # lost peers waiting for their transfers to end before unloading
+        self.refused: OrderedDict[_Key, None] = OrderedDict()  # keys of REFUSED peers, oldest first (capped)
+        # Peers dropped for idleness after they had asked: their next ask admits them again (capped, oldest out).
+        self.dormant: OrderedDict[_Key, GenPeer] = OrderedDict()
+        self._idle_check_at = 0.0
         # RequestData (push) and PullDone (pull: read before start_send ran) that came before start_send
-        self.early = EarlyRequests(cfg.max_early_requests, cfg.max_early_per_peer, cfg.max_early_bytes)
+        self.early = EarlyRequests(
+            cfg.max_early_requests,
+            cfg.max_early_per_peer,
+            cfg.max_early_bytes,
+            cfg.max_early_bytes_per_peer or max(1, cfg.max_early_bytes // 8),
+        )
+        # Outcomes this rank's engine made (releases, its cancels before start_send), and apart, with a cap of
+        # their own, those peers made (declines, cancels before start_send): a flood of the second kind never
+        # evicts the first, so the engine's cancel of a request not started yet still holds at its start_send.
         self.tombstones = Tombstones(cfg.max_tombstones, cfg.request_timeout_s)
+        self.peer_tombstones = Tombstones(cfg.max_peer_tombstones, cfg.request_timeout_s)
+        self._rlog = RateLimitedLog(logger=log)  # lines a peer can cause at will (each is counted too)
         self.inflight: dict[int, tuple[TxSession, ReceiverTask]] = {}  # id(task) -> its submitted write
         self.orphans: list[Any] = []  # handles of abandoned transfers to dead peers, released once terminal
         self.staging: bounce.Arena | None = None
@@ -133,6 +148,7 @@ class Sender(Role):
         return {
             wire.InstanceInfoRequest: self.on_info_request,
             wire.RegisterRankInfo: self.on_register,
+            wire.ExposeRequest: self.on_expose_request,
             wire.RequestData: self.on_request_data,
             wire.Cancel: self.on_cancel,
             wire.PullDone: self.on_pull_done,
@@ -200,12 +216,17 @@ class Sender(Role):
                 s.blocks_digest = blocks_digest(whole, whole_slot, info0.incarnation)
             self.tx[rid] = s
             self.link.metrics.request_started()
-            tomb = self.tombstones.pop(rid)
-            if tomb is not None and tomb.state is SessionState.CANCELLED and self._ticket_ok(tk, tomb.ticket):
-                self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled earlier"))
+            for tomb in (self.tombstones.pop(rid), self.peer_tombstones.pop(rid)):
+                if tomb is not None and tomb.state is SessionState.CANCELLED and self._ticket_ok(tk, tomb.ticket):
+                    self._end(
+                        s, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled earlier")
+                    )
+                    break
             for _, req, source in self.early.pop(rid):
                 if isinstance(req, wire.PullDone):
                     self._take_pull_done(s, req, source)
+                elif isinstance(req, wire.ExposeRequest):
+                    self._expose_for(s, req, source)
                 else:
                     self._attach(s, req, source)
         self.link.post(self._drive, rid)
@@ -331,7 +352,10 @@ class Sender(Role):
                 # Not started here (yet): a later start_send ends CANCELLED; waiting receivers are told now.
                 self.tombstones.put(rid, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid}: {reason}"))
                 for _, req, source in self.early.pop(rid):
-                    self._answer_unheld(req, source, self.tombstones.get(rid))
+                    if isinstance(req, wire.ExposeRequest):
+                        self._refuse_exposure(source, req, "RequestCancelledError", f"cancelled: {reason}")
+                    else:
+                        self._answer_unheld(req, source, self.tombstones.get(rid))
                 # True: remembered for a start_send to come; False: the request already ended and was released here.
                 # (A cancel remembered earlier has no ticket; a released request's tombstone has its ticket.)
                 return prior is None or (prior.state is SessionState.CANCELLED and prior.ticket is None)
@@ -368,11 +392,10 @@ class Sender(Role):
             status = "cancelled" if s.state is SessionState.CANCELLED else "failed"
             for key, nonce in s.renewers.items():
                 peer = self.peers.get(key)
-                if key in s.tasks or peer is None or peer.gone or peer.info is None:
+                if key in s.tasks or peer is None:
                     continue
-                self.link.send(
-                    peer.info.endpoint,
-                    self._result(s.request_id, nonce, status=status, kind=type(err).__name__, error=str(err)),
+                self._tell(
+                    peer, self._result(s.request_id, nonce, status=status, kind=type(err).__name__, error=str(err))
                 )
 
     def _finish_for_session(self, s: TxSession, t: ReceiverTask) -> None:
@@ -424,9 +447,17 @@ class Sender(Role):
         )
 
     def _send_to(self, t: ReceiverTask, msg: wire.Message) -> None:
-        if t.peer.gone or t.peer.info is None:
+        self._tell(t.peer, msg)
+
+    def _tell(self, peer: GenPeer, msg: wire.Message) -> None:
+        """Send ``msg`` to a generation rank: to its endpoint once it is registered (READY, or SUSPECT), before that
+        over the connection it registered on: no socket is opened toward an endpoint a rank not admitted named."""
+        if peer.gone or peer.info is None:
             return  # nobody left to tell
-        self.link.send(t.peer.info.endpoint, msg)
+        if peer.state in (PeerState.READY, PeerState.SUSPECT):
+            self.link.send(peer.info.endpoint, msg)
+        elif peer.identity is not None:
+            self.link.reply(Source(identity=peer.identity), msg)
 
     def _id_type_hint(self, rid: Any) -> tuple[str, bytes | None]:
         """A hint when this rank holds the same request id under another type (int 5 vs str "5"), lock held.
@@ -442,7 +473,7 @@ class Sender(Role):
             if type(other) is type(rid):
                 continue
             held = self.tx.get(other)
-            tomb = self.tombstones.get(other) if held is None else None
+            tomb = self._tomb(other) if held is None else None
             if held is None and tomb is None:
                 continue
             mine, theirs = api_id(other), api_id(rid)
@@ -484,7 +515,7 @@ class Sender(Role):
                 wire.InstanceInfo(v=wire.PROTOCOL_VERSION, instance_name=link.instance_name, ranks=[], error=str(exc)),
             )
             return
-        link.reply(source, wire.InstanceInfo(v=version, instance_name=link.instance_name, ranks=link.instance_ranks))
+        link.reply(source, wire.InstanceInfo(v=version, instance_name=link.instance_name, ranks=link.public_ranks))
 
     def _refuse(self, source: Source, info: wire.RankInfo, exc: E.KvcoreError) -> None:
         self.link.reply(
@@ -498,6 +529,121 @@ class Sender(Role):
             ),
         )
 
+    def _keep_refused(self, key: _Key, peer: GenPeer) -> None:
+        """Remember a refused generation rank (lock held): at most ``max_peers`` of them, the oldest forgotten."""
+        self.peers[key] = peer
+        self.refused[key] = None
+        self.refused.move_to_end(key)
+        while len(self.refused) > self.config.max_peers:
+            old_key, _ = self.refused.popitem(last=False)
+            old = self.peers.get(old_key)
+            if old is not None and old.state is PeerState.REFUSED:
+                old.move(PeerState.UNLOADED)
+                del self.peers[old_key]
+
+    def _make_room(self, replaced: GenPeer | None = None) -> bool:
+        """Whether one more generation rank may register (lock held), evicting one that never asked if need be.
+
+        Full (``max_peers`` live, ``replaced`` not counted): the oldest registered rank that never asked for a
+        request and holds nothing here is dropped, so registrations that never ask (a stranger's, which then
+        exits) cannot keep the table full for the ranks that come to work. False: every one asked.
+        """
+        live = sum(1 for p in self.peers.values() if not p.gone and p is not replaced)
+        if live < self.config.max_peers:
+            return True
+        victim = next(
+            (
+                p
+                for p in self.peers.values()
+                if p.state in (PeerState.READY, PeerState.CONNECTING)
+                and p is not replaced
+                and p.asked_at is None
+                and p.inflight == 0
+                and not self.early.holds(p.key)
+            ),
+            None,
+        )
+        if victim is None:
+            return False
+        self._drop_idle(victim, "it never asked for a request, and a newcomer needs its place (max_peers)")
+        self._rlog(logging.INFO, "evict", "%s dropped: it never asked for a request, and the table of generation "
+                   "ranks is full (max_peers=%d)", victim, self.config.max_peers)  # fmt: skip
+        return True
+
+    def _drop_idle(self, peer: GenPeer, why: str) -> None:
+        """Let an idle generation rank go as a lost one is (lock held): LOST now, its agent unloaded at the tick.
+
+        One that had asked before is remembered (``dormant``, capped): its next ask admits it again at once.
+        """
+        if not peer.move(PeerState.LOST, error=E.PeerLostError(f"{peer} was dropped: {why}")):
+            return
+        peer.lost_at = time.monotonic()
+        self.counters["idle_peers_dropped"] += 1
+        key = peer.key
+        if self.peers.get(key) is peer:
+            del self.peers[key]
+        self.retired.append(peer)
+        self.early.drop_peer(key)
+        if peer.asked_at is not None:
+            self.dormant[key] = peer
+            self.dormant.move_to_end(key)
+            while len(self.dormant) > self.config.max_peers:
+                self.dormant.popitem(last=False)
+
+    def _readmit(self, key: _Key, incarnation: str, source: Source) -> GenPeer | None:
+        """A generation rank dropped for idleness asks again: register it again from its RankInfo (lock held).
+
+        Only the incarnation that was dropped, and only with room in the table (``_make_room``); its agent is
+        loaded again before anything is written to it. None: not such a rank, or no room.
+        """
+        old = self.dormant.get(key)
+        if old is None or old.info is None or old.incarnation != incarnation or key in self.peers:
+            return None
+        if not self._make_room():
+            return None
+        del self.dormant[key]
+        peer = GenPeer(info=old.info, identity=source.identity)
+        peer.move(PeerState.CONNECTING)
+        self.peers[key] = peer
+        self.counters["idle_peers_readmitted"] += 1
+        if self.link.auth is not None and source.peer_key is not None:
+            self.link.learn_key(old.info, proven=source.peer_key)
+        self.link.post(self._load_peer, peer)
+        return peer
+
+    def _drop_idle_peers(self, now: float) -> None:
+        """Drop the READY generation ranks that asked for nothing for ``idle_peer_ttl_s`` (lock held).
+
+        Nothing of theirs may be held: no write in flight, no early request, no task or lease renewal in a live
+        request. A rank that registers and never asks (or a stranger's registrations, once it exited) would
+        otherwise hold its place in ``max_peers``, and its loaded agent, for good.
+        """
+        ttl = self.config.idle_peer_ttl_s
+        idle = [p for p in self.peers.values() if p.state is PeerState.READY and now - p.active_at > ttl]
+        if not idle:
+            return
+        keys = {p.key for p in idle}
+        busy: set[_Key] = set()
+        for s in self.tx.values():
+            if not s.terminal:
+                busy.update(s.tasks.keys() & keys, s.renewers.keys() & keys)
+        dropped = []
+        for p in idle:
+            if p.inflight or p.key in busy or self.early.holds(p.key):
+                p.asked_at = now  # something of it is held: its idle time starts once that is over
+            else:
+                dropped.append(p)
+        for p in dropped:
+            self._drop_idle(p, f"it asked for nothing for {ttl:g}s (idle_peer_ttl_s)")
+        if dropped:
+            log.info(
+                "dropped %d generation ranks that asked for nothing for %gs (idle_peer_ttl_s), e.g. %s; their agents "
+                "are unloaded, and one that asks again is admitted again",
+                len(dropped),
+                ttl,
+                dropped[0],
+            )
+
     def on_register(self, source: Source, msg: wire.RegisterRankInfo) -> None:
         info, link = msg.info, self.link
         key = (info.instance_name, info.rank)
@@ -509,14 +655,22 @@ class Sender(Role):
                 raise E.IncompatiblePeerError(
                     f"transfer backend: generation rank uses {info.backend!r}, this context rank uses {link.agent.backend!r}"
                 )
+            agent_incarnation = TransferAgent.decode_descriptor(info.agent_descriptor).incarnation
+            if agent_incarnation != info.incarnation:
+                # A rank's agent is of its own process: another incarnation would make its agent one this rank
+                # could never unload (unloading checks the incarnation), a way to pile up loaded agents.
+                raise E.IncompatiblePeerError(
+                    f"the agent descriptor is of incarnation {agent_incarnation[:16]!r}, the rank of "
+                    f"{info.incarnation[:16]!r}: a rank registers its own process's agent"
+                )
         except E.KvcoreError as exc:
             with link.lock:
                 old = self.peers.get(key)
                 if old is None or old.state is PeerState.REFUSED:
                     p = GenPeer(info=info)
                     p.move(PeerState.REFUSED, deadline=time.monotonic() + self.config.refused_peer_ttl_s, error=exc)
-                    self.peers[key] = p
-            self._refuse(source, info, exc)
+                    self._keep_refused(key, p)
+            self._refuse(source, info, exc)  # over the connection it came on: no socket toward what it named
             return
         with link.lock:
             old = self.peers.get(key)
@@ -524,15 +678,21 @@ class Sender(Role):
                 if old.state is PeerState.READY:
                     link.post(self._confirm, old)  # it asks again: it may have missed our confirmation
                 return  # duplicate registration
-            live = sum(1 for p in self.peers.values() if not p.gone)
-            if live >= self.config.max_peers:
-                exc2 = E.ResourceExhaustedError(f"{live} generation ranks are registered (max_peers)")
+            replaced = old if old is not None and not old.gone else None
+            if not self._make_room(replaced):
+                live = sum(1 for p in self.peers.values() if not p.gone)
+                exc2 = E.ResourceExhaustedError(
+                    f"{live} generation ranks are registered (max_peers={self.config.max_peers}), each of them asked "
+                    "for a request or holds one"
+                )
                 self._refuse(source, info, exc2)
                 return
-            if old is not None and not old.gone:
-                self._lose(old, E.PeerLostError(f"{old} was replaced by a new incarnation (it restarted)"))
+            if replaced is not None:
+                self._lose(replaced, E.PeerLostError(f"{replaced} was replaced by a new incarnation (it restarted)"))
             elif old is not None:
                 self.peers.pop(key, None)
+            self.refused.pop(key, None)
+            self.dormant.pop(key, None)
             peer = GenPeer(info=info, identity=source.identity)
             peer.move(PeerState.CONNECTING)
             self.peers[key] = peer
@@ -544,7 +704,7 @@ class Sender(Role):
         key = (msg.gen_instance, msg.gen_rank)
         link = self.link
         with link.lock:
-            peer = self.peers.get(key)
+            peer = self.peers.get(key) or self._readmit(key, msg.gen_incarnation, source)
             if peer is None or peer.incarnation != msg.gen_incarnation or peer.gone:
                 if peer is not None and peer.state is PeerState.REFUSED and peer.incarnation == msg.gen_incarnation:
                     err = peer.error or E.IncompatiblePeerError("refused")
@@ -565,6 +725,7 @@ class Sender(Role):
                 return
             if source.identity is not None:
                 peer.identity = source.identity  # the connection it speaks on now (it may have reconnected)
+            peer.asked_at = time.monotonic()
             if msg.ctx_incarnation and msg.ctx_incarnation != link.incarnation:
                 self._not_registered(
                     source, msg, f"asked of context incarnation {msg.ctx_incarnation}; this is {link.incarnation}"
@@ -585,14 +746,21 @@ class Sender(Role):
         """Whether a peer's ticket may speak for a request (``None``: this rank's own engine, always)."""
         return presented is None or not self.config.require_tickets or hmac.compare_digest(expected, presented)
 
+    def _tomb(self, rid: Any) -> Any:
+        """The tombstone of ``rid``: this rank's engine's, else a peer's (lock held); None if neither holds one."""
+        tomb = self.tombstones.get(rid)
+        return self.peer_tombstones.get(rid) if tomb is None else tomb
+
     def _tombstone_for(self, rid: Any, ticket: bytes) -> Any:
         """The tombstone of ``rid`` if the asker's ticket may read it (lock held); None otherwise."""
-        tomb = self.tombstones.get(rid)
-        if tomb is None or tomb.ticket is None or self._ticket_ok(tomb.ticket, ticket):
-            return tomb
+        for tomb in (self.tombstones.get(rid), self.peer_tombstones.get(rid)):
+            if tomb is not None and (tomb.ticket is None or self._ticket_ok(tomb.ticket, ticket)):
+                return tomb
         return None
 
-    def _keep_early(self, msg: wire.RequestData | wire.PullDone, source: Source, ttl: float) -> None:
+    def _keep_early(
+        self, msg: wire.RequestData | wire.PullDone | wire.ExposeRequest, source: Source, ttl: float
+    ) -> None:
         """Keep a receiver's message for a request not started here yet, within the caps (lock held).
 
         Kept until ``ttl`` (the receiver's deadline, bounded by ours) less a margin, then answered with a failure:
@@ -618,9 +786,9 @@ class Sender(Role):
         s = self.tx.get(msg.request_id)
         err = E.RequestCancelledError(f"request {msg.request_id} declined by {peer}: {msg.reason}")
         if s is None:
-            if msg.request_id not in self.tombstones:
+            if self._tomb(msg.request_id) is None:
                 # Honoured by start_send only if the engine's ticket is this one: a peer cannot pre-cancel others'.
-                self.tombstones.put(msg.request_id, SessionState.CANCELLED, err, ticket=msg.ticket)
+                self.peer_tombstones.put(msg.request_id, SessionState.CANCELLED, err, ticket=msg.ticket)
         elif not s.terminal:
             if not self._ticket_ok(s.ticket, msg.ticket):
                 self.counters["tickets_refused"] += 1
@@ -710,7 +878,8 @@ class Sender(Role):
             return False
         self.counters["tickets_refused"] += 1
         why = "no ticket was presented" if not ticket else "the ticket presented is not this request's"
-        log.warning("request %r: refused a receiver: %s", s.request_id, why)
+        # Rate-limited: a stranger guessing tickets would otherwise write a line per guess (each is counted).
+        self._rlog(logging.WARNING, "ticket", "request %r: refused a receiver: %s", s.request_id, why)
         self._refuse_request(
             source,
             s.request_id,
@@ -725,10 +894,14 @@ class Sender(Role):
         key = (msg.gen_instance, msg.gen_rank)
         rid = msg.request_id
         with self.link.lock:
-            if self._registered(key, msg.gen_incarnation) is None:
+            if key not in self.peers:
+                self._readmit(key, msg.gen_incarnation, source)
+            asker = self._registered(key, msg.gen_incarnation)
+            if asker is None:
                 why = f"generation rank {key} is not registered with this context rank"
                 self._refuse_request(source, rid, msg.nonce, "NotRegisteredError", why)
                 return
+            asker.asked_at = time.monotonic()
             s = self.tx.get(rid)
             if msg.ctx_incarnation != self.link.incarnation:
                 why = f"read from context incarnation {msg.ctx_incarnation[:8]}; this is {self.link.incarnation[:8]}"
@@ -750,6 +923,91 @@ class Sender(Role):
                 return
             self._take_pull_done(s, msg, source)
         self._settle(s)
+
+    def on_expose_request(self, source: Source, msg: wire.ExposeRequest) -> None:
+        """A registered generation rank asks to read this rank's memory for a pull request whose ticket it shows.
+
+        The exposure rule: this rank's memory is given (its full agent descriptor, and on shm its memfds) only to
+        a generation rank registered here, over the connection it registered on, that presents the ticket of a
+        pull request held here (or kept until ``start_send`` starts it). Push requests never expose anything.
+        """
+        key = (msg.gen_instance, msg.gen_rank)
+        with self.link.lock:
+            if key not in self.peers:
+                self._readmit(key, msg.gen_incarnation, source)  # dropped while idle: loaded again first (FIFO)
+            peer = self._registered(key, msg.gen_incarnation)
+            if peer is None or source.identity != peer.identity:
+                self._refuse_exposure(source, msg, "NotRegisteredError", f"generation rank {key} is not registered")
+                return
+            peer.asked_at = time.monotonic()
+            s = self.tx.get(msg.request_id)
+            if s is None:
+                tomb = self._tombstone_for(msg.request_id, msg.ticket)
+                if tomb is not None:  # its outcome, as a late receiver's RequestData would hear it
+                    kind = tomb.error_kind or ("RequestCancelledError" if tomb.state is SessionState.CANCELLED else "")
+                    self._refuse_exposure(
+                        source, msg, kind or "SessionError", tomb.message or "the request is not held here any more"
+                    )
+                    return
+                self._keep_early(msg, source, self.config.request_timeout_s)  # before start_send (vLLM's order)
+                return
+            self._expose_for(s, msg, source)
+
+    def _expose_for(self, s: TxSession, msg: wire.ExposeRequest, source: Source) -> None:
+        """Answer an ExposeRequest for the held request ``s`` (lock held)."""
+        peer = self._registered((msg.gen_instance, msg.gen_rank), msg.gen_incarnation)
+        if peer is None:
+            self._refuse_exposure(source, msg, "NotRegisteredError", "the generation rank is not registered")
+        elif s.mode != "pull":
+            self._refuse_exposure(source, msg, "SessionError", "the request is a push request: nothing is read")
+        elif s.terminal:
+            self._refuse_exposure(source, msg, "SessionError", "the request is not held here any more")
+        elif not self._ticket_ok(s.ticket, msg.ticket):
+            self.counters["tickets_refused"] += 1
+            self._refuse_exposure(source, msg, "TicketError", "the ticket presented is not the request's")
+        else:
+            self.link.post(self._expose, peer, msg, source)
+
+    def _expose(self, peer: GenPeer, msg: wire.ExposeRequest, source: Source) -> None:
+        """Worker: let ``peer`` access this rank's memory and send it the full descriptor."""
+        link = self.link
+        try:
+            # Its agent was loaded before this ran (the worker runs _load_peer, posted at registration, first).
+            if peer.state is not PeerState.READY or peer.agent_name is None:
+                raise E.NotRegisteredError(f"{peer} is not registered (its agent is not loaded here)")
+            link.agent.expose_to(peer.agent_name)
+            desc = link.agent.descriptor()
+        except E.KvcoreError as exc:
+            with link.lock:
+                self._refuse_exposure(source, msg, type(exc).__name__, str(exc))
+            return
+        with link.lock:
+            self.counters["exposed_to_peers"] += 1
+            link.reply(
+                source,
+                wire.Exposure(
+                    v=wire.PROTOCOL_VERSION,
+                    request_id=msg.request_id,
+                    ctx_rank=link.topology.rank,
+                    ctx_incarnation=link.incarnation,
+                    nonce=msg.nonce,
+                    agent_descriptor=desc,
+                ),
+            )
+
+    def _refuse_exposure(self, source: Source, msg: wire.ExposeRequest, kind: str, why: str) -> None:
+        self.link.reply(
+            source,
+            wire.Exposure(
+                v=wire.PROTOCOL_VERSION,
+                request_id=msg.request_id,
+                ctx_rank=self.link.topology.rank,
+                ctx_incarnation=self.link.incarnation,
+                nonce=msg.nonce,
+                error_kind=kind,
+                error=f"request {msg.request_id}: {why}",
+            ),
+        )
 
     def _registered(self, key: _Key, incarnation: str) -> GenPeer | None:
         """The registered, not refused, generation rank ``key`` of that incarnation (lock held)."""
@@ -830,10 +1088,11 @@ class Sender(Role):
         rid = msg.request_id
         now = time.monotonic()
         with self.link.lock:
-            peer = self.peers.get(key)
+            peer = self.peers.get(key) or self._readmit(key, msg.gen_incarnation, source)
             if peer is None or peer.gone or peer.incarnation != msg.gen_incarnation:
                 self.counters["ignored_renewals"] += 1
                 return
+            peer.asked_at = now
             s = self.tx.get(rid)
             if s is None:
                 tomb = self._tombstone_for(rid, msg.ticket)
@@ -896,21 +1155,21 @@ class Sender(Role):
                     msg.request_id,
                     lambda e: (e[1].gen_instance, e[1].gen_rank) != key or e[1].nonce != msg.nonce,
                 )
-                tomb = self.tombstones.get(msg.request_id)
+                tomb = self._tomb(msg.request_id)
                 if s is None and tomb is None and mine:
                     # Cancelled before start_send: remember, so the engine's later start_send ends CANCELLED
                     # (if that start_send has the ticket the receiver asked with).
-                    self.tombstones.put(
+                    self.peer_tombstones.put(
                         msg.request_id,
                         SessionState.CANCELLED,
                         E.RequestCancelledError(f"cancelled by {peer}"),
                         ticket=mine[0][1].ticket,
                     )
-                    tomb = self.tombstones.get(msg.request_id)
+                    tomb = self.peer_tombstones.get(msg.request_id)
                 # Nothing of this receiver's is in flight here: say so (the receiver may release its pages).
                 status = "cancelled" if tomb is None or tomb.state is not SessionState.DONE else "failed"
-                self.link.send(
-                    peer.info.endpoint,  # type: ignore[union-attr]
+                self._tell(
+                    peer,
                     self._result(
                         msg.request_id,
                         msg.nonce,
@@ -994,22 +1253,50 @@ class Sender(Role):
 
     # --- worker thread -----------------------------------------------------------------------------
 
+    def _free_agent_name(self, peer: GenPeer) -> bool:
+        """Unload the lost incarnations holding the agent name ``peer`` announces, before it is loaded (worker).
+
+        A restart may be learnt from the new incarnation's registration, before ``tick`` unloaded the old one, and
+        the agent refuses a second agent under a loaded name. False while one still has transfers in flight.
+        """
+        assert peer.info is not None
+        try:
+            name = self.link.agent_name(peer.info)
+        except E.KvcoreError:
+            return True  # an undecodable descriptor: the load refuses it
+        with self.link.lock:
+            held = [p for p in self.retired if p.agent_name == name]
+            if any(p.inflight for p in held):
+                return False
+            self.retired = [p for p in self.retired if p.agent_name != name]
+        for old in held:
+            self._unload(old)
+        return True
+
     def _load_peer(self, peer: GenPeer) -> None:
         assert peer.info is not None
-        if peer.state is not PeerState.CONNECTING:
-            return
+        if peer.state is not PeerState.CONNECTING or not self._free_agent_name(peer):
+            return  # not waiting to be loaded, or (``tick`` retries) its predecessor's transfers are still in flight
         try:
-            name = self.link.agent.load_remote_agent(peer.info.agent_descriptor)
+            # Not exposed: it may write into nothing of ours, and reads only once it shows a pull request's ticket.
+            name = self.link.agent.load_remote_agent(peer.info.agent_descriptor, expose=False)
         except E.KvcoreError as exc:
             with self.link.lock:
                 peer.move(PeerState.REFUSED, deadline=time.monotonic() + self.config.refused_peer_ttl_s, error=exc)
+                if self.peers.get(peer.key) is peer:
+                    self._keep_refused(peer.key, peer)
                 for s in list(self.tx.values()):
                     t = s.tasks.get(peer.key)
                     if t is not None and t.peer is peer and t.state in IDLE_TASK_STATES:
                         self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
                         self._end(s, SessionState.FAILED, exc)
-            self.link.send(
-                peer.info.endpoint,
+            if peer.identity is None:
+                return
+            # Over the connection it registered on, never a socket of ours toward the endpoint it named: a
+            # stranger's registrations with bogus descriptors must not make this rank dial (and hold a socket,
+            # four descriptors) toward every endpoint they name.
+            self.link.reply(
+                Source(identity=peer.identity),
                 wire.RegisterResult(
                     v=wire.PROTOCOL_VERSION,
                     ctx_rank=self.link.topology.rank,
@@ -1036,7 +1323,9 @@ class Sender(Role):
             # Over the connection it registered on: it arrives on that rank's own link to us, so it cannot be forged.
             self.link.reply(
                 Source(identity=peer.identity),
-                wire.RegisterResult(v=wire.PROTOCOL_VERSION, ctx_rank=self.link.topology.rank, ok=True),
+                wire.RegisterResult(
+                    v=wire.PROTOCOL_VERSION, ctx_rank=self.link.topology.rank, ok=True, info=self.link.accepted_info
+                ),
             )
 
     def _drive_all(self) -> None:
@@ -1282,6 +1571,11 @@ class Sender(Role):
             self.retired = [p for p in self.retired if p.inflight > 0]
         for peer in unload:
             self._unload(peer)
+        if unload:  # a restarted rank may have waited for its predecessor's agent name (``_free_agent_name``)
+            with self.link.lock:
+                waiting = [p for p in self.peers.values() if p.state is PeerState.CONNECTING and not p.agent_name]
+            for peer in waiting:
+                self._load_peer(peer)
 
     def _reap(self, now: float) -> None:
         cfg = self.config
@@ -1299,18 +1593,26 @@ class Sender(Role):
                 )
         for _, req, source in self.early.expired(now):
             self.counters["early_requests_expired"] += 1
+            if isinstance(req, wire.ExposeRequest):
+                self._refuse_exposure(source, req, "TransferTimeoutError", "the request was never started here")
+                continue
             hint, held_ticket = self._id_type_hint(req.request_id)
             log.warning("request %r: a receiver asked for it, but it was never started here before the receiver's "
                         "deadline%s", req.request_id, hint)  # fmt: skip
             told = hint if held_ticket is not None and self._ticket_ok(held_ticket, req.ticket) else ""
             self._answer_unheld(req, source, None, told)
         self.tombstones.expire(now)
+        self.peer_tombstones.expire(now)
         for key, peer in list(self.peers.items()):
             if peer.state is PeerState.SUSPECT and peer.deadline is not None and now > peer.deadline:
                 self._lose(peer, E.PeerLostError(f"{peer} unreachable for {cfg.peer_lost_timeout_s}s"))
             elif peer.state is PeerState.REFUSED and peer.deadline is not None and now > peer.deadline:
                 peer.move(PeerState.UNLOADED)
                 del self.peers[key]
+                self.refused.pop(key, None)
+        if now >= self._idle_check_at:  # at most four times per idle_peer_ttl_s, and once a second
+            self._idle_check_at = now + min(1.0, cfg.idle_peer_ttl_s / 4)
+            self._drop_idle_peers(now)
         # A lost peer's writes that never end: the transport only *reads* our pages for a WRITE, so once the
         # fencing grace ran out the task may end (its pages go back) while the handle waits to be released.
         for peer in self.retired:
@@ -1339,7 +1641,18 @@ class Sender(Role):
 
     def _unload(self, peer: GenPeer) -> None:
         assert peer.info is not None
-        if peer.agent_name:
+        with self.link.lock:
+            live = self.peers.get(peer.key)
+        # The same rank registered again (the same descriptor) while this one waited to be unloaded: its agent
+        # is that rank's now.
+        again = (
+            live is not None
+            and live is not peer
+            and not live.gone
+            and live.info is not None
+            and live.info.agent_descriptor == peer.info.agent_descriptor
+        )
+        if peer.agent_name and not again:
             self.link.unload_agent(peer.agent_name, peer.incarnation, peer.info.agent_descriptor if peer.info else b"")
         with self.link.lock:
             in_use = any(p.info is not None and p.info.endpoint == peer.info.endpoint for p in self.peers.values())
@@ -1361,7 +1674,7 @@ class Sender(Role):
                 "early_requests": len(self.early),
                 "early_request_bytes": self.early.bytes,
                 "pending_events": len(self.events),
-                "tombstones": len(self.tombstones),
+                "tombstones": len(self.tombstones) + len(self.peer_tombstones),
                 "gen_peers": sum(1 for p in self.peers.values() if not p.gone),
                 "retired_peers": len(self.retired),
                 "staging_leases": self.staging.leased if self.staging else 0,

@@ -301,6 +301,12 @@ class TransferAgent(ABC):
 
     Threading: an agent is driven from one thread at a time (the engine's
     loop); implementations may run their own progress threads internally.
+
+    Names: one identity per peer name. ``load_remote_agent`` refuses a
+    descriptor under a loaded name unless it is a refresh by the same agent
+    (same incarnation and ``_same_agent``) or ``_peer_gone`` proves the loaded
+    one gone; a transport tells these hooks what identifies its endpoint and
+    when a peer is provably gone (``_describe_agent`` words the refusal).
     """
 
     backend: ClassVar[str] = ""
@@ -320,6 +326,7 @@ class TransferAgent(ABC):
         self.options: dict[str, Any] = dict(options or {})
         self._registrations: dict[int, Registration] = {}
         self._remotes: dict[str, RemoteAgent] = {}
+        self._exposed: set[str] = set()  # loaded peers that may access this agent's memory (``expose_to``)
         self._handles: dict[int, TransferHandle] = {}
         self._ids = itertools.count(1)
         self._generation = 0
@@ -401,9 +408,30 @@ class TransferAgent(ABC):
 
     # --- descriptors and peers ------------------------------------------------------------
 
-    def descriptor(self) -> bytes:
-        """This agent's descriptor (msgpack bytes) for a peer's ``load_remote_agent``."""
+    def descriptor(self, *, exposed: bool = True) -> bytes:
+        """This agent's descriptor (msgpack bytes) for a peer's ``load_remote_agent``.
+
+        ``exposed=False``: an identity-only descriptor, with no region and no key to any of this agent's memory,
+        for a peer that must know this agent but may not access its memory; ``b""`` when the transport needs no
+        such thing (``_identity_payload`` returns None: a peer reaches memory only through the keys a full
+        descriptor carries, so it need not load this agent at all).
+        """
         self._check_open()
+        if not exposed:
+            identity = self._identity_payload()
+            if identity is None:
+                return b""
+            return _encoder.encode(
+                AgentDescriptor(
+                    version=DESCRIPTOR_VERSION,
+                    backend=self.backend,
+                    name=self.name,
+                    incarnation=process_incarnation(),
+                    generation=0,  # any full descriptor (generation >= 1 once memory is registered) refreshes it
+                    regions=[],
+                    payload=identity,
+                )
+            )
         desc = AgentDescriptor(
             version=DESCRIPTOR_VERSION,
             backend=self.backend,
@@ -469,8 +497,15 @@ class TransferAgent(ABC):
             raise RemoteAgentError(f"{who}: {backend} payload version: expected {version}, got {got!r}")
         return payload
 
-    def load_remote_agent(self, descriptor: bytes) -> str:
-        """Load (or refresh) a peer from its descriptor; returns the peer's name for ``submit``."""
+    def load_remote_agent(self, descriptor: bytes, *, expose: bool = True) -> str:
+        """Load (or refresh) a peer from its descriptor; returns the peer's name for ``submit``.
+
+        One identity per name: a descriptor under the name of a loaded peer refreshes it only when it comes from
+        the same agent (the same incarnation, and ``_same_agent`` says the same transport endpoint), with a
+        newer ``generation`` (an older one is ignored). Any other agent under that name is refused with
+        ``RemoteAgentError`` while the loaded one may be alive: a peer cannot take over a loaded name. Once
+        ``_peer_gone`` proves the loaded one gone, or after ``unload_remote_agent``, the name is free again.
+        """
         self._check_open()
         desc = self.decode_descriptor(descriptor)
         if desc.backend != self.backend:
@@ -478,7 +513,18 @@ class TransferAgent(ABC):
                 f"peer {desc.name!r} runs backend {desc.backend!r}; this agent runs {self.backend!r}"
             )
         old = self._remotes.get(desc.name)
-        if old is not None and old.incarnation == desc.incarnation and old.descriptor.generation > desc.generation:
+        if old is not None and not (old.incarnation == desc.incarnation and self._same_agent(old, desc)):
+            # One identity per name: another agent under a loaded name is a takeover unless the loaded one is gone.
+            if not self._peer_gone(old):
+                raise RemoteAgentError(
+                    f"peer {desc.name!r}: an agent of that name is already loaded (incarnation "
+                    f"{self._describe_agent(old.descriptor)}) and, as far as this agent knows, alive; a descriptor of "
+                    f"incarnation {self._describe_agent(desc)} does not replace it. Unload the old peer first if it really "
+                    "restarted"
+                )
+            self.unload_remote_agent(desc.name)
+            old = None
+        if old is not None and old.descriptor.generation > desc.generation:
             return desc.name  # a stale (reordered) descriptor never replaces a newer one
         starts = np.array([r.address for r in desc.regions], dtype=np.uint64)
         ends = np.array([r.address + r.length for r in desc.regions], dtype=np.uint64)
@@ -490,11 +536,31 @@ class TransferAgent(ABC):
         except Exception as exc:
             raise RemoteAgentError(f"{self.backend} agent could not load peer {desc.name!r}: {exc}") from exc
         self._remotes[desc.name] = RemoteAgent(desc.name, desc, starts, ends, native)
+        self.expose_to(desc.name, expose)
         return desc.name
+
+    def expose_to(self, name: str, exposed: bool = True) -> None:
+        """Whether the loaded peer ``name`` may access this agent's memory, where this side decides it.
+
+        Loading a peer exposes this agent's memory to it unless ``load_remote_agent(..., expose=False)``. Where
+        the owner hands out access on request (the shm agent serves its memfds only to an exposed, loaded peer)
+        this is the gate. Where a peer accesses memory with keys from a full descriptor (NIXL, UCX), the gate is
+        who is given that descriptor; this flag then only records the decision. Access already handed out (fds
+        passed, keys unpacked) cannot be taken back by ``exposed=False``: only deregistering the memory does.
+        """
+        if exposed and name in self._remotes:
+            self._exposed.add(name)
+        else:
+            self._exposed.discard(name)
+
+    def exposed_to(self, name: str) -> bool:
+        """Whether ``expose_to`` lets the loaded peer ``name`` access this agent's memory."""
+        return name in self._exposed
 
     def unload_remote_agent(self, name: str) -> None:
         """Forget a peer and drop its connection state."""
         remote = self._remotes.pop(name, None)
+        self._exposed.discard(name)
         if remote is None:
             raise RemoteAgentError(f"peer {name!r} is not loaded in agent {self.name!r}")
         self._unload_remote(remote)
@@ -716,9 +782,40 @@ class TransferAgent(ABC):
     def _descriptor_payload(self) -> bytes:
         """Transport data a peer needs to reach this agent (never pickle)."""
 
+    def _identity_payload(self) -> bytes | None:
+        """The payload of ``descriptor(exposed=False)``: what identifies this agent to a peer, with no key to its
+        memory; None (the default) when a peer never needs to load this agent without access to its memory."""
+        return None
+
     @abstractmethod
     def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> Any:
-        """Connect to a peer; ``previous`` is the earlier state when the peer is being refreshed."""
+        """Connect to a peer; ``previous`` is the earlier state when the same agent is refreshing its descriptor.
+
+        ``previous`` is only ever the agent ``descriptor`` comes from (``_same_agent``): another agent under a
+        loaded name was refused, or its gone predecessor unloaded, before this is called.
+        """
+
+    def _same_agent(self, loaded: RemoteAgent, descriptor: AgentDescriptor) -> bool:
+        """Whether ``descriptor`` comes from the agent object ``loaded`` was loaded from (its refresh).
+
+        Called only when the incarnations (processes) match. Compare what stays fixed for the agent's life and
+        what a peer reaches it by (a worker address, a NIXL agent name, socket names), never what changes when
+        it registers memory (regions, rkeys, metadata). Default: True, the incarnation alone identifies it;
+        a transport whose process can hold two agents of one name (an engine rebuilt in place) overrides it.
+        """
+        return True
+
+    def _peer_gone(self, loaded: RemoteAgent) -> bool:
+        """Whether the loaded peer provably serves no more (its process died, its endpoint failed).
+
+        True lets another agent's descriptor replace it under its name; be sure: a wrong True lets a live
+        peer's name be taken over. Default: False, only ``unload_remote_agent`` frees a name.
+        """
+        return False
+
+    def _describe_agent(self, descriptor: AgentDescriptor) -> str:
+        """A short description of the agent a descriptor names, for errors: its incarnation, then transport details."""
+        return descriptor.incarnation[:8]
 
     @abstractmethod
     def _unload_remote(self, remote: RemoteAgent) -> None:

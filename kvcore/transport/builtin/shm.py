@@ -646,6 +646,21 @@ class ShmAgent(TransferAgent):
             )
         )
 
+    def _identity_payload(self) -> bytes:
+        # A peer that writes into our memory must be loaded here (we serve fds only to loaded, exposed peers)
+        # and so must know our pid and sockets, but it gets no segment and no export of ours to use.
+        return _encoder.encode(
+            _Payload(
+                pid=os.getpid(),
+                fds=self._fds_name,
+                notify=self._notify_name,
+                segments=[],
+                exports=[],
+                host=host_identity(),
+                hostname=hostname(),
+            )
+        )
+
     def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> _Peer:
         payload = self._decode_payload(descriptor)
         who = f"peer {descriptor.name!r}"
@@ -660,23 +675,9 @@ class ShmAgent(TransferAgent):
             peer_hostname=payload.hostname,
             socket_address=b"\0" + payload.notify.encode(),
         )
+        # The same owner (pid and sockets, ``_same_agent``): another agent under a loaded name was refused, or its
+        # gone predecessor unloaded, by ``load_remote_agent`` before this.
         old: _Peer | None = previous.native if previous is not None else None
-        owner = (payload.pid, payload.fds, payload.notify)
-        if old is not None and (old.incarnation, (old.pid, old.fds_name, old.payload.notify)) != (
-            descriptor.incarnation,
-            owner,
-        ):
-            # Another incarnation (or another agent object) under a loaded name: never a silent takeover.
-            if self._still_alive(old):
-                raise RemoteAgentError(
-                    f"{who}: an agent of that name is already loaded (incarnation {old.incarnation[:8]}, pid {old.pid}, "
-                    f"socket {old.fds_name!r}) and alive; a descriptor of incarnation {descriptor.incarnation[:8]} "
-                    f"(pid {payload.pid}, socket {payload.fds!r}) does not replace it. Unload the old peer first if it "
-                    "really restarted"
-                )
-            self._engine.wait_peer(old)  # never unmap under a copy
-            old.close()
-            old = None
         peer = _Peer(
             descriptor.name, descriptor.incarnation, payload.pid, payload.fds, b"\0" + payload.notify.encode(), payload
         )
@@ -693,6 +694,20 @@ class ShmAgent(TransferAgent):
             old.conn, old.ctl_mm, old.ctl_words, old.segments = None, None, None, {}
         self._index(peer)
         return peer
+
+    def _same_agent(self, loaded: RemoteAgent, descriptor: AgentDescriptor) -> bool:
+        """A refresh names the same pid and sockets: another agent object of the process is another agent."""
+        old: _Peer = loaded.native
+        payload = self._decode_payload(descriptor)
+        return (old.pid, old.fds_name, old.payload.notify) == (payload.pid, payload.fds, payload.notify)
+
+    def _peer_gone(self, loaded: RemoteAgent) -> bool:
+        """Gone once its connection hung up, or (not fetched yet) its socket accepts nobody."""
+        return not self._still_alive(loaded.native)
+
+    def _describe_agent(self, descriptor: AgentDescriptor) -> str:
+        payload = self._decode_payload(descriptor)
+        return f"{descriptor.incarnation[:8]}, pid {payload.pid}, socket {payload.fds!r}"
 
     @staticmethod
     def _still_alive(old: _Peer) -> bool:
@@ -922,6 +937,8 @@ class ShmAgent(TransferAgent):
             return f"agent {req.client!r} (incarnation {req.incarnation[:8]}) is not loaded here"
         if peer.pid != pid:
             return f"agent {req.client!r} is loaded with pid {peer.pid}; the request comes from pid {pid}"
+        if not self.exposed_to(req.client):
+            return f"agent {req.client!r} is loaded here but not given access to this agent's memory"
         return ""
 
     def _drop_conn(self, conn: socket.socket) -> None:
