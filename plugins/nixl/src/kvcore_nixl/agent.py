@@ -607,6 +607,16 @@ class NixlAgent(TransferAgent):
             )
         return _Peer(theirs.nixl_name, theirs.metadata, _Side.build(regions, theirs.nixl_name, lane.nixl), lane, scope)
 
+    def _same_agent(self, loaded: RemoteAgent, descriptor: AgentDescriptor) -> bool:
+        """The same NIXL agent (its name is unique per kvcore agent object); its metadata changes as it registers."""
+        payload = self.decode_payload(descriptor, _payload_decoder, version=_PAYLOAD_VERSION)
+        old: _Peer = loaded.native
+        return self._choose_lanes(descriptor, payload)[2].nixl_name == old.nixl_name  # the lane it is loaded by
+
+    def _describe_agent(self, descriptor: AgentDescriptor) -> str:
+        payload = self.decode_payload(descriptor, _payload_decoder, version=_PAYLOAD_VERSION)
+        return f"{descriptor.incarnation[:8]}, NIXL agent {payload.nixl_name!r}"
+
     def _rebuild_side(self, side: _Side, regions: list[tuple[int, int, str, int]]) -> _Side:
         self._drop_side(side)
         return _Side.build(regions, side.target, side.api)

@@ -20,6 +20,7 @@ converted by :func:`kvcore.extension.convert.convert_options` (an unknown key or
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import select
@@ -56,6 +57,7 @@ from kvcore.transport.agent import (
     TransferHandle,
     TransferOp,
     TransferStatus,
+    process_incarnation,
 )
 from kvcore.transport.fragments import merge_runs
 from kvcore_ucx import _ucp
@@ -478,6 +480,14 @@ class UcxAgent(TransferAgent):
 
     def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> Any:
         payload = self._decode_payload(descriptor)
+        if payload.worker_address == self._address or (
+            descriptor.name == self.name
+            and (payload.pid == os.getpid() or descriptor.incarnation == process_incarnation())
+        ):
+            # A replayed own descriptor (RankInfo) would make this agent write into its own memory.
+            raise RemoteAgentError(
+                f"peer {descriptor.name!r}: the descriptor is this agent's own (a replay?); an agent never loads itself"
+            )
         ffi, lib = self._ffi, self._lib
         old: _Peer | None = previous.native if previous is not None else None
         with self._lock:
@@ -527,6 +537,21 @@ class UcxAgent(TransferAgent):
                 self._drop_peer_locked(old)
             self._peers[descriptor.name] = peer
         return peer
+
+    def _same_agent(self, loaded: RemoteAgent, descriptor: AgentDescriptor) -> bool:
+        """The same UCX worker: one process may hold two agents of one name (an engine rebuilt in place)."""
+        old: _Peer = loaded.native
+        return old.worker_address == self._decode_payload(descriptor).worker_address
+
+    def _peer_gone(self, loaded: RemoteAgent) -> bool:
+        """Gone once UCX's error handler failed its endpoint ("peer" mode); in "none" mode only unloading frees it."""
+        old: _Peer = loaded.native
+        return bool(old.failed)
+
+    def _describe_agent(self, descriptor: AgentDescriptor) -> str:
+        payload = self.decode_payload(descriptor, _payload_decoder, version=_PAYLOAD_VERSION)
+        worker = hashlib.blake2b(payload.worker_address, digest_size=6).hexdigest()
+        return f"{descriptor.incarnation[:8]}, pid {payload.pid}, worker {worker}"
 
     def _unload_remote(self, remote: RemoteAgent) -> None:
         peer: _Peer = remote.native

@@ -1,0 +1,209 @@
+"""One identity per agent name, through the transceiver, on every installed transport (issue 31, items 4 and 5).
+
+Real processes on both sides of every boundary: the context rank runs here, generation ranks (victims,
+attackers, restarts) in their own processes (``_instances``, ``_name_attacker``). Each attack is followed by a
+request to the victim whose bytes are checked against the context's pattern.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _instances import ContextProcess, GenerationProcess, fill_value, free_port, make_rank, ticket_for
+from _name_attacker import Impersonator
+
+from kvcore.transceiver import SessionState
+
+pytestmark = pytest.mark.timeout(300)
+
+_DIST = {"nixl": "kvcore-nixl", "ucx": "kvcore-ucx"}
+
+
+def _backends() -> list[Any]:
+    """shm always; nixl and ucx whenever their plugin distribution is installed (a broken install then fails)."""
+    out: list[Any] = ["shm"]
+    for name, dist in _DIST.items():
+        try:
+            metadata.distribution(dist)
+        except metadata.PackageNotFoundError:
+            out.append(pytest.param(name, marks=pytest.mark.skip(reason=f"{dist} is not installed")))
+            continue
+        out.append(name)
+    return out
+
+
+BACKENDS = _backends()
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Any]]:
+    items: list[Any] = []
+    yield items
+    for it in reversed(items):
+        try:
+            it.close()
+        except Exception:
+            pass
+
+
+class _Ctx:
+    """The context rank under attack, in this process, with its pool as bytes per block."""
+
+    def __init__(self, backend: str, closing: list[Any]) -> None:
+        self.agent, cache, self.tx = make_rank("context", f"ctx-{uuid.uuid4().hex[:6]}", backend)
+        closing.extend([self.agent, self.tx])
+        self.flat = cache.view(cache.shape[0], -1).view(torch.uint8)
+
+    def send(self, rid: int, blocks: list[int]) -> None:
+        self.flat[blocks] = torch.from_numpy(fill_value(rid, blocks, self.flat.shape[1]))
+        self.tx.start_send(rid, blocks, ticket=ticket_for(rid))
+
+    def expect(self, gen: GenerationProcess, rid: int, src: list[int], dst: list[int]) -> None:
+        """``gen`` asks for ``rid`` into ``dst``: DONE, with the bytes the context put in ``src``."""
+        gen.receive(rid, self.tx.info_endpoint, dst)
+        out = gen.wait_released(rid, 40)
+        assert out["state"] == "DONE", out
+        got = np.frombuffer(gen.read(dst), np.uint8).reshape(len(dst), -1)
+        assert np.array_equal(got, fill_value(rid, src, self.flat.shape[1])), f"request {rid}: wrong bytes at DONE"
+
+
+def _outcome(gen: GenerationProcess, rid: int, timeout: float = 40) -> dict[str, Any]:
+    """``gen``'s outcome of ``rid`` (not its release: a refused rank may keep its pages quarantined a while)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        gen._drain(0.05)
+        for m in gen.events:
+            if m.get("outcome") == rid:
+                return m
+    raise TimeoutError(f"no outcome of request {rid}")
+
+
+# --- a second generation rank under a registered rank's agent name -------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_named_like_a_registered_ranks_agent_is_refused_and_the_victim_keeps_its_bytes(
+    backend: str, closing: list[Any]
+) -> None:
+    ctx = _Ctx(backend, closing)
+    name = f"gen-{uuid.uuid4().hex[:6]}"
+    victim = GenerationProcess(backend, agent_name=name)
+    closing.append(victim)
+    ctx.send(1, [1, 2])
+    ctx.expect(victim, 1, [1, 2], [3, 4])  # registered and loaded under `name`
+    attacker = GenerationProcess(backend, timeout=10, agent_name=name)  # another process, the same agent name
+    closing.append(attacker)
+    ctx.send(2, [5, 6])
+    attacker.receive(2, ctx.tx.info_endpoint, [3, 4])
+    refused = ctx.tx.wait_all([2], 30)[2]
+    assert refused.state is SessionState.FAILED and "already loaded" in str(refused.error), refused
+    assert _outcome(attacker, 2)["state"] != "DONE"
+    assert not np.frombuffer(attacker.read([3, 4]), np.uint8).any(), "the context wrote to the attacker"
+    ctx.send(3, [7, 8])
+    ctx.expect(victim, 3, [7, 8], [9, 10])  # the victim's agent is still the one loaded under its name
+    assert ctx.tx.wait_all([3], 30)[3].state is SessionState.DONE
+
+
+# --- a replayed own RankInfo (the context's agent descriptor and page table) ------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replayed_own_rank_info_never_makes_a_request_done_with_wrong_bytes(backend: str, closing: list[Any]) -> None:
+    """The attacker advertises the context's own agent and pages: loading it would make the context write request 2
+    over request 1's source blocks; the context refuses it, and request 1 still reaches its receiver intact."""
+    ctx = _Ctx(backend, closing)
+    victim = GenerationProcess(backend)
+    attacker = Impersonator(backend, timeout=10)
+    closing.extend([victim, attacker])
+    ctx.send(1, [1, 2])
+    ctx.send(2, [5, 6])
+    attacker.impersonate(ctx.tx.rank_info)
+    attacker.receive(2, ctx.tx.info_endpoint, [1, 2])  # "its" blocks 1, 2: the context's own blocks 1, 2
+    refused = ctx.tx.wait_all([2], 30)[2]
+    assert refused.state is SessionState.FAILED, refused
+    assert re.search(r"never loads itself|is this agent itself", str(refused.error)), refused.error
+    assert _outcome(attacker, 2)["state"] != "DONE"
+    assert np.array_equal(ctx.flat[[1, 2]].numpy(), fill_value(1, [1, 2], ctx.flat.shape[1]))
+    ctx.expect(victim, 1, [1, 2], [3, 4])
+
+
+# --- real restarts under the same agent name: the old peer is unloaded, then the new one loaded ------------------
+
+
+@pytest.mark.parametrize("how", ["kill", "clean", "frozen"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_generation_rank_restarted_under_its_agent_name_is_loaded_again(
+    backend: str, how: str, closing: list[Any]
+) -> None:
+    """``frozen``: the old process is stopped, alive to every probe (its port too: the new one binds another), so
+    only the new incarnation's registration tells the context it restarted, and the load follows at once."""
+    ctx = _Ctx(backend, closing)
+    opts: dict[str, Any] = {"config": {"port": free_port()}, "instance_name": "decode-a", "agent_name": "gen-a"}
+    gp = GenerationProcess(backend, **opts)
+    closing.append(gp)
+    ctx.send(1, [1, 2])
+    ctx.expect(gp, 1, [1, 2], [3, 4])
+    if how == "frozen":
+        os.kill(gp.pid, signal.SIGSTOP)
+        opts["config"] = {"port": free_port()}
+    else:
+        gp.kill() if how == "kill" else gp.close()
+    gp2 = GenerationProcess(backend, **opts)
+    closing.append(gp2)
+    ctx.send(2, [5, 6])
+    ctx.expect(gp2, 2, [5, 6], [7, 8])
+    assert ctx.tx.wait_all([2], 30)[2].state is SessionState.DONE
+    assert ctx.agent.remote_agents == ("gen-a",)
+    st = ctx.tx.stats()
+    assert st["gen_peers"] == 1 and st["peers_lost"] + st["peers_closed"] >= 1
+    gp.kill()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_context_rank_restarted_under_its_agent_name_is_loaded_again(
+    backend: str, mode: str, closing: list[Any]
+) -> None:
+    """Killed with a request of this rank still open (push: its session, not yet released, keeps the old
+    instance); pull makes this rank load the context's agent on every transport."""
+    gen_agent, cache, gen = make_rank("generation", f"gen-{os.getpid()}", backend)
+    closing.extend([gen_agent, gen])
+    flat = cache.view(cache.shape[0], -1).view(torch.uint8)
+    port = free_port()
+
+    def transfer(ctx: ContextProcess, rid: int, src: list[int], dst: list[int], open_: tuple[int, ...] = ()) -> Any:
+        if mode == "pull":
+            gen.start_receive(params=ctx.start_send(rid, src, mode="pull"), block_ids=dst)
+        else:
+            ctx.send(rid, src)
+            gen.start_receive(rid, ctx.endpoint, dst, ticket=ticket_for(rid))
+        outs = gen.wait_all([rid, *open_], 40)  # with the outcomes of requests still open, reported meanwhile
+        assert outs[rid].state is SessionState.DONE, outs[rid].error
+        assert np.array_equal(flat[dst].numpy(), fill_value(rid, src, flat.shape[1]))
+        return outs
+
+    ctx = ContextProcess(backend, config={"port": port}, agent_name="ctx-a")
+    closing.append(ctx)
+    transfer(ctx, 1, [1, 2], [3, 4])
+    if mode == "push":
+        gen.start_receive(2, ctx.endpoint, [5, 6], ticket=ticket_for(2))  # never sent: open when the context dies
+        time.sleep(0.5)
+    ctx.kill()
+    ctx2 = ContextProcess(backend, config={"port": port}, agent_name="ctx-a")
+    closing.append(ctx2)
+    outs = transfer(ctx2, 3, [7, 8], [9, 10], (2,) if mode == "push" else ())
+    if mode == "push":
+        assert outs[2].state is not SessionState.DONE
+        assert set(gen_agent.remote_agents) <= {"ctx-a"}
+    else:
+        assert gen_agent.remote_agents == ("ctx-a",)
