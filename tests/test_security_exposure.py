@@ -70,10 +70,11 @@ def _ctx_info(ctx: ContextProcess) -> wire.RankInfo:
     return msgspec.msgpack.decode(ctx.call("rank_info")["info"], type=wire.RankInfo)
 
 
-def test_instance_info_tells_no_descriptor_pid_or_key(closing: list[Any]) -> None:
-    """Anyone admitted may ask a context for its ranks; the answer names endpoints and layouts, nothing to reach
-    its memory or its process with."""
-    ctx = ContextProcess("shm")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_instance_info_tells_no_descriptor_pid_or_key(backend: str, closing: list[Any]) -> None:
+    """Item 2: anyone admitted may ask a context for its ranks; the answer names endpoints and layouts, nothing to
+    reach its memory (no remote key, no NIXL metadata, no memfd socket) or its process with."""
+    ctx = ContextProcess(_backend(backend))
     closing.append(ctx)
     sock = local_dealer(ctx.endpoint)
     try:
@@ -138,14 +139,15 @@ def _silent_context(port: int, seconds: float) -> int:
     return frames
 
 
-def test_a_context_of_another_uid_that_a_tenant_names_learns_nothing(closing: list[Any]) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_context_of_another_uid_that_a_tenant_names_learns_nothing(backend: str, closing: list[Any]) -> None:
     """Item 3 by a stranger: parameters name a 'context' run by uid nobody. Our generation rank's handshake fails
     (it cannot prove this user's key): no frame reaches it, no registration, no descriptor of our memory."""
     port = free_port()
     result: dict[str, Any] = {}
     child = threading.Thread(target=lambda: result.update(frames=as_uid(NOBODY, _silent_context, port, 6.0)))
     child.start()
-    gen = _Gen("shm", first_contact_timeout_s=3.0)
+    gen = _Gen(_backend(backend), first_contact_timeout_s=3.0)
     closing.append(gen)
     try:
         time.sleep(0.5)  # the child binds

@@ -770,7 +770,10 @@ class Sender(Role):
         ttl = max(0.0, ttl - min(0.5, 0.1 * ttl))
         why = self.early.refusal(msg)
         if why is not None:
-            self._refuse_request(source, msg.request_id, msg.nonce, "ResourceExhaustedError", why)
+            if isinstance(msg, wire.ExposeRequest):
+                self._refuse_exposure(source, msg, "ResourceExhaustedError", why)
+            else:
+                self._refuse_request(source, msg.request_id, msg.nonce, "ResourceExhaustedError", why)
             return
         self.early.add(msg, source, time.monotonic() + ttl)
 

@@ -132,7 +132,7 @@ class _Rank(_BareModes, _FloorModes):
             if not self.spec.auth_config:
                 raise BenchError("auth: the case asks for CURVE but the run made no keys (spec.auth_config is empty)")
             keys: dict[str, Any] = dict(self.spec.auth_config[self.role])
-            config = replace(config, **keys)
+            config = replace(config, auth_mode="auto", **keys)  # even beside KVCORE_AUTH_MODE=none (the other row)
         self.tx = Transceiver(
             config,
             role=self.role,
