@@ -277,3 +277,21 @@ class GenerationProcess(ContextProcess):
     def read(self, blocks: list[int], timeout: float = 10) -> bytes:
         """The bytes of these destination blocks, as the generation process sees them."""
         return bytes(self.call("read", blocks=blocks, timeout=timeout)["bytes"])
+
+
+def backend_params() -> list[Any]:
+    """shm always; nixl and ucx whenever their plugin distribution is installed (a broken install then fails)."""
+    from importlib import metadata
+
+    import pytest
+
+    out: list[Any] = ["shm"]
+    for name in ("nixl", "ucx"):
+        dist = f"kvcore-{name}"
+        try:
+            metadata.distribution(dist)
+        except metadata.PackageNotFoundError:
+            out.append(pytest.param(name, marks=pytest.mark.skip(reason=f"{dist} is not installed")))
+            continue
+        out.append(name)
+    return out

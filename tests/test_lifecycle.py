@@ -12,37 +12,19 @@ import glob
 import os
 import threading
 import time
-from collections.abc import Iterator
-from importlib import metadata
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from _instances import ContextProcess, GenerationProcess, fill_value, free_port, make_rank, ticket_for
+from _instances import ContextProcess, GenerationProcess, backend_params, fill_value, free_port, make_rank, ticket_for
 
 from kvcore import errors as E
 from kvcore.transceiver import SessionState, leaks
 
 pytestmark = pytest.mark.timeout(300)
 
-_DIST = {"nixl": "kvcore-nixl", "ucx": "kvcore-ucx"}
-
-
-def _backends() -> list[Any]:
-    """shm always; nixl and ucx whenever their plugin distribution is installed (a broken install then fails)."""
-    out: list[Any] = ["shm"]
-    for name, dist in _DIST.items():
-        try:
-            metadata.distribution(dist)
-        except metadata.PackageNotFoundError:
-            out.append(pytest.param(name, marks=pytest.mark.skip(reason=f"{dist} is not installed")))
-            continue
-        out.append(name)
-    return out
-
-
-BACKENDS = _backends()
+BACKENDS = backend_params()
 
 
 class Gen:
@@ -59,18 +41,6 @@ class Gen:
     def close(self) -> None:
         self.tx.close()
         self.agent.close()
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    """Things to close at the end of a test, whatever happens (processes and in-process ranks)."""
-    items: list[Any] = []
-    yield items
-    for it in reversed(items):
-        try:
-            it.close()
-        except Exception:
-            pass
 
 
 def _expect(flat: torch.Tensor, rid: int, src: list[int], dst: list[int]) -> None:

@@ -15,7 +15,6 @@ import importlib.util
 import os
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -41,14 +40,6 @@ def _backend(name: str) -> str:
     if name != "shm" and importlib.util.find_spec(f"kvcore_{name}") is None:
         pytest.skip(f"kvcore-{name} is not installed (pip install ./plugins/{name})")
     return name
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    items: list[Any] = []
-    yield items
-    for item in reversed(items):
-        item.close()
 
 
 class _Gen:

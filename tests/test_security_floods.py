@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,18 +22,6 @@ from kvcore.control import wire
 from kvcore.transceiver import SessionState
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    """Things to close at the end of a test, whatever happens (processes and in-process ranks)."""
-    items: list[Any] = []
-    yield items
-    for it in reversed(items):
-        try:
-            it.close()
-        except Exception:
-            pass
 
 
 class Ctx:

@@ -986,29 +986,27 @@ class Sender(Role):
             return
         with link.lock:
             self.counters["exposed_to_peers"] += 1
-            link.reply(
-                source,
-                wire.Exposure(
-                    v=wire.PROTOCOL_VERSION,
-                    request_id=msg.request_id,
-                    ctx_rank=link.topology.rank,
-                    ctx_incarnation=link.incarnation,
-                    nonce=msg.nonce,
-                    agent_descriptor=desc,
-                ),
-            )
+            self._answer_exposure(source, msg, descriptor=desc)
 
     def _refuse_exposure(self, source: Source, msg: wire.ExposeRequest, kind: str, why: str) -> None:
-        self.link.reply(
+        self._answer_exposure(source, msg, kind=kind, error=f"request {msg.request_id}: {why}")
+
+    def _answer_exposure(
+        self, source: Source, msg: wire.ExposeRequest, *, descriptor: bytes = b"", kind: str = "", error: str = ""
+    ) -> None:
+        """Answer ``msg``: this rank's full descriptor, or (``kind``, ``error``) why not."""
+        link = self.link
+        link.reply(
             source,
             wire.Exposure(
                 v=wire.PROTOCOL_VERSION,
                 request_id=msg.request_id,
-                ctx_rank=self.link.topology.rank,
-                ctx_incarnation=self.link.incarnation,
+                ctx_rank=link.topology.rank,
+                ctx_incarnation=link.incarnation,
                 nonce=msg.nonce,
+                agent_descriptor=descriptor,
                 error_kind=kind,
-                error=f"request {msg.request_id}: {why}",
+                error=error,
             ),
         )
 
