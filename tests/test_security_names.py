@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import time
 import uuid
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 from _instances import ContextProcess, GenerationProcess, backend_params, fill_value, free_port, make_rank, ticket_for
 from _name_attacker import Impersonator
 
+from kvcore.testing.harness import stop_process
 from kvcore.transceiver import SessionState
 
 pytestmark = pytest.mark.timeout(300)
@@ -125,7 +125,7 @@ def test_a_generation_rank_restarted_under_its_agent_name_is_loaded_again(
     ctx.send(1, [1, 2])
     ctx.expect(gp, 1, [1, 2], [3, 4])
     if how == "frozen":
-        os.kill(gp.pid, signal.SIGSTOP)
+        stop_process(gp.pid)
         opts["config"] = {"port": free_port()}
     else:
         gp.kill() if how == "kill" else gp.close()

@@ -24,7 +24,7 @@ from _local_auth import as_uid
 from _shm_attacker import Attacker, forge_notification, steal
 
 from kvcore.errors import PeerLostError, RemoteAgentError, TransferTimeoutError
-from kvcore.testing.harness import PeerProcess, pattern
+from kvcore.testing.harness import PeerProcess, pattern, stop_process
 from kvcore.transport.agent import TransferAgent, TransferOp, process_incarnation
 from kvcore.transport.builtin import shm
 from kvcore.transport.builtin.shm import ShmAgent
@@ -287,7 +287,7 @@ def _stopped_victim_with_full_backlog(writer: ShmAgent, victim: PeerProcess) -> 
     dst = victim.call("alloc", key="v", nbytes=MiB)["address"]
     victim.call("load", descriptor=writer.descriptor())
     real = victim.call("descriptor")["descriptor"]
-    os.kill(victim.pid, signal.SIGSTOP)  # alive, but its serving thread accepts nothing
+    stop_process(victim.pid)  # alive, but its serving thread accepts nothing
     return dst, real, _fill_backlog(b"\0" + _payload(real)["fds"].encode())
 
 

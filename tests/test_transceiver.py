@@ -15,6 +15,7 @@ from _local_auth import local_dealer
 
 from kvcore import errors as E
 from kvcore.control import wire
+from kvcore.testing.harness import stop_process
 from kvcore.transceiver import RequestStatus, SessionState, leaks
 
 
@@ -215,7 +216,7 @@ def test_stopped_writer_keeps_pages_quarantined_until_it_is_dead() -> None:
         while g.tx.status(11) is not RequestStatus.TRANSFERRING and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)  # the RequestData reached the context rank
-        os.kill(c.pid, signal.SIGSTOP)
+        stop_process(c.pid)
         outcome = None
         t_end = time.monotonic() + 4.0
         released: list[int] = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,29 @@ HarnessTimeout = RankTimeoutError
 def pattern(seed: int, nbytes: int) -> np.ndarray:
     """Deterministic pseudo-random bytes: the independent expectation every byte check compares against."""
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped.
+
+    Delivery is asynchronous: a thread that is running when the signal is sent runs on until its next return to
+    user mode, long enough, on a loaded box, to accept a connection or send a message the test meant to forbid.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # that thread ended
+                pass
+        if all(state in "Tt" for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {pid} did not stop within {timeout:g} s: its threads are in states {states}")
+        time.sleep(0.005)
 
 
 def digest(data: Any) -> str:

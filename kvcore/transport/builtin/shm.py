@@ -836,7 +836,13 @@ class ShmAgent(TransferAgent):
                 # MAP_POPULATE: map every page now (paid once) rather than a minor fault per page in the first writes.
                 mm = mmap.mmap(got[1], want.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
                 peer.segments[want.id] = _Segment(want.id, want.size, mm, _address_of(mm), want.base)
-        except (TimeoutError, OSError) as exc:
+        except TimeoutError as exc:  # alive (it accepted) but silent: stopped or starved, not gone
+            peer.conn.close()
+            peer.conn = None
+            raise TransferTimeoutError(
+                f"{who}: accepted the connection but did not answer the fd request within {_FETCH_TIMEOUT_S:g} s"
+            ) from exc
+        except OSError as exc:
             peer.conn.close()
             peer.conn = None
             raise PeerLostError(f"{who}: fetching its memory failed: {exc}") from exc
