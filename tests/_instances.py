@@ -280,13 +280,13 @@ class GenerationProcess(ContextProcess):
 
 
 def backend_params() -> list[Any]:
-    """shm always; nixl and ucx whenever their plugin distribution is installed (a broken install then fails)."""
+    """shm always; nixl, ucx and mooncake whenever their plugin distribution is installed (a broken install then fails)."""
     from importlib import metadata
 
     import pytest
 
     out: list[Any] = ["shm"]
-    for name in ("nixl", "ucx"):
+    for name in ("nixl", "ucx", "mooncake"):
         dist = f"kvcore-{name}"
         try:
             metadata.distribution(dist)
