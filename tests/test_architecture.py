@@ -175,3 +175,79 @@ def test_the_planes_have_their_folders() -> None:
         "msgbounds",
         "params",
     ], flat
+
+
+#: The modules allowed to change a request's session, task or writer state: the tables themselves and each role's
+#: settle module (every other module calls the settle module's methods).
+SETTLE_MODULES = {
+    "kvcore.transceiver.sessions",
+    "kvcore.transceiver.send.settle",
+    "kvcore.transceiver.receive.settle",
+}
+_SESSION_ENUMS = {"SessionState", "TaskState", "WriterState"}
+
+
+def _state_writes(tree: ast.AST) -> list[str]:
+    """Direct writes of a session, task or writer state in ``tree``: ``x.transition(...)``, ``x.settle(...)``,
+    ``x.move(TaskState...)``, ``x.writers[...] = ...``, ``x.writers.clear()`` / ``.pop`` / ``.update``, and
+    assignments to ``x.state``."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            attr, owner = node.func.attr, node.func.value
+            enum_args = [
+                a.value.id
+                for a in node.args
+                if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id in _SESSION_ENUMS
+            ]
+            if attr in ("transition", "settle") or (attr == "move" and enum_args):
+                found.append(f"line {node.lineno}: .{attr}(...)")
+            elif (
+                isinstance(owner, ast.Attribute)
+                and owner.attr == "writers"
+                and attr in ("clear", "pop", "update", "setdefault", "popitem")
+            ):
+                found.append(f"line {node.lineno}: .writers.{attr}(...)")
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in targets:
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr == "writers":
+                found.append(f"line {node.lineno}: .writers[...] =")
+            elif isinstance(t, ast.Attribute) and t.attr == "state":
+                found.append(f"line {node.lineno}: .state =")
+    return found
+
+
+def test_the_state_finder_finds_each_kind_of_write() -> None:
+    """The check below is not vacuous: every kind of direct write it forbids is found."""
+    code = (
+        "s.transition(SessionState.DONE)\ns.settle(1, WriterState.OK)\nt.move(TaskState.FAILED)\n"
+        "s.writers[r] = WriterState.ASKED\ns.writers.clear()\nt.state = TaskState.DONE\n"
+        "peer.move(PeerState.LOST)\n"  # a peer's state is not a session's: allowed
+    )
+    assert len(_state_writes(ast.parse(code))) == 6
+
+
+def test_only_the_settle_modules_change_session_states() -> None:
+    """Sessions, tasks and writers change state in one module per role (through the tables), never elsewhere."""
+    offences = {
+        name: found
+        for name, path in MODULES.items()
+        if name.startswith(("kvcore.transceiver", "kvcore.adapters"))  # where sessions live and are read
+        and name not in SETTLE_MODULES
+        and (found := _state_writes(ast.parse(path.read_text())))
+    }
+    assert offences == {}
+    assert _state_writes(ast.parse(MODULES["kvcore.transceiver.send.settle"].read_text()))  # the check is real
+
+
+def test_the_receiver_does_not_import_the_sender() -> None:
+    """The roles share what lies below both (digests, planning, sessions, link); neither imports the other."""
+    for a, b in (("receive", "send"), ("send", "receive")):
+        for name, path in MODULES.items():
+            if name.startswith(f"kvcore.transceiver.{a}."):
+                bad = {m for m in _all_imports(path) if m.startswith(f"kvcore.transceiver.{b}")}
+                assert not bad, f"{name} imports {sorted(bad)}"

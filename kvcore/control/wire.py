@@ -21,6 +21,7 @@ from kvcore.msgbounds import MAX_CONTAINER_ENTRIES, MAX_DEPTH, MAX_ITEMS, cannot
 from kvcore.params import BytesId
 
 __all__ = [
+    "ResultStatus",
     "PROTOCOL_VERSION",
     "MIN_PROTOCOL_VERSION",
     "RankInfo",
@@ -52,6 +53,9 @@ __all__ = [
 #: The protocol version this build speaks, and the oldest it still accepts.
 PROTOCOL_VERSION = 1
 MIN_PROTOCOL_VERSION = 1
+
+#: A writer's final word on its part of a request (``TransferResult.status``, ``PullDone.status``).
+ResultStatus = Literal["ok", "failed", "cancelled"]
 
 #: Bound on block ids in one request (a 1M-token prompt at 16 tokens per block).
 MAX_BLOCKS_PER_REQUEST = 65536
@@ -200,7 +204,7 @@ class TransferResult(_Msg, tag="transfer_result", frozen=True):
     request_id: RequestId
     ctx_rank: int
     ctx_incarnation: Name
-    status: Literal["ok", "failed", "cancelled"]
+    status: ResultStatus
     nbytes: int = 0
     fragments: int = 0
     error_kind: Name = ""
@@ -246,7 +250,7 @@ class PullDone(_Msg, tag="pull_done", frozen=True):
     gen_incarnation: Name
     ticket: Ticket
     nonce: Nonce
-    status: Literal["ok", "failed", "cancelled"]
+    status: ResultStatus
     ctx_incarnation: Name
     blocks_digest: Nonce = b""  # digest of the context blocks and state slot the receiver read (kvcore.params)
     nbytes: int = 0

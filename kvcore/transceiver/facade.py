@@ -2,9 +2,9 @@
 
 One ``Transceiver`` per rank. The context side (``role="context"``) writes a
 finished request's KV into the memory of every generation rank that asks for
-it (:mod:`kvcore.transceiver.sender`); the generation side
+it (:mod:`kvcore.transceiver.send`); the generation side
 (``role="generation"``) asks the context ranks that hold its layers/heads and
-waits until every one of them reported (:mod:`kvcore.transceiver.receiver`).
+waits until every one of them reported (:mod:`kvcore.transceiver.receive`).
 Both share a :class:`~kvcore.transceiver.link.Link` (messenger, agent, worker).
 
 Memory safety: ``poll()`` reports an outcome once every rank of the instance
@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import msgspec
@@ -43,10 +42,10 @@ from kvcore.layout.page import PageTable
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.params import InternalId, RequestId, TransferParams, api_id, check_ticket, internal_id
 from kvcore.transceiver.link import Link
-from kvcore.transceiver.receiver import Receiver
+from kvcore.transceiver.receive import Receiver
 from kvcore.transceiver.role import Role
-from kvcore.transceiver.sender import Sender
-from kvcore.transceiver.sessions import FINAL_TASK_STATES, RxSession, SessionState, TaskState, TxSession
+from kvcore.transceiver.send import Sender
+from kvcore.transceiver.sessions import RequestStatus, RxSession, SessionState
 from kvcore.transport.agent import TransferAgent
 
 __all__ = [
@@ -124,19 +123,6 @@ def _elsewhere(rid: object, state: SessionState) -> E.KvcoreError:
     if state is SessionState.TIMED_OUT:
         return E.TransferTimeoutError(what)
     return E.TransferFailedError(what)
-
-
-class RequestStatus(str, Enum):
-    """Where one request stands on this rank (``Transceiver.status``)."""
-
-    CONNECTING = "CONNECTING"  # generation: first contact with the context instance is under way
-    WAITING = "WAITING"  # context: not every receiver has asked yet; generation: expected, or waiting for writers
-    READY = "READY"  # context: every receiver asked (their memory is allocated); nothing written yet
-    TRANSFERRING = "TRANSFERRING"  # bytes are moving (or a slice landed and more layers are to come)
-    DONE = "DONE"  # terminal states: until poll() reported the request released
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-    TIMED_OUT = "TIMED_OUT"
 
 
 @dataclass(frozen=True)
@@ -499,26 +485,7 @@ class Transceiver:
 
     def status(self, request_id: RequestId) -> RequestStatus | None:
         """This rank's state of a request (None when unknown here or already released); cheap, not collective."""
-        rid = internal_id(request_id)
-        with self._link.lock:
-            s = self._role.sessions.get(rid)
-            if s is None:
-                return None
-            if s.terminal:
-                return RequestStatus(s.state.value)
-            if isinstance(s, TxSession):
-                states = {t.state for t in s.tasks.values()}
-                if states - {TaskState.WAITING} - FINAL_TASK_STATES or TaskState.DONE in states:
-                    return RequestStatus.TRANSFERRING
-                if s.expected_receivers is not None and len(s.tasks) >= s.expected_receivers:
-                    return RequestStatus.READY
-                return RequestStatus.WAITING
-            assert isinstance(s, RxSession)
-            if s.expecting:
-                return RequestStatus.WAITING
-            if s.instance is None:
-                return RequestStatus.CONNECTING
-            return RequestStatus.TRANSFERRING
+        return self._role.status(internal_id(request_id))
 
     def poll(self) -> PollResult:
         """Outcomes every rank agrees on, and requests whose memory is now safe to reuse.

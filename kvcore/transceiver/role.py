@@ -11,7 +11,7 @@ import numpy as np
 from kvcore import errors as E
 from kvcore.params import InternalId, check_request_id
 from kvcore.transceiver.link import Handler, Link
-from kvcore.transceiver.sessions import Session, SessionState, SessionTable
+from kvcore.transceiver.sessions import RequestStatus, Session, SessionTable
 
 __all__ = ["Role", "check_request_id", "check_block_ids", "max_slot"]
 
@@ -119,7 +119,15 @@ class Role(ABC):
                 "(or this rank holds no state pools)"
             )
 
-    def status(self, rid: InternalId) -> SessionState | None:
+    def status(self, rid: InternalId) -> RequestStatus | None:
+        """Where ``rid`` stands on this rank (None when unknown here or released): a terminal state, else the role's
+        reading of its live session."""
         with self.link.lock:
             s = self.sessions.get(rid)
-            return None if s is None else s.state
+            if s is None:
+                return None
+            return RequestStatus(s.state.value) if s.terminal else self._live_status(s)
+
+    @abstractmethod
+    def _live_status(self, s: Any) -> RequestStatus:
+        """The status of a live (not terminal) session of this role (lock held)."""

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from kvcore.transceiver.peers import CtxInstance, GenPeer
 
 __all__ = [
+    "RequestStatus",
     "SessionState",
     "TERMINAL",
     "Session",
@@ -56,6 +57,19 @@ class SessionState(str, Enum):
     READY = "READY"  # every peer known; nothing in flight yet
     TRANSFERRING = "TRANSFERRING"  # at least one write submitted / requested
     DONE = "DONE"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    TIMED_OUT = "TIMED_OUT"
+
+
+class RequestStatus(str, Enum):
+    """Where one request stands on this rank (``Transceiver.status``)."""
+
+    CONNECTING = "CONNECTING"  # generation: first contact with the context instance is under way
+    WAITING = "WAITING"  # context: not every receiver has asked yet; generation: expected, or waiting for writers
+    READY = "READY"  # context: every receiver asked (their memory is allocated); nothing written yet
+    TRANSFERRING = "TRANSFERRING"  # bytes are moving (or a slice landed and more layers are to come)
+    DONE = "DONE"  # terminal states: until poll() reported the request released
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
     TIMED_OUT = "TIMED_OUT"
@@ -418,7 +432,7 @@ class TxSession(Session):
     ticket: bytes = b""  # receivers must present it (config.require_tickets)
     mode: str = "push"  # "pull": receivers read our blocks and report with PullDone
     aux: bytes = b""  # sent with every receiver's "ok"
-    blocks_digest: bytes = b""  # pull: what a receiver must have read (kvcore.transceiver.sender.blocks_digest)
+    blocks_digest: bytes = b""  # pull: what a receiver must have read (kvcore.transceiver.digests.blocks_digest)
     renewers: dict[tuple[str, int], bytes] = field(default_factory=dict)  # receiver key -> its renewal nonce
     hold_until: float = 0.0  # leases are never renewed past this (config.max_lease_s from start_send)
 
