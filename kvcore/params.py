@@ -19,7 +19,7 @@ import binascii
 import hashlib
 import os
 from collections.abc import Iterable, Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeGuard, get_args
 
 import msgspec
 import numpy as np
@@ -28,6 +28,10 @@ from kvcore import errors as E
 
 __all__ = [
     "RequestId",
+    "TransferMode",
+    "RoleName",
+    "is_transfer_mode",
+    "is_role_name",
     "BytesId",
     "InternalId",
     "internal_id",
@@ -42,6 +46,22 @@ __all__ = [
 ]
 
 #: A request id on the API and the wire: an integer in 0..2**64-1, a str, or bytes (at most 256 characters/bytes).
+#: How a request's KV moves: the context writes it into the receiver (push) or the receiver reads it (pull).
+TransferMode = Literal["push", "pull"]
+#: The two sides of a transfer: the prefill (context) instance and the decode (generation) instance.
+RoleName = Literal["context", "generation"]
+
+
+def is_transfer_mode(value: object) -> TypeGuard[TransferMode]:
+    """Whether ``value`` names a transfer mode ("push" or "pull")."""
+    return value in get_args(TransferMode)
+
+
+def is_role_name(value: object) -> TypeGuard[RoleName]:
+    """Whether ``value`` names a role ("context" or "generation")."""
+    return value in get_args(RoleName)
+
+
 RequestId = int | str | bytes
 
 MAX_REQUEST_ID_CHARS = 256
@@ -143,7 +163,7 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     request_id: Any  # RequestId: int, str or bytes (checked in __post_init__; JSON carries bytes as hex)
     endpoint: str  # the context instance's info endpoint (its rank 0)
     ticket: str  # hex of the request's secret; whoever holds it may receive the request
-    mode: Literal["push", "pull"] = "push"
+    mode: TransferMode = "push"
     dp_rank: int = 0  # the context attention-DP group that holds the request
     prompt_len: int = -1
     #: Pull mode: the context's block ids (one list; the same on every context rank) and state slot.
@@ -256,7 +276,7 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         endpoint: str,
         *,
         ticket: bytes | str | None = None,
-        mode: Literal["push", "pull"] = "push",
+        mode: TransferMode = "push",
         dp_rank: int = 0,
         prompt_len: int = -1,
         block_ids: Iterable[int] = (),

@@ -40,8 +40,17 @@ from kvcore.control.collective import Collective
 from kvcore.layout.mapping import RankPlacement
 from kvcore.layout.page import PageTable
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
-from kvcore.params import InternalId, RequestId, TransferParams, api_id, check_ticket, internal_id
-from kvcore.transceiver.link import Link
+from kvcore.params import (
+    InternalId,
+    RequestId,
+    RoleName,
+    TransferParams,
+    api_id,
+    check_ticket,
+    internal_id,
+    is_role_name,
+)
+from kvcore.transceiver.link import Link, RoleCounter
 from kvcore.transceiver.receive import Receiver
 from kvcore.transceiver.role import Role
 from kvcore.transceiver.send import Sender
@@ -74,7 +83,7 @@ CACHE_GAUGES = frozenset(
     }
 )
 #: ``stats()`` keys that only grow (events counted since start); every other key returns to zero when idle.
-COUNTERS = frozenset(
+COUNTERS: frozenset[RoleCounter] = frozenset(
     {
         "bounced_writes_total",
         "bounce_fallback_arena_full",
@@ -189,7 +198,7 @@ class Transceiver:
         device: str = "cpu",
         mamba: MambaGeometry | None = None,
     ) -> None:
-        if role not in ("context", "generation"):
+        if not is_role_name(role):
             raise E.ConfigError(f"role must be 'context' or 'generation', got {role!r}")
         if config.gil_switch_interval_s > 0:
             lower_switch_interval(config.gil_switch_interval_s)
@@ -197,7 +206,7 @@ class Transceiver:
 
         pm = pm or get_plugin_manager()
         self.config = config
-        self.role = role
+        self.role: RoleName = role
         self.agent = agent
         self.topology = topology
         self.geometry = geometry

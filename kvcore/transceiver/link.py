@@ -41,7 +41,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import numpy as np
@@ -57,7 +57,7 @@ from kvcore.layout.mapping import RankPlacement
 from kvcore.layout.page import PageTable
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.metrics import TransceiverMetrics
-from kvcore.params import api_id, derive_ticket
+from kvcore.params import RoleName, api_id, derive_ticket
 from kvcore.transport import bounce
 from kvcore.transport.agent import (
     MemoryKind,
@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from kvcore.extension.registry import LayoutMapperRegistry
 
 __all__ = [
+    "RoleCounter",
     "Link",
     "Handler",
     "Transfer",
@@ -83,6 +84,33 @@ __all__ = [
     "BUSY_WINDOW_S",
     "PUMP_BUDGET_S",
     "chunk_plan",
+]
+
+#: The events a transceiver counts (``Link.counters``; ``stats()`` reports them, ``COUNTERS`` names those that only grow).
+RoleCounter = Literal[
+    "abandoned_transfers",
+    "agent_errors",
+    "bounce_fallback_arena_full",
+    "bounce_fallback_plan_mismatch",
+    "bounce_fallback_staging_full",
+    "bounced_writes_total",
+    "chunks_back_to_back",
+    "early_requests_expired",
+    "exposed_to_peers",
+    "fenced_dead",
+    "fenced_grace",
+    "forged_messages",
+    "idle_peers_dropped",
+    "idle_peers_readmitted",
+    "ignored_cancels",
+    "ignored_messages",
+    "ignored_renewals",
+    "late_results",
+    "peers_closed",
+    "peers_lost",
+    "tickets_refused",
+    "unexpected_messages",
+    "worker_errors",
 ]
 
 log = logging.getLogger("kvcore.transceiver")
@@ -186,7 +214,7 @@ class Link:
         self,
         config: TransceiverConfig,
         *,
-        role: str,
+        role: RoleName,
         agent: TransferAgent,
         topology: Topology,
         geometry: AttentionGeometry,
@@ -215,7 +243,7 @@ class Link:
         self._news_due = False  # worker only: wake the waiters once this turn's messages are written
         self._last_news = 0.0
         self.incarnation = process_incarnation()
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[RoleCounter] = Counter()
         # Work for the worker (the messenger's I/O thread); appended by any thread, taken by the worker alone.
         self._work: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
         self._stop = threading.Event()

@@ -32,12 +32,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Literal
 
 from kvcore import hostinfo
 from kvcore.control import wire
 from kvcore.errors import KvcoreError, SessionError
 
-__all__ = ["PeerState", "Peer", "CtxInstance", "GenPeer", "writer_fenced"]
+__all__ = ["PeerState", "Peer", "CtxInstance", "GenPeer", "FenceHow", "writer_fenced"]
 
 
 class PeerState(str, Enum):
@@ -163,7 +164,11 @@ class GenPeer(Peer):
         return f"generation rank {self.key}" if self.info else "generation rank (unregistered)"
 
 
-def writer_fenced(info: wire.RankInfo, lost_at: float | None, grace_s: float, now: float) -> tuple[bool, str]:
+#: How a writer was fenced: its process is provably gone (same host), or its fencing grace ran out ("": not fenced).
+FenceHow = Literal["dead", "grace", ""]
+
+
+def writer_fenced(info: wire.RankInfo, lost_at: float | None, grace_s: float, now: float) -> tuple[bool, FenceHow]:
     """Whether a writer process can provably write nothing more, and why: ``(fenced, how)``.
 
     Same host (same kernel and pid namespace): its process is gone, or its pid now

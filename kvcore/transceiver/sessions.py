@@ -32,8 +32,12 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from kvcore.errors import KvcoreError, SessionError
+from kvcore.params import InternalId, TransferMode
 
 if TYPE_CHECKING:
+    from kvcore.control import wire
+    from kvcore.control.messenger import Source
+    from kvcore.transceiver.link import Transfer
     from kvcore.transceiver.peers import CtxInstance, GenPeer
 
 __all__ = [
@@ -90,7 +94,7 @@ _ALLOWED: dict[SessionState, frozenset[SessionState]] = {
 class Session:
     """Common lifecycle of a send or receive session."""
 
-    request_id: Any  # int | str | kvcore.params.BytesId
+    request_id: InternalId
     deadline: float  # time.monotonic() bound on reaching a terminal state
     state: SessionState = SessionState.INIT
     error: KvcoreError | None = None
@@ -139,22 +143,22 @@ class TimerHeap:
     """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Any]] = []
+        self._heap: list[tuple[float, int, InternalId]] = []
         self._seq = itertools.count()  # ties never compare ids
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def file(self, rid: Any, at: float) -> None:
+    def file(self, rid: InternalId, at: float) -> None:
         heapq.heappush(self._heap, (at, next(self._seq), rid))
 
-    def take(self, now: float) -> Iterator[Any]:
+    def take(self, now: float) -> Iterator[InternalId]:
         """Pop and yield every id filed before ``now``; one filed again at ``now`` or later is not met again."""
         heap = self._heap
         while heap and heap[0][0] < now:
             yield heapq.heappop(heap)[2]
 
-    def rebuild(self, entries: Iterable[tuple[float, Any]]) -> None:
+    def rebuild(self, entries: Iterable[tuple[float, InternalId]]) -> None:
         """Replace every entry by ``entries`` (``(time, rid)``)."""
         self._heap = [(at, next(self._seq), rid) for at, rid in entries]
         heapq.heapify(self._heap)
@@ -174,13 +178,13 @@ class SessionTable(Generic[S]):
     """
 
     def __init__(self) -> None:
-        self._live: dict[Any, S] = {}
+        self._live: dict[InternalId, S] = {}
         #: Request ids of terminal sessions not yet released, in the order they ended.
-        self.ended: dict[Any, None] = {}
+        self.ended: dict[InternalId, None] = {}
         #: Every live, non-terminal session is filed at or before its deadline.
         self.deadlines = TimerHeap()
 
-    def __setitem__(self, rid: Any, s: S) -> None:
+    def __setitem__(self, rid: InternalId, s: S) -> None:
         old = self._live.get(rid)
         if old is not None and old is not s:
             old.on_end = None  # the session it replaces reports nothing any more, ended or not
@@ -198,7 +202,7 @@ class SessionTable(Generic[S]):
         else:
             self.deadlines.file(rid, s.deadline)
 
-    def __getitem__(self, rid: Any) -> S:
+    def __getitem__(self, rid: InternalId) -> S:
         return self._live[rid]
 
     def __contains__(self, rid: object) -> bool:
@@ -207,13 +211,13 @@ class SessionTable(Generic[S]):
     def __len__(self) -> int:
         return len(self._live)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[InternalId]:
         return iter(self._live)
 
-    def get(self, rid: Any, default: S | None = None) -> S | None:
+    def get(self, rid: InternalId, default: S | None = None) -> S | None:
         return self._live.get(rid, default)
 
-    def pop(self, rid: Any, default: S | None = None) -> S | None:
+    def pop(self, rid: InternalId, default: S | None = None) -> S | None:
         s = self._live.pop(rid, None)
         self.ended.pop(rid, None)
         if s is None:
@@ -224,7 +228,7 @@ class SessionTable(Generic[S]):
     def values(self) -> ValuesView[S]:
         return self._live.values()
 
-    def items(self) -> ItemsView[Any, S]:
+    def items(self) -> ItemsView[InternalId, S]:
         return self._live.items()
 
     def set_deadline(self, s: S, deadline: float) -> None:
@@ -240,7 +244,7 @@ class SessionTable(Generic[S]):
         new one. One returned stays filed, so a caller that leaves it non-terminal sees it again next time.
         """
         live = self._live
-        out: dict[Any, S] = {}
+        out: dict[InternalId, S] = {}
         for rid in self.deadlines.take(now):
             s = live.get(rid)
             if s is None or s.terminal or rid in out:
@@ -255,7 +259,7 @@ class SessionTable(Generic[S]):
             self.deadlines.rebuild((s.deadline, rid) for rid, s in live.items() if not s.terminal)
         return list(out.values())
 
-    def news(self) -> Iterator[tuple[Any, S]]:
+    def news(self) -> Iterator[tuple[InternalId, S]]:
         """``(rid, session)`` of every ended session still held (terminal, not released), oldest end first."""
         live = self._live
         for rid in list(self.ended):
@@ -320,15 +324,17 @@ class RxSession(Session):
     asked_at: dict[int, float] = field(default_factory=dict)  # ctx rank -> when its RequestData was sent
     sent: set[int] = field(default_factory=set)  # ctx ranks whose RequestData has gone out
     ticket: bytes = b""  # the request's ticket (from the context's TransferParams)
-    mode: str = "push"
+    mode: TransferMode = "push"
     expecting: bool = False  # expect(): the request is announced; blocks come with start_receive
     ctx_block_ids: Any = field(default_factory=dict)  # pull: blocks to read (as the parameters gave them)
     ctx_state_slot: int = -1  # pull
     ctx_incarnation: str = ""  # pull: the context incarnation the parameters came from
-    reads: dict[int, Any] = field(default_factory=dict)  # pull: ctx rank -> our READ handle
+    reads: dict[int, Transfer | None] = field(default_factory=dict)  # pull: ctx rank -> our READ handle
     read_bytes: dict[int, tuple[int, int]] = field(default_factory=dict)  # pull: ctx rank -> (bytes, fragments)
     aux: bytes = b""  # the aux payload a context rank sent with its "ok"
-    pull_done: dict[int, Any] = field(default_factory=dict)  # pull: ctx rank -> the PullDone we sent (re-sent if lost)
+    pull_done: dict[int, wire.PullDone] = field(
+        default_factory=dict
+    )  # pull: ctx rank -> the PullDone we sent (re-sent if lost)
     renew_nonce: bytes = b""  # answers to our lease renewals echo this
     last_renew: float = 0.0
     renew_every: float = 0.0  # seconds between renewals (a third of the context's lease)
@@ -385,9 +391,9 @@ class ReceiverTask:
     state_slot: int
     prompt_len: int
     nonce: bytes  # the receiver's secret for this request: echoed in every answer, required on its cancels
-    reply_to: Any = None  # messenger Source the receiver's RequestData came from (answers go back there)
+    reply_to: Source | None = None  # messenger Source the receiver's RequestData came from (answers go back there)
     state: TaskState = TaskState.WAITING
-    handle: Any = None
+    handle: Transfer | None = None
     nbytes: int = 0
     fragments: int = 0
     deadline: float = 0.0
@@ -400,7 +406,7 @@ class ReceiverTask:
     sent_upto: int = -1  # layer-wise: global layers below this were submitted (-1: nothing yet)
     total_bytes: int = 0  # over every slice written so far
     total_fragments: int = 0
-    final: Any = None  # the final TransferResult sent, re-sent when the receiver asks again
+    final: wire.TransferResult | None = None  # the final TransferResult sent, re-sent when the receiver asks again
     attached_at: float = field(default_factory=time.monotonic)  # when its RequestData arrived
     posted_at: float = 0.0  # when its current write was submitted
     cached_tokens: int = 0  # the receiver's stated cached prefix: its blocks cover the prompt from there
@@ -430,7 +436,7 @@ class TxSession(Session):
     expected_receivers: int | None = None  # known once the first receiver asked
     layers_upto: int | None = None  # layer-wise sending: layers below this are ready; None: all are
     ticket: bytes = b""  # receivers must present it (config.require_tickets)
-    mode: str = "push"  # "pull": receivers read our blocks and report with PullDone
+    mode: TransferMode = "push"  # "pull": receivers read our blocks and report with PullDone
     aux: bytes = b""  # sent with every receiver's "ok"
     blocks_digest: bytes = b""  # pull: what a receiver must have read (kvcore.transceiver.digests.blocks_digest)
     renewers: dict[tuple[str, int], bytes] = field(default_factory=dict)  # receiver key -> its renewal nonce
@@ -471,10 +477,12 @@ class Tombstones:
     def __init__(self, max_entries: int, ttl_s: float) -> None:
         self.max_entries = max_entries
         self.ttl_s = ttl_s
-        self._items: OrderedDict[Any, Tombstone] = OrderedDict()
+        self._items: OrderedDict[InternalId, Tombstone] = OrderedDict()
         self.evicted = 0
 
-    def put(self, rid: Any, state: SessionState, error: KvcoreError | None = None, ticket: bytes | None = None) -> None:
+    def put(
+        self, rid: InternalId, state: SessionState, error: KvcoreError | None = None, ticket: bytes | None = None
+    ) -> None:
         kind = type(error).__name__ if error is not None else ""
         self._items.pop(rid, None)
         self._items[rid] = Tombstone(state, kind, str(error or "")[:200], time.monotonic(), ticket)
@@ -482,10 +490,10 @@ class Tombstones:
             self._items.popitem(last=False)
             self.evicted += 1
 
-    def get(self, rid: Any) -> Tombstone | None:
+    def get(self, rid: InternalId) -> Tombstone | None:
         return self._items.get(rid)
 
-    def pop(self, rid: Any) -> Tombstone | None:
+    def pop(self, rid: InternalId) -> Tombstone | None:
         return self._items.pop(rid, None)
 
     def expire(self, now: float) -> None:

@@ -356,7 +356,7 @@ class RecvPeers(RecvSettle):
             fenced, how = writer_fenced(inst.ranks[r], inst.lost_at, self.config.fencing_grace_s, now)
             if fenced:
                 self._settle_writer(s, r, WriterState.FENCED)
-                self.counters[f"fenced_{how}"] += 1
+                self.counters["fenced_dead" if how == "dead" else "fenced_grace"] += 1
                 reason = FenceReason.SAME_HOST_PID if how == "dead" else FenceReason.GRACE_EXPIRED
                 self.link.metrics.fenced(reason, inst.name)
                 if how == "grace":

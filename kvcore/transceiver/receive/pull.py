@@ -7,12 +7,12 @@ import hmac
 import logging
 import os
 import time
-from typing import Any
 
 from kvcore import errors as E
 from kvcore.control import wire
 from kvcore.control.messenger import Source
 from kvcore.layout.blocks import normalize_block_ids
+from kvcore.params import InternalId
 from kvcore.transceiver.digests import blocks_digest
 from kvcore.transceiver.link import error_from
 from kvcore.transceiver.peers import CtxInstance
@@ -28,7 +28,7 @@ log = logging.getLogger("kvcore.transceiver")
 class RecvPull(RecvPeers):
     """Exposure asks, reads, read reports and the context's answers to them."""
 
-    def _pull(self, rid: Any) -> None:
+    def _pull(self, rid: InternalId) -> None:
         """Worker, pull mode: read the request from every writer rank's blocks (one READ per rank)."""
         link = self.link
         with link.lock:
@@ -168,7 +168,7 @@ class RecvPull(RecvPeers):
         self._move(s, answer_outcome(msg.status, err), err)
         self._note_quarantine(s)
 
-    def _pull_unread(self, s: RxSession, status: str, reason: str) -> None:
+    def _pull_unread(self, s: RxSession, status: wire.ResultStatus, reason: str) -> None:
         """Tell the context ranks we never read from (and never will) that they may let go (lock held)."""
         inst = s.instance
         if inst is None or inst.gone:
@@ -180,7 +180,7 @@ class RecvPull(RecvPeers):
             self._send_pull_done(s, inst, r, status, error=reason)
 
     def _send_pull_done(
-        self, s: RxSession, inst: CtxInstance, r: int, status: str, *, kind: str = "", error: str = ""
+        self, s: RxSession, inst: CtxInstance, r: int, status: wire.ResultStatus, *, kind: str = "", error: str = ""
     ) -> None:
         nbytes, fragments = s.read_bytes.get(r, (0, 0))
         link = self.link
@@ -192,7 +192,7 @@ class RecvPull(RecvPeers):
             gen_incarnation=link.incarnation,
             ticket=s.ticket,
             nonce=s.nonces[r],
-            status=status,  # type: ignore[arg-type]
+            status=status,
             ctx_incarnation=inst.ranks[r].incarnation,
             blocks_digest=blocks_digest(s.ctx_block_ids, s.ctx_state_slot, s.ctx_incarnation),
             nbytes=nbytes,

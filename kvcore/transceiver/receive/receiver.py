@@ -22,7 +22,7 @@ from kvcore.control import wire
 from kvcore.control.messenger import Source
 from kvcore.layout.blocks import as_id_array, normalize_block_ids, normalize_state_slot
 from kvcore.layout.mapping import check_destination_covers
-from kvcore.params import InternalId
+from kvcore.params import InternalId, TransferMode
 from kvcore.transceiver.link import Handler
 from kvcore.transceiver.peers import CtxInstance, PeerState
 from kvcore.transceiver.receive.push import RecvPush
@@ -74,7 +74,7 @@ class Receiver(RecvPush):
         ctx_dp_rank: int,
         *,
         ticket: bytes = b"",
-        mode: str = "push",
+        mode: TransferMode = "push",
         ctx_block_ids: Any = (),
         ctx_state_slot: int = -1,
         ctx_incarnation: str = "",

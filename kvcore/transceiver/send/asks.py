@@ -5,12 +5,11 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from typing import Any
 
 from kvcore import errors as E
 from kvcore.control import wire
 from kvcore.control.messenger import Source
-from kvcore.params import BytesId, api_id
+from kvcore.params import BytesId, InternalId, api_id
 from kvcore.transceiver.link import error_from
 from kvcore.transceiver.peers import GenPeer
 from kvcore.transceiver.send.peers import SendPeers
@@ -18,6 +17,7 @@ from kvcore.transceiver.sessions import (
     IDLE_TASK_STATES,
     SessionState,
     TaskState,
+    Tombstone,
     TxSession,
 )
 
@@ -29,14 +29,14 @@ _Key = tuple[str, int]
 class SendAsks(SendPeers):
     """Answers from tombstones and to early asks, ticket checks, receivers' declines and cancels."""
 
-    def _id_type_hint(self, rid: Any) -> tuple[str, bytes | None]:
+    def _id_type_hint(self, rid: InternalId) -> tuple[str, bytes | None]:
         """A hint when this rank holds the same request id under another type (int 5 vs str "5"), lock held.
 
         Returns the hint and the ticket that request holds here: the asker is told only if its ticket may speak
         for that request (a stranger learns nothing of requests it cannot read; the log always says it).
         """
         text = rid.b.decode(errors="replace") if isinstance(rid, BytesId) else str(rid)
-        others: list[Any] = [text, BytesId(text.encode())]
+        others: list[InternalId] = [text, BytesId(text.encode())]
         if text.lstrip("-").isdigit():
             others.append(int(text))
         for other in others:
@@ -52,9 +52,12 @@ class SendAsks(SendPeers):
             return hint, (held.ticket if held is not None else tomb.ticket if tomb is not None else None)
         return "", None
 
-    def _answer_unheld(self, req: wire.RequestData | wire.PullDone, source: Source, tomb: Any, hint: str = "") -> None:
+    def _answer_unheld(
+        self, req: wire.RequestData | wire.PullDone, source: Source, tomb: Tombstone | None, hint: str = ""
+    ) -> None:
         """Answer a receiver asking for a request this rank does not hold, from its tombstone (lock held)."""
         rid = req.request_id
+        status: wire.ResultStatus
         if tomb is None:
             status, kind, error = (
                 "failed",
@@ -77,12 +80,12 @@ class SendAsks(SendPeers):
         """Whether a peer's ticket may speak for a request (``None``: this rank's own engine, always)."""
         return presented is None or not self.config.require_tickets or hmac.compare_digest(expected, presented)
 
-    def _tomb(self, rid: Any) -> Any:
+    def _tomb(self, rid: InternalId) -> Tombstone | None:
         """The tombstone of ``rid``: this rank's engine's, else a peer's (lock held); None if neither holds one."""
         tomb = self.tombstones.get(rid)
         return self.peer_tombstones.get(rid) if tomb is None else tomb
 
-    def _tombstone_for(self, rid: Any, ticket: bytes) -> Any:
+    def _tombstone_for(self, rid: InternalId, ticket: bytes) -> Tombstone | None:
         """The tombstone of ``rid`` if the asker's ticket may read it (lock held); None otherwise."""
         for tomb in (self.tombstones.get(rid), self.peer_tombstones.get(rid)):
             if tomb is not None and (tomb.ticket is None or self._ticket_ok(tomb.ticket, ticket)):
@@ -132,7 +135,7 @@ class SendAsks(SendPeers):
     def _not_registered(self, source: Source, msg: wire.RequestData, why: str) -> None:
         self._refuse_request(source, msg.request_id, msg.nonce, "NotRegisteredError", why)
 
-    def _refuse_request(self, source: Source, rid: Any, nonce: bytes, kind: str, error: str) -> None:
+    def _refuse_request(self, source: Source, rid: InternalId, nonce: bytes, kind: str, error: str) -> None:
         """Answer one asker "failed" (``kind``: the kvcore error class) without touching the request (lock held)."""
         self.link.reply(source, self._result(rid, nonce, status="failed", kind=kind, error=error))
 
@@ -202,7 +205,9 @@ class SendAsks(SendPeers):
                     )
                     tomb = self.peer_tombstones.get(msg.request_id)
                 # Nothing of this receiver's is in flight here: say so (the receiver may release its pages).
-                status = "cancelled" if tomb is None or tomb.state is not SessionState.DONE else "failed"
+                status: wire.ResultStatus = (
+                    "cancelled" if tomb is None or tomb.state is not SessionState.DONE else "failed"
+                )
                 self._tell(
                     peer,
                     self._result(

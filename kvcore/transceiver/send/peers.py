@@ -412,6 +412,7 @@ class SendPeers(SendSettle):
             for key_t, (_, t) in list(self.inflight.items()):
                 if t.peer is peer:
                     del self.inflight[key_t]
+                    assert t.handle is not None  # a task is in flight from _track (handle set) to its end
                     self.link.stop_transfer(t.handle, f"{peer} was lost")  # no new chunk into its memory
                     self.orphans.append(t.handle)
                     t.handle = None

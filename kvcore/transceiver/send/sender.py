@@ -17,7 +17,7 @@ import numpy as np
 from kvcore import errors as E
 from kvcore.control import wire
 from kvcore.layout.blocks import normalize_block_ids, normalize_state_slot
-from kvcore.params import InternalId, TransferParams, api_id, check_ticket
+from kvcore.params import InternalId, TransferParams, api_id, check_ticket, is_transfer_mode
 from kvcore.transceiver.digests import blocks_digest
 from kvcore.transceiver.link import Handler
 from kvcore.transceiver.peers import PeerState
@@ -70,7 +70,7 @@ class Sender(SendBounce, SendPull, SendLeases):
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)):
             raise E.SessionError(f"request {rid}: prompt_len must be an integer (-1: unknown), got {prompt_len!r}")
         mode = mode or self.config.transfer_mode
-        if mode not in ("push", "pull"):
+        if not is_transfer_mode(mode):
             raise E.SessionError(f"request {rid}: mode must be 'push' or 'pull', got {mode!r}")
         if mode == "pull":
             if layers_ready is not None:
@@ -129,7 +129,7 @@ class Sender(SendBounce, SendPull, SendLeases):
             api_id(rid),
             info0.endpoint,
             ticket=tk,
-            mode=mode,  # type: ignore[arg-type]
+            mode=mode,
             dp_rank=topo.dp_rank if topo.attention_dp else 0,
             prompt_len=int(prompt_len),
             block_ids=_single(whole).tolist() if mode == "pull" and len(whole) <= 1 else (),

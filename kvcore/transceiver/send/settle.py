@@ -21,7 +21,7 @@ from kvcore.control.messenger import RateLimitedLog, Source
 from kvcore.layout.page import PageTable
 from kvcore.params import InternalId
 from kvcore.transceiver.early import EarlyRequests
-from kvcore.transceiver.link import Link
+from kvcore.transceiver.link import Link, Transfer
 from kvcore.transceiver.peers import GenPeer, PeerState
 from kvcore.transceiver.role import Role
 from kvcore.transceiver.sessions import (
@@ -74,7 +74,7 @@ class SendSettle(Role):
         self.peer_tombstones = Tombstones(cfg.max_peer_tombstones, cfg.request_timeout_s)
         self._rlog = RateLimitedLog(logger=log)  # lines a peer can cause at will (each is counted too)
         self.inflight: dict[int, tuple[TxSession, ReceiverTask]] = {}  # id(task) -> its submitted write
-        self.orphans: list[Any] = []  # handles of abandoned transfers to dead peers, released once terminal
+        self.orphans: list[Transfer] = []  # handles of abandoned transfers to dead peers, released once terminal
         self.staging: bounce.Arena | None = None
         self.events: list[tuple[Any, int, Any]] = []  # (request, layers upto, CUDA event) from layers_ready
         self.bounce_on = link.bounce_on
@@ -148,13 +148,15 @@ class SendSettle(Role):
         self._send_to(t, t.final)
         self.link.metrics.writer_service(t.peer.name, time.monotonic() - t.attached_at)
 
-    def _result(self, rid: InternalId, nonce: bytes, *, status: str, kind: str = "", error: str = "", **kw: Any) -> Any:
+    def _result(
+        self, rid: InternalId, nonce: bytes, *, status: wire.ResultStatus, kind: str = "", error: str = "", **kw: Any
+    ) -> wire.TransferResult:
         return wire.TransferResult(
             v=wire.PROTOCOL_VERSION,
             request_id=rid,
             ctx_rank=self.link.topology.rank,
             ctx_incarnation=self.link.incarnation,
-            status=status,  # type: ignore[arg-type]
+            status=status,
             error_kind=kind,
             error=error[:1000],
             nonce=nonce,
