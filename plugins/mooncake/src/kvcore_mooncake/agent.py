@@ -62,7 +62,7 @@ from kvcore.transport.agent import (
 from kvcore.transport.fragments import merge_runs
 from kvcore_mooncake.plugin import CAPABILITIES
 
-__all__ = ["MooncakeAgent", "MooncakeOptions", "CAPABILITIES", "engine_settings", "resolve_addresses"]
+__all__ = ["MooncakeAgent", "MooncakeOptions", "CAPABILITIES", "engine_settings", "resolve_addresses", "dial_target", "decode_peer"]
 
 log = logging.getLogger("kvcore_mooncake")
 
@@ -203,6 +203,26 @@ _payload_decoder = msgspec.msgpack.Decoder(_Payload)
 _payload_encoder = msgspec.msgpack.Encoder()
 
 
+def decode_peer(descriptor: AgentDescriptor) -> _Payload:
+    """The Mooncake payload of a peer's descriptor, checked as ``TransferAgent.decode_payload`` checks it."""
+    return TransferAgent.decode_payload(descriptor, _payload_decoder, version=_PAYLOAD_VERSION)
+
+
+def dial_target(name: str, payload: _Payload, same_host: bool) -> str:
+    """The segment name to dial for a peer: a loopback address on this host, else its first other address."""
+    loop = [a for a in payload.addresses if _is_loopback(a)]
+    other = [a for a in payload.addresses if not _is_loopback(a)]
+    if same_host and loop:
+        return f"{loop[0]}:{payload.rpc_port}"
+    if other:
+        return f"{other[0]}:{payload.rpc_port}"
+    raise RemoteAgentError(
+        f"peer {name!r} is on another host but offers only {payload.addresses} (its mooncake bind_address); set "
+        "agent option bind_address to an address of that host this one reaches, or 'auto' "
+        "(KVCORE_MOONCAKE_BIND_ADDRESS=auto)"
+    )
+
+
 @dataclass(eq=False)
 class _Peer:
     name: str
@@ -320,21 +340,7 @@ class MooncakeAgent(TransferAgent):
         )
 
     def _decode(self, descriptor: AgentDescriptor) -> _Payload:
-        return self.decode_payload(descriptor, _payload_decoder, version=_PAYLOAD_VERSION)
-
-    def _target(self, descriptor: AgentDescriptor, payload: _Payload, same_host: bool) -> str:
-        """The segment name to dial: a loopback address for a peer on this host, else its first other one."""
-        loop = [a for a in payload.addresses if _is_loopback(a)]
-        other = [a for a in payload.addresses if not _is_loopback(a)]
-        if same_host and loop:
-            return f"{loop[0]}:{payload.rpc_port}"
-        if other:
-            return f"{other[0]}:{payload.rpc_port}"
-        raise RemoteAgentError(
-            f"peer {descriptor.name!r} is on another host but offers only {payload.addresses} (its mooncake "
-            "bind_address); set agent option bind_address to an address of that host this one reaches, or 'auto' "
-            "(KVCORE_MOONCAKE_BIND_ADDRESS=auto)"
-        )
+        return decode_peer(descriptor)
 
     def _load_remote(self, descriptor: AgentDescriptor, previous: RemoteAgent | None) -> Any:
         payload = self._decode(descriptor)
@@ -365,7 +371,7 @@ class MooncakeAgent(TransferAgent):
         peer = _Peer(
             descriptor.name,
             payload.engine_id,
-            self._target(descriptor, payload, same_host),
+            dial_target(descriptor.name, payload, same_host),
             payload.pid,
             payload.start_time,
             same_host,
