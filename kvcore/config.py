@@ -182,7 +182,7 @@ class TransceiverConfig:
             raise ConfigError(
                 f"auth_allowed_keys must be a list of Z85 keys, got {type(self.auth_allowed_keys).__name__}"
             )
-        from kvcore.control.auth import is_loopback_host
+        from kvcore.hostinfo import is_loopback_host
 
         authenticated = bool(self.auth_key_file or self.auth_secret_key)
         if not is_loopback_host(str(self.host)) and not authenticated and not self.allow_insecure_bind:

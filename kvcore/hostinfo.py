@@ -11,10 +11,11 @@ since boot, from ``/proc/<pid>/stat``) pins one process for the kernel's life.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 import socket
 
-__all__ = ["host_identity", "hostname", "process_start_time", "process_alive", "same_host"]
+__all__ = ["host_identity", "hostname", "is_loopback_host", "process_start_time", "process_alive", "same_host"]
 
 
 def _read(path: str) -> str:
@@ -97,3 +98,13 @@ def same_host(identity: str) -> bool:
     """True when a peer's ``host_identity()`` equals ours (non-empty): its pids are ours to check."""
     mine = host_identity()
     return bool(mine) and identity == mine
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals (v4 or v6, bracketed or not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

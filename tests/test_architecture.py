@@ -1,8 +1,8 @@
 """The package's shape: no import circle, every module importable alone, the core names no plugin.
 
-The import graph is read from the source (AST), counting what runs when a module is imported: module-level
-imports, including those under ``if TYPE_CHECKING:`` (a type-only circle is still a circle a reader has to
-untangle); imports inside functions are deferred on purpose and are not edges.
+The import graph is read from the source (AST), counting every import a module makes: module-level imports,
+those under ``if TYPE_CHECKING:`` (a type-only circle is still a circle a reader has to untangle) and those inside
+functions (deferred, but still a tie that points one way or the other).
 """
 
 from __future__ import annotations
@@ -29,6 +29,15 @@ MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 def _module_level_imports(path: Path) -> set[str]:
     """kvcore modules ``path`` imports at import time (``from kvcore import x`` counts as ``kvcore.x`` when x is a
     module, else as the package ``kvcore``)."""
+    return _imports_in(ast.parse(path.read_text()).body, path, inside_functions=False)
+
+
+def _imports(path: Path) -> set[str]:
+    """kvcore modules ``path`` imports anywhere: at import time and inside functions."""
+    return _imports_in(ast.parse(path.read_text()).body, path, inside_functions=True)
+
+
+def _imports_in(body: list[ast.stmt], path: Path, *, inside_functions: bool) -> set[str]:
     found: set[str] = set()
 
     def visit(nodes: list[ast.stmt]) -> None:
@@ -42,13 +51,16 @@ def _module_level_imports(path: Path) -> set[str]:
                     found.add(node.module)
             elif isinstance(node, ast.ClassDef):
                 visit(node.body)
-            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if inside_functions:
+                    visit(node.body)
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
                 for block in ("body", "orelse", "finalbody"):
                     visit(getattr(node, block, []))
                 for handler in getattr(node, "handlers", []):
                     visit(handler.body)
 
-    visit(ast.parse(path.read_text()).body)
+    visit(body)
     return {m for m in found if m in MODULES} - {_module_name(path)}
 
 
@@ -94,12 +106,22 @@ def test_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_no_import_circle_in_kvcore() -> None:
-    graph = {name: _module_level_imports(path) for name, path in MODULES.items()}
+    """No circle, counting imports inside functions: a deferred import still ties two modules both ways."""
+    graph = {name: _imports(path) for name, path in MODULES.items()}
     assert graph["kvcore.extension.plugins"] >= {
         "kvcore.extension.hookspecs",
         "kvcore.extension.registry",
     }  # the graph is really read
+    assert "kvcore.extension.plugins" in graph["kvcore.layout.mapping"]  # imports inside functions are edges
     assert _cycles(graph) == []
+
+
+def test_function_level_imports_are_read() -> None:
+    """An import inside a function (or a method, or under ``if``/``try`` inside one) is an edge of the graph."""
+    code = "def f():\n    if x:\n        from kvcore.errors import E\nclass C:\n    def m(self):\n        import kvcore.config\n"
+    body = ast.parse(code).body
+    assert _imports_in(body, PACKAGE / "x.py", inside_functions=True) == {"kvcore.errors", "kvcore.config"}
+    assert _imports_in(body, PACKAGE / "x.py", inside_functions=False) == set()
 
 
 def test_extension_layer_imports_only_downwards() -> None:

@@ -15,7 +15,6 @@ rank its own pair and list the others' public keys.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import stat
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvcore.errors import ConfigError
+from kvcore.hostinfo import is_loopback_host
 
 if TYPE_CHECKING:
     from kvcore.config import TransceiverConfig
@@ -45,16 +45,6 @@ log = logging.getLogger("kvcore.auth")
 #: A CurveZMQ key: 32 raw bytes, 40 characters in Z85.
 KEY_BYTES = 32
 Z85_KEY_CHARS = 40
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for ``localhost`` and loopback IP literals (v4 or v6, bracketed or not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def z85_key(key: bytes | str, what: str = "key") -> bytes:

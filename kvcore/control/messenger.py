@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvcore.control import wire
-from kvcore.control.auth import AuthConfig, is_loopback_host, z85_key
+from kvcore.control.auth import AuthConfig, z85_key
 from kvcore.errors import ConfigError, KvcoreError, ProtocolError
+from kvcore.hostinfo import is_loopback_host
 from kvcore.metrics import Histogram, _cell_histogram, _hist_cell, _observe
 
 __all__ = ["Messenger", "Source", "RateLimitedLog", "peer_socket_budget", "FDS_PER_PEER_SOCKET"]

@@ -19,7 +19,7 @@ from kvcore.errors import DuplicateBackendError, PluginError, UnknownBackendErro
 if TYPE_CHECKING:
     # LayoutMapper and BenchBaseline appear only in quoted base classes, which ruff does not count as uses
     # (hence the noqa); importing them for real would make the registries import the data plane.
-    from kvcore.layout.mapping import LayoutMapper  # noqa: F401
+    from kvcore.layout.mappers import LayoutMapper  # noqa: F401
     from kvcore.layout.page import PageTable
     from kvcore.transport.agent import AgentCapabilities, TransferAgent
     from kvcore.transport.baselines import BenchBaseline  # noqa: F401

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvcore.tools.demo import DemoSpec
+    from kvcore.testing.scenario import DemoSpec
 
 __all__ = [
     "network_backends",

@@ -15,7 +15,7 @@ from typing import Any
 from kvcore.errors import KvcoreError
 from kvcore.testing.ranks import RankError, RankProcess
 from kvcore.tools.bench.rank import _SECRET_ENV
-from kvcore.tools.bench.spec import BenchError, BenchSpec, Shape
+from kvcore.tools.bench.spec import CASE_NAMES, BenchError, BenchSpec, Shape
 
 
 class _RankProc(RankProcess):
@@ -160,6 +160,7 @@ def register_case(name: str, units: Callable[[BenchSpec], int] | None = None) ->
         if name in CASES:
             raise BenchError(f"benchmark case {name!r} is registered twice")
         CASES[name] = fn
+        CASE_NAMES.add(name)
         if units is not None:
             CASE_UNITS[name] = units
         return fn

@@ -11,6 +11,9 @@ from kvcore.errors import KvcoreError
 
 _GB = 1e9
 
+#: The names of the registered benchmark cases (``run.register_case`` adds each; ``BenchSpec`` checks against it).
+CASE_NAMES: set[str] = set()
+
 
 def _pct(values: list[float], q: float) -> float:
     """The ``q``-th percentile of ``values`` (the latency cases and the rank's soak report them)."""
@@ -116,11 +119,9 @@ class BenchSpec:
                 raise BenchError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.small_requests > 4000:
             raise BenchError(f"small_requests must be <= 4000 (max_inflight_requests), got {self.small_requests}")
-        from kvcore.tools.bench.run import CASES  # the registry is filled by the cases, which import this module
-
-        unknown = [c for c in self.cases if c not in CASES]
+        unknown = [c for c in self.cases if c not in CASE_NAMES]
         if unknown:
-            raise BenchError(f"unknown case(s) {unknown}; known: {sorted(CASES)}")
+            raise BenchError(f"unknown case(s) {unknown}; known: {sorted(CASE_NAMES)}")
         if not self.timeout_s > 0:
             raise BenchError(f"timeout_s must be > 0, got {self.timeout_s}")
         for name in ("matrix_tokens", "matrix_inflight"):
