@@ -9,11 +9,13 @@ import pytest
 try:
     distribution("kvcore-mooncake")
 except PackageNotFoundError:  # only an absent plugin skips; a broken Mooncake install fails below
-    pytest.skip("kvcore-mooncake is not installed (make install, or pip install ./plugins/mooncake)", allow_module_level=True)
+    pytest.skip(
+        "kvcore-mooncake is not installed (make install, or pip install ./plugins/mooncake)", allow_module_level=True
+    )
 
-import kvcore_mooncake.plugin  # noqa: E402,F401  (missing system libraries fail every test here instead of skipping)
+import kvcore_mooncake.plugin  # noqa: F401  (missing system libraries fail every test here instead of skipping)
 
-from kvcore.testing.contract import TransferAgentContract  # noqa: E402
+from kvcore.testing.contract import TransferAgentContract
 
 
 class TestMooncakeContract(TransferAgentContract):

@@ -62,7 +62,15 @@ from kvcore.transport.agent import (
 from kvcore.transport.fragments import merge_runs
 from kvcore_mooncake.plugin import CAPABILITIES
 
-__all__ = ["MooncakeAgent", "MooncakeOptions", "CAPABILITIES", "engine_settings", "resolve_addresses", "dial_target", "decode_peer"]
+__all__ = [
+    "MooncakeAgent",
+    "MooncakeOptions",
+    "CAPABILITIES",
+    "engine_settings",
+    "resolve_addresses",
+    "dial_target",
+    "decode_peer",
+]
 
 log = logging.getLogger("kvcore_mooncake")
 
