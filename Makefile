@@ -2,16 +2,30 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # Each plugin with the extra that brings its native library (nixl: the CUDA-12 flavour of the NIXL wheel,
-# which also works on host memory without a GPU).
-PLUGINS := 'plugins/nixl[cu12]' plugins/ucx plugins/mixers docs/examples/kvcore-cma
+# which also works on host memory without a GPU; mooncake: mooncake-transfer-engine-non-cuda, a dependency).
+PLUGINS := 'plugins/nixl[cu12]' plugins/ucx plugins/mixers plugins/mooncake docs/examples/kvcore-cma
 
-.PHONY: install demo test lint mutations mutations-sample
+.PHONY: install mooncake-syslibs demo test lint mutations mutations-sample
 
 # torch first and pinned: 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
 install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(foreach p,$(PLUGINS),$(PIP) install -q -e $(p) &&) true
+	$(MAKE) --no-print-directory mooncake-syslibs
+
+# Mooncake's engine.so links libibverbs, libnl-3 and libnl-route-3 from the system even for TCP; the plugin's own
+# table (kvcore_mooncake.syslibs) names the Debian packages still missing. As root they are installed; otherwise
+# the command to run is printed (kvcore plugins then lists mooncake as failed, naming the library).
+mooncake-syslibs:
+	@missing="$$($(PYTHON) -m kvcore_mooncake.syslibs)"; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing for Mooncake: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else \
+		echo "Mooncake needs: apt-get install -y $$missing (as root)" >&2; \
+	fi
 
 demo: install
 	kvcore demo
