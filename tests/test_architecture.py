@@ -189,7 +189,6 @@ def test_the_planes_have_their_folders() -> None:
     assert flat == [
         "__init__",
         "__main__",
-        "_deprecation",
         "config",
         "errors",
         "hostinfo",

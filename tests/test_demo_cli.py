@@ -157,31 +157,28 @@ def test_two_hosts_spec_refuses_what_the_host_ranks_cannot_do() -> None:
         validate_two_hosts(DemoSpec(two_hosts=True, backend="shm"))
 
 
-def test_demo_block_order_flag_and_its_deprecated_alias(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--block-order`` sets DemoSpec.block_order; ``--layout`` (the old spelling) sets the same field and says so."""
+def test_demo_block_order_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--block-order`` sets DemoSpec.block_order; the spelling never released (``--layout``) is not an option."""
     from kvcore.tools.cli import build_parser
 
     args = build_parser().parse_args(["demo", "--block-order", "token_major"])
     assert args.block_order == "token_major"
     assert capsys.readouterr().err == ""
     assert build_parser().parse_args(["demo"]).block_order == "head_major"
-    old = build_parser().parse_args(["demo", "--layout", "token_major"])
-    assert old.block_order == "token_major" and not hasattr(old, "layout")
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--layout is deprecated; use --block-order" in err
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["demo", "--layout", "diagonal"])  # the alias keeps the choices
+        build_parser().parse_args(["demo", "--layout", "token_major"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--block-order", "diagonal"])
     with pytest.raises(ValueError, match="block_order: expected 'head_major' or 'token_major', got 'diagonal'"):
         from kvcore.tools.demo import DemoSpec
 
         DemoSpec(block_order="diagonal").validate()
 
 
-def test_demo_cli_deprecated_layout_still_runs_token_major() -> None:
-    """The old flag end to end: the real console script moves and verifies a token-major run, one note on stderr."""
-    cmd = ["kvcore", "demo", "--backend", "shm", "--json", "--layout", "token_major", *SMALL]
+def test_demo_cli_runs_token_major() -> None:
+    """``--block-order token_major`` end to end: the real console script moves and verifies a token-major run."""
+    cmd = ["kvcore", "demo", "--backend", "shm", "--json", "--block-order", "token_major", *SMALL]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     summary = json.loads(p.stdout)
     assert summary["ok"] and summary["spec"]["block_order"] == "token_major" and summary["mismatches"] == 0
-    assert p.stderr.count("--layout is deprecated; use --block-order") == 1

@@ -113,3 +113,23 @@ def test_decoder_never_raises_untyped(frame: bytes) -> None:
         wire.decode(frame)
     except ProtocolError:
         pass
+
+
+def test_the_wire_keeps_the_key_layout() -> None:
+    """``block_order`` and ``sharding`` travel under the key ``layout`` (the wire's spelling); both directions decode."""
+    from kvcore.layout.builders import allocate_kv_cache, build_kv_page_table
+    from kvcore.layout.page import PageTable as _PageTable
+    from kvcore.layout.topology import AttentionGeometry as _Geometry
+    from kvcore.layout.topology import Topology as _Topology
+
+    geom = _Geometry(
+        num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=2, dtype="float16", block_order="token_major"
+    )
+    topo = _Topology.create(1, 1, 0, 2)
+    table = build_kv_page_table(allocate_kv_cache(topo, geom, 2), topology=topo, geometry=geom)
+    as_sent = msgspec.msgpack.decode(msgspec.msgpack.encode(geom))
+    assert as_sent["layout"] == "token_major" and "block_order" not in as_sent
+    view = msgspec.msgpack.decode(table.encode())["views"][0]
+    assert view["layout"]["kind"] == "token_major_sharded" and "sharding" not in view
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(as_sent), type=_Geometry) == geom
+    assert _PageTable.decode(table.encode()) == table

@@ -22,8 +22,7 @@ kvcore.layout.mapping).
 
 The *arrangement* (``arrangement=``) names how an engine's tensors hold the cache: for KV
 ``head_major_pool`` (one tensor), ``token_major_layers`` or ``token_major_layers_kv_first`` (one
-tensor per layer); for Mamba state ``layer_major`` or ``vllm``. It was the keyword ``layout=``
-before, which still works with a ``DeprecationWarning``.
+tensor per layer); for Mamba state ``layer_major`` or ``vllm``.
 
 Why one module of this length: every builder declares its views through the same sharding and tensor checks
 (``kv_view_sharding``, ``_check_tensor``) that the table above summarizes, and each allocator returns exactly what
@@ -35,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvcore._deprecation import module_getattr, renamed_keyword
 from kvcore.errors import LayoutError
 from kvcore.layout.page import (
     DEFAULT_GROUP,
@@ -377,7 +375,6 @@ def build_mamba_state(
     topology: Topology,
     geometry: MambaGeometry,
     arrangement: str | None = None,
-    layout: str | None = None,
 ) -> PageTable:
     """Page table of this rank's Mamba state (``geometry.local_layers``), one slot per request.
 
@@ -392,10 +389,8 @@ def build_mamba_state(
     Its rows of ``x|B|C`` make ``d_conv-1`` conv fragments per layer and section.
 
     Both peers must use the same arrangement. A rank without Mamba layers gets an
-    empty table (``[]`` tensors or tensors with 0 layers). ``layout=`` is the deprecated
-    name of ``arrangement=``.
+    empty table (``[]`` tensors or tensors with 0 layers).
     """
-    arrangement = renamed_keyword("build_mamba_state", "layout", layout, "arrangement", arrangement)
     arrangement = MAMBA_LAYER_MAJOR if arrangement is None else arrangement
     if arrangement not in MAMBA_ARRANGEMENTS:
         raise LayoutError(f"arrangement: expected one of {list(MAMBA_ARRANGEMENTS)}, got {arrangement!r}")
@@ -495,8 +490,6 @@ def allocate_kv_cache(
     arrangement: str | None = None,
     allocator: Allocator | None = None,
     layers: Sequence[int] | None = None,
-    *,
-    layout: str | None = None,
 ) -> Any:
     """Tensors a builder accepts for this rank: one tensor (``head_major_pool``) or a list (token-major arrangements).
 
@@ -506,9 +499,7 @@ def allocate_kv_cache(
     defaults to ``torch.zeros``; receivers pass their agent's ``allocate_tensor``.
     ``layers`` restricts the cache to those global layers (a hybrid's attention
     layers); a rank holding none of them gets a tensor with 0 layers (or ``[]``).
-    ``layout=`` is the deprecated name of ``arrangement=``.
     """
-    arrangement = renamed_keyword("allocate_kv_cache", "layout", layout, "arrangement", arrangement)
     if num_blocks < 1:
         raise LayoutError(f"num_blocks: expected >= 1, got {num_blocks}")
     alloc = allocator or _zeros
@@ -542,13 +533,8 @@ def build_kv_page_table(
     layers: Sequence[int] | None = None,
     group: str = DEFAULT_GROUP,
     window: int | None = None,
-    layout: str | None = None,
 ) -> PageTable:
-    """Page table of tensors made by :func:`allocate_kv_cache` with the same ``arrangement`` and ``layers``.
-
-    ``layout=`` is the deprecated name of ``arrangement=``.
-    """
-    arrangement = renamed_keyword("build_kv_page_table", "layout", layout, "arrangement", arrangement)
+    """Page table of tensors made by :func:`allocate_kv_cache` with the same ``arrangement`` and ``layers``."""
     if arrangement is None:
         arrangement = HEAD_MAJOR_POOL if geometry.block_order == "head_major" else TOKEN_MAJOR_LAYERS
     if arrangement not in KV_ARRANGEMENTS:
@@ -575,17 +561,14 @@ def allocate_mamba_state(
     allocator: Allocator | None = None,
     arrangement: str | None = None,
     page_bytes: int | None = None,
-    *,
-    layout: str | None = None,
 ) -> tuple[Any, Any]:
     """``(conv_state, ssm_state)`` that :func:`build_mamba_state` accepts for this rank with the same ``arrangement``.
 
     ``arrangement="vllm"`` allocates as vLLM does: per local Mamba layer one buffer
     of ``num_slots`` pages, each page ``conv | ssm`` (``page_bytes``, default
     the two rounded up to their element sizes; vLLM pads it to the attention
-    page), returned as two lists of strided views. ``layout=`` is the deprecated name of ``arrangement=``.
+    page), returned as two lists of strided views.
     """
-    arrangement = renamed_keyword("allocate_mamba_state", "layout", layout, "arrangement", arrangement)
     arrangement = MAMBA_LAYER_MAJOR if arrangement is None else arrangement
     if num_slots < 1:
         raise LayoutError(f"num_slots: expected >= 1, got {num_slots}")
@@ -620,8 +603,3 @@ def allocate_mamba_state(
             )
         )
     return convs, ssms
-
-
-__getattr__ = module_getattr(
-    __name__, {"kv_view_layout": "kv_view_sharding", "MAMBA_LAYOUTS": "MAMBA_ARRANGEMENTS"}, globals()
-)

@@ -32,7 +32,6 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
-from kvcore._deprecation import module_getattr
 from kvcore.errors import (
     IncompatiblePeerError,
     MappingError,
@@ -70,10 +69,7 @@ __all__ = [
 
 
 class RankPlacement(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything a peer needs to plan transfers with a rank: topology, geometry, page table.
-
-    (Called ``RankLayout`` before; that name still imports, with a ``DeprecationWarning``.)
-    """
+    """Everything a peer needs to plan transfers with a rank: topology, geometry, page table."""
 
     topology: Topology
     geometry: AttentionGeometry
@@ -619,6 +615,3 @@ def plan_transfer(
         plans.append(state)
     plan = FragmentPlan.concat(plans)
     return plan.merge_contiguous() if merge else plan
-
-
-__getattr__ = module_getattr(__name__, {"RankLayout": "RankPlacement"}, globals())

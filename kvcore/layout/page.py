@@ -21,12 +21,10 @@ bounds the input size and the table bounds its own counts.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import ClassVar
 
 import msgspec
 import numpy as np
 
-from kvcore._deprecation import RenamingStructMeta, module_getattr, warn_renamed
 from kvcore.errors import LayoutError
 
 __all__ = [
@@ -73,7 +71,6 @@ def check_group_name(name: object, what: str = "group") -> str:
 class ViewSharding(msgspec.Struct, frozen=True, kw_only=True):
     """How one buffer of a view is laid out and sharded; the only thing mappers read.
 
-    (Called ``ViewLayout`` before; that name still imports, with a ``DeprecationWarning``.)
 
     Kinds:
 
@@ -184,7 +181,7 @@ class Pool(msgspec.Struct, frozen=True, kw_only=True):
         return np.uint64(self.base) + ids.astype(np.uint64) * np.uint64(self.slot_stride)
 
 
-class PoolView(msgspec.Struct, frozen=True, kw_only=True, metaclass=RenamingStructMeta):
+class PoolView(msgspec.Struct, frozen=True, kw_only=True):
     """One role's buffers for a set of global layers: entry ``e`` is layer ``layers[e // buffers_per_layer]``.
 
     ``tokens_per_slot`` is the tokens one slot holds (a KV block), or ``None``
@@ -197,8 +194,7 @@ class PoolView(msgspec.Struct, frozen=True, kw_only=True, metaclass=RenamingStru
     list per request, each group its own (e.g. ``"full"`` and ``"swa"``).
     Both peers must put a shared layer in the same group.
 
-    ``sharding`` was called ``layout`` before: the keyword ``layout=`` still works, with a
-    ``DeprecationWarning``, and the wire keeps the key ``layout``.
+    ``sharding`` travels under the wire key ``layout``.
     """
 
     role: str
@@ -213,8 +209,6 @@ class PoolView(msgspec.Struct, frozen=True, kw_only=True, metaclass=RenamingStru
     window: int | None = None
     dtype: str = ""  # element type of the buffers ("" when the builder does not say): peers must agree
     group: str = DEFAULT_GROUP
-
-    __renamed_keywords__: ClassVar[dict[str, str]] = {"layout": "sharding"}
 
     def __post_init__(self) -> None:
         check_group_name(self.group, f"view {self.role!r} group")
@@ -244,12 +238,6 @@ class PoolView(msgspec.Struct, frozen=True, kw_only=True, metaclass=RenamingStru
         if self.window is not None and self.window < 1:
             raise LayoutError(f"window: expected >= 1 or None, got {self.window}")
         self.sharding.check_buffer(self.buffer_bytes)
-
-    @property
-    def layout(self) -> ViewSharding:
-        """Deprecated name of :attr:`sharding`."""
-        warn_renamed("PoolView.layout", "PoolView.sharding")
-        return self.sharding
 
     @property
     def num_entries(self) -> int:
@@ -395,6 +383,3 @@ class PageTable(msgspec.Struct, frozen=True, kw_only=True):
             return msgspec.msgpack.decode(data, type=PageTable)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise LayoutError(f"page table: could not decode: {exc}") from exc
-
-
-__getattr__ = module_getattr(__name__, {"ViewLayout": "ViewSharding", "LAYOUT_KINDS": "SHARDING_KINDS"}, globals())

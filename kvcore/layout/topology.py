@@ -14,11 +14,10 @@ what they run, but every planning function refuses it with ``TopologyError``.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 import msgspec
 
-from kvcore._deprecation import RenamingStructMeta, warn_renamed
 from kvcore.errors import LayoutError, TopologyError
 
 __all__ = [
@@ -223,15 +222,14 @@ def require_no_cp(*topologies: Topology, what: str = "this operation") -> None:
 BlockOrder = Literal["head_major", "token_major"]
 
 
-class AttentionGeometry(msgspec.Struct, frozen=True, kw_only=True, metaclass=RenamingStructMeta):
+class AttentionGeometry(msgspec.Struct, frozen=True, kw_only=True):
     """Model-wide attention KV geometry: totals over the model, not per rank.
 
     ``kv_factor`` is 2 (K and V) or 1 (MLA: one latent buffer, replicated over TP).
     ``dtype`` is the element type's name (``"bfloat16"``); a ``torch.dtype`` is accepted and kept as its name.
     ``block_order`` is the order of the axes inside one block of one layer's buffer:
     ``head_major`` ``[heads, tokens, dim]`` or ``token_major`` ``[tokens, heads, dim]``.
-    (Called ``layout`` before; the keyword ``layout=`` still works, with a ``DeprecationWarning``,
-    and the wire keeps the key ``layout``.)
+    It travels under the wire key ``layout``.
     """
 
     num_layers: int
@@ -241,8 +239,6 @@ class AttentionGeometry(msgspec.Struct, frozen=True, kw_only=True, metaclass=Ren
     dtype: str
     kv_factor: int = 2
     block_order: BlockOrder = msgspec.field(default="head_major", name="layout")
-
-    __renamed_keywords__: ClassVar[dict[str, str]] = {"layout": "block_order"}
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block"):
@@ -259,12 +255,6 @@ class AttentionGeometry(msgspec.Struct, frozen=True, kw_only=True, metaclass=Ren
         name = dtype_name(self.dtype)
         if name is not self.dtype:
             msgspec.structs.force_setattr(self, "dtype", name)
-
-    @property
-    def layout(self) -> BlockOrder:
-        """Deprecated name of :attr:`block_order`."""
-        warn_renamed("AttentionGeometry.layout", "AttentionGeometry.block_order")
-        return self.block_order
 
     @property
     def is_mla(self) -> bool:

@@ -620,23 +620,6 @@ def _int_list(text: str) -> list[int]:
 BLOCK_ORDERS: tuple[str, ...] = get_args(BlockOrder)
 
 
-class _DeprecatedAlias(argparse.Action):
-    """An old option spelling: stores into the new option's destination and says so on stderr, once per use."""
-
-    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any) -> None:
-        self.new = new
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(
-        self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None
-    ) -> None:
-        print(
-            f"kvcore demo: {option_string} is deprecated; use {self.new} (the old spelling goes in the next release)",
-            file=sys.stderr,
-        )
-        setattr(namespace, self.dest, values)
-
-
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "demo", help="move KV between a context and a generation instance (separate processes) and verify every byte"
@@ -655,14 +638,6 @@ def add_parser(sub: Any) -> None:
         default=d.block_order,
         choices=list(BLOCK_ORDERS),
         help="axis order inside one block of one layer: [heads, tokens, dim] or [tokens, heads, dim]",
-    )
-    p.add_argument(
-        "--layout",
-        dest="block_order",
-        choices=list(BLOCK_ORDERS),
-        action=_DeprecatedAlias,
-        new="--block-order",
-        help="deprecated spelling of --block-order",
     )
     p.add_argument("--ctx-tp", type=int, default=d.ctx_tp)
     p.add_argument("--ctx-pp", type=int, default=d.ctx_pp)

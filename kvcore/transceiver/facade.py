@@ -33,7 +33,6 @@ from typing import Any
 import msgspec
 
 from kvcore import errors as E
-from kvcore._deprecation import warn_renamed
 from kvcore.config import TransceiverConfig
 from kvcore.control import wire
 from kvcore.control.collective import Collective
@@ -272,12 +271,6 @@ class Transceiver:
     @property
     def placement(self) -> RankPlacement:
         """This rank's topology, geometry and page table: what its peers plan transfers with."""
-        return self._link.placement
-
-    @property
-    def layout(self) -> RankPlacement:
-        """Deprecated name of :attr:`placement`."""
-        warn_renamed("Transceiver.layout", "Transceiver.placement")
         return self._link.placement
 
     @property
