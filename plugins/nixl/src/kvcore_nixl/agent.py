@@ -880,4 +880,4 @@ def _one_kind(side: _Side, regions: np.ndarray, label: str) -> str:
             f"one nixl transfer cannot mix memory kinds on its {label} side ({', '.join(sorted(used))}); "
             "submit DRAM and VRAM fragments separately"
         )
-    return used.pop()
+    return str(used.pop())

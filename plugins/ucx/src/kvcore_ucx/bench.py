@@ -53,7 +53,7 @@ def _agent_class(design: str) -> type:
 
 
 def _digest(buf: np.ndarray) -> str:
-    return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
+    return hashlib.blake2b(buf.data, digest_size=16).hexdigest()
 
 
 class _TargetRank:

@@ -42,7 +42,7 @@ from kvcore_cma.plugin import CAPABILITIES
 
 IOV_MAX = 1024  # the kernel refuses more iovecs per call
 _libc = ctypes.CDLL(None, use_errno=True)
-_IOV_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+_IOV_ARGS = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong)
 _libc.process_vm_writev.argtypes = _libc.process_vm_readv.argtypes = _IOV_ARGS
 _libc.process_vm_writev.restype = _libc.process_vm_readv.restype = ctypes.c_ssize_t
 PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1).value
@@ -216,7 +216,7 @@ class CmaAgent(TransferAgent):
     # --- notifications and lifecycle ------------------------------------------------------------
 
     def _get_notifications(self) -> list[Notification]:
-        out = []
+        out: list[Notification] = []
         while True:
             try:
                 data = self._inbox.recv(65536)
