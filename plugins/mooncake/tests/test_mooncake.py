@@ -248,3 +248,12 @@ def test_bare_mooncake_baseline_moves_the_plan_byte_for_byte(pair: tuple[Mooncak
     expected = np.zeros((n, frag), dtype=np.uint8)
     expected[order.astype(np.int64)] = pool.reshape(n, frag)
     assert np.array_equal(dst.reshape(n, frag), expected)
+
+
+def test_every_option_is_documented_in_the_readme() -> None:
+    """``MooncakeOptions`` is the one statement of the options; the README names every field."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [f.name for f in msgspec.structs.fields(MooncakeOptions) if f"| `{f.name}` |" not in text]
+    assert missing == [], f"plugins/mooncake/README.md does not document options {missing}"
