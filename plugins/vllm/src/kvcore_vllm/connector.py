@@ -10,9 +10,18 @@ instance's blocks as soon as it allocated its own; ``"mode": "push"`` in
 
 * prefill scheduler, ``request_finished``: keeps the blocks (returns True) and
   returns ``kv_transfer_params`` carrying kvcore's :class:`kvcore.TransferParams`
-  (made here with a fresh ticket; in pull mode with the prefill's block ids and
-  incarnation); the next step's metadata tells the worker to ``start_send``
-  with those parameters.
+  (a fresh ticket; in pull mode with the prefill's block ids and incarnation).
+  The worker's ``start_send`` with those parameters comes **early** for the
+  common request (``do_remote_decode`` with ``max_tokens`` 1): the parameters
+  are made in ``build_connector_meta`` of the step that computes the prompt's
+  last token, and that step's own metadata tells the worker to send, after
+  the forward. Otherwise, vLLM's scheduling one step ahead (async scheduling,
+  on by default) puts it in the metadata of the step after the next, a whole
+  forward later, and the decode waits for it: its read ends at once, but the
+  prefill confirms it only once ``start_send`` came (issue 26's 16 MiB
+  measurement). A request announced early and then aborted or preempted is
+  cancelled on the worker, and vLLM is told it finished sending only after
+  ``request_finished`` returned True for it (``update_connector_output``).
 * decode scheduler: ``get_num_new_matched_tokens`` reports the prompt tokens
   from the parameters as an asynchronous load; a request that then waits for
   blocks is *expected* (its worker calls ``Transceiver.expect``, which renews
@@ -108,6 +117,7 @@ class SendSpec:
     params: dict[str, Any]  # kvcore.TransferParams.to_dict(), as returned to the router
     block_ids: list[int]
     prompt_len: int
+    early: bool = False  # started in the step computing the prompt's last token (before request_finished)
 
 
 @dataclass
@@ -136,6 +146,7 @@ class KvcoreConnectorMetadata(KVConnectorMetadata):
     """
 
     sends: dict[str, SendSpec] = field(default_factory=dict)
+    cancels: dict[str, str] = field(default_factory=dict)  # prefill: sends started early, given up: the reason
     expects: dict[str, dict[str, Any]] = field(default_factory=dict)  # decode requests waiting for blocks
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
     drops: dict[str, dict[str, Any]] = field(default_factory=dict)  # decode requests that will never load
@@ -159,8 +170,9 @@ class KvcoreConnectorStats(KVConnectorStats):
 
     Keys (:data:`kvcore_vllm.engine_api.COUNTERS`): ``transfers_done``, ``transfers_failed``,
     ``transfers_cancelled``, ``bytes_moved``, ``tokens_loaded`` (prompt tokens loaded over kvcore on the decode
-    side) and ``load_failures_<reason>`` for each :class:`~kvcore_vllm.engine_api.LoadFailure` (per worker: a
-    request whose load failed on both ranks of a TP2 decode counts twice; refused parameters count once).
+    side), ``sends_started`` and ``sends_started_early`` (prefill side) and ``load_failures_<reason>`` for each
+    :class:`~kvcore_vllm.engine_api.LoadFailure` (per worker: a request whose load failed on both ranks of a TP2
+    decode counts twice; refused parameters count once).
     """
 
     def __post_init__(self) -> None:
@@ -221,6 +233,13 @@ class KvcorePromMetrics(KVConnectorPromMetrics):
         for key, name, doc in (
             ("tokens_loaded", "vllm:kvcore_tokens_loaded", "Prompt tokens loaded over kvcore (decode side)."),
             ("bytes_moved", "vllm:kvcore_bytes_moved", "Bytes of KV kvcore moved (summed over workers)."),
+            ("sends_started", "vllm:kvcore_sends_started", "Sends kvcore started (prefill side, summed over workers)."),
+            (
+                "sends_started_early",
+                "vllm:kvcore_sends_started_early",
+                "Of those, sends started in the step that computed the prompt's last token, before the request "
+                "finished in vLLM (prefill side).",
+            ),
         ):
             self._counters[key] = per_engine(counter(name=name, documentation=doc, labelnames=labelnames))
 
@@ -296,6 +315,14 @@ class KvcoreConnector(KVConnectorBase_V1):
         self._refused: dict[str, str] = {}  # decode, policy fail: parameters refused, the reason (until finished)
         self._fails: dict[str, FailSpec] = {}
         self._fallbacks: dict[str, str] = {}
+        # Prefill: early sends (see the module docstring). Every entry is removed at request_finished or preemption.
+        self._candidates: dict[str, Request] = {}  # do_remote_decode, max_tokens 1, its last prompt token not scheduled
+        self._tracked_blocks: dict[str, list[int]] = {}  # a candidate's blocks, from the scheduler outputs
+        self._announced: dict[str, tuple[TransferParams, list[int]]] = {}  # sent early, request_finished not yet
+        self._released_early: set[str] = set()  # announced, and kvcore let go before request_finished
+        self._revoked: set[str] = set()  # announced, then preempted: its finished_sending is not vLLM's to see
+        self._delayed: set[str] = set()  # request_finished returned True: vLLM waits for its finished_sending
+        self._cancels: dict[str, str] = {}
         # Worker side.
         self._agent: TransferAgent | None = None
         self._engine: KvcoreEngine | None = None
@@ -460,7 +487,9 @@ class KvcoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvcoreConnectorMetadata)
         engine = self._require_engine()
         for name, send in meta.sends.items():
-            engine.send(name, send.block_ids, send.prompt_len, TransferParams.from_dict(send.params))
+            engine.send(name, send.block_ids, send.prompt_len, TransferParams.from_dict(send.params), early=send.early)
+        for name, why in meta.cancels.items():
+            engine.cancel(name, why)  # reported in finished_sending once kvcore released it
         # The scheduler side parsed every decode parameter already (parse_params): these cannot fail.
         for name, raw in meta.expects.items():
             engine.expect(name, TransferParams.from_dict(raw))
@@ -594,12 +623,14 @@ class KvcoreConnector(KVConnectorBase_V1):
         vLLM considers only the head of its waiting queue while blocks are short, so a request queued behind it
         would not reach ``get_num_new_matched_tokens`` for a while: it is announced here, on arrival.
         """
+        self._note_candidate(request)
         tp = self._remote_params(request)
         if tp is not None and request.request_id not in self._expected:
             self._waiting[request.request_id] = tp.to_dict()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode side: the prompt tokens the prefill instance holds beyond the local prefix, loaded asynchronously."""
+        self._note_candidate(request)
         tp = self._remote_params(request)
         if tp is None:
             if request.request_id in self._refused:
@@ -644,11 +675,161 @@ class KvcoreConnector(KVConnectorBase_V1):
             cached_tokens=max(0, prompt - num_external_tokens),
         )
 
+    # --- prefill: early sends ------------------------------------------------------------------------
+
+    def _note_candidate(self, request: Request) -> None:
+        """Prefill side: a request whose send may start in the step that computes its last prompt token.
+
+        Only ``do_remote_decode`` requests with ``max_tokens`` 1 (what a disaggregating proxy sends): they
+        finish in that step for certain unless aborted or preempted, both of which cancel the early send.
+        """
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if (
+            self._kvcore_role != "context"
+            or not params
+            or not params.get("do_remote_decode")
+            or rid in self._announced
+            or rid in self._revoked
+            or getattr(request.sampling_params, "max_tokens", None) != 1
+        ):
+            return
+        self._candidates.setdefault(rid, request)
+
+    def _forget_candidate(self, rid: str) -> None:
+        self._candidates.pop(rid, None)
+        self._tracked_blocks.pop(rid, None)
+
+    def _announce_sends(self, out: SchedulerOutput) -> None:
+        """Prefill side: start the send of each candidate whose last prompt token this step computes.
+
+        Its blocks are followed from the scheduler outputs (vLLM's own record of what the worker sees); a
+        preempted or resumed candidate is given up, and a preempted announced one is cancelled.
+        """
+        cached = out.scheduled_cached_reqs
+        for rid in set(out.preempted_req_ids or ()) | set(getattr(cached, "resumed_req_ids", ()) or ()):
+            self._forget_candidate(rid)
+            if self._announced.pop(rid, None) is not None:
+                self._revoked.add(rid)
+                self._cancels[rid] = "preempted after its send was started"
+        if not self._candidates:
+            return
+        steps: list[tuple[str, int]] = []
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self._candidates:
+                if len(new.block_ids) != 1:  # more than one KV cache group: request_finished's path
+                    self._forget_candidate(new.req_id)
+                    continue
+                self._tracked_blocks[new.req_id] = list(new.block_ids[0])
+                steps.append((new.req_id, new.num_computed_tokens))
+        for i, rid in enumerate(cached.req_ids):
+            if rid not in self._candidates:
+                continue
+            if rid not in self._tracked_blocks:  # first seen as a cached request: its blocks are not known here
+                self._forget_candidate(rid)
+                continue
+            grown = cached.new_block_ids[i]
+            if grown is not None:
+                if len(grown) != 1:
+                    self._forget_candidate(rid)
+                    continue
+                self._tracked_blocks[rid].extend(grown[0])
+            steps.append((rid, cached.num_computed_tokens[i]))
+        for rid, computed in steps:
+            request = self._candidates[rid]
+            prompt_len = request.num_prompt_tokens
+            if computed + out.num_scheduled_tokens.get(rid, 0) < prompt_len:
+                continue
+            blocks = self._tracked_blocks[rid][: -(-prompt_len // self._block_size)]
+            self._forget_candidate(rid)
+            if len(blocks) * self._block_size < prompt_len or self._info_endpoint is None:
+                continue  # request_finished's path (it logs a missing endpoint)
+            tp = self._make_params(rid, prompt_len, blocks)
+            self._sends[rid] = SendSpec(params=tp.to_dict(), block_ids=blocks, prompt_len=prompt_len, early=True)
+            self._announced[rid] = (tp, blocks)
+
+    def _make_params(self, rid: str, prompt_len: int, block_ids: list[int]) -> TransferParams:
+        assert self._info_endpoint is not None
+        pull = self._mode == "pull"
+        return TransferParams.make(
+            rid,
+            self._info_endpoint,
+            mode="pull" if pull else "push",
+            prompt_len=prompt_len,
+            block_ids=block_ids if pull else (),
+            incarnation=self._incarnation if pull else "",
+            lease_ms=int(self._config.lease_s * 1000),  # the decode side renews at a third of this
+        )
+
+    def _router_params(self, rid: str, tp: TransferParams) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self._engine_id,
+            "remote_request_id": rid,
+            PARAMS_KEY: tp.to_dict(),
+        }
+
+    def _finish_announced(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill side, ``request_finished`` of a request whose send started early."""
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        tp, blocks = self._announced.pop(rid)
+        released = rid in self._released_early
+        self._released_early.discard(rid)
+        finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if finished and list(block_ids[: len(blocks)]) == blocks:
+            if released:
+                # kvcore let go already (its lease ran out, or the send was refused): the decode that presents
+                # these parameters is refused and says so; the blocks are vLLM's again.
+                return False, self._router_params(rid, tp)
+            self._delayed.add(rid)
+            return True, self._router_params(rid, tp)
+        if finished:
+            log.error(
+                "request %r: the blocks its send started with (%s...) are not the blocks it finished with (%s...); "
+                "not sending it",
+                rid,
+                blocks[:4],
+                list(block_ids[:4]),
+            )
+        if released:
+            return False, None
+        self._cancels[rid] = "the request did not finish its prefill" if not finished else "its blocks changed"
+        self._delayed.add(rid)  # freed once kvcore released the cancelled send
+        return True, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Prefill side: pass vLLM a finished send only once ``request_finished`` returned True for it.
+
+        A send started early can end (its lease ran out) before the request finished in vLLM, whose scheduler
+        would then free the blocks of a running request.
+        """
+        done = connector_output.finished_sending
+        if not done or self._kvcore_role != "context":
+            return
+        keep: set[str] = set()
+        for name in done:
+            if name in self._delayed:
+                self._delayed.discard(name)
+                keep.add(name)
+            elif name in self._announced:
+                self._released_early.add(name)
+            elif name in self._revoked:
+                self._revoked.discard(name)
+            else:
+                keep.add(name)
+        connector_output.finished_sending = keep
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcoreConnectorMetadata:
+        if self._kvcore_role == "context":
+            self._announce_sends(scheduler_output)
         expects, self._waiting = self._waiting, {}
         self._expected.update(expects)
         meta = KvcoreConnectorMetadata(
             sends=self._sends,
+            cancels=self._cancels,
             expects=expects,
             recvs=self._recvs,
             drops=self._drops,
@@ -656,6 +837,7 @@ class KvcoreConnector(KVConnectorBase_V1):
             fallbacks=self._fallbacks,
         )
         self._sends, self._recvs, self._drops, self._fails, self._fallbacks = {}, {}, {}, {}, {}
+        self._cancels = {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -678,7 +860,12 @@ class KvcoreConnector(KVConnectorBase_V1):
                     if expected:
                         self._drops[rid] = {}  # just give the expectation up
             return False, None
-        if self._kvcore_role != "context" or not params or not params.get("do_remote_decode"):
+        if self._kvcore_role != "context":
+            return False, None
+        self._forget_candidate(rid)
+        if rid in self._announced:
+            return self._finish_announced(request, block_ids)
+        if not params or not params.get("do_remote_decode"):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted before its prefill completed: nothing to send
@@ -687,22 +874,11 @@ class KvcoreConnector(KVConnectorBase_V1):
         if self._info_endpoint is None:
             log.error("request %r: no kvcore endpoint known (handshake metadata not set); not sending", rid)
             return False, None
-        prompt_len = request.num_computed_tokens
-        pull = self._mode == "pull"
-        tp = TransferParams.make(
-            rid,
-            self._info_endpoint,
-            mode="pull" if pull else "push",
-            prompt_len=prompt_len,
-            block_ids=block_ids if pull else (),
-            incarnation=self._incarnation if pull else "",
-            lease_ms=int(self._config.lease_s * 1000),  # the decode side renews at a third of this
-        )
-        self._sends[rid] = SendSpec(params=tp.to_dict(), block_ids=list(block_ids), prompt_len=prompt_len)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self._engine_id,
-            "remote_request_id": rid,
-            PARAMS_KEY: tp.to_dict(),
-        }
+        # The prompt's KV only: a request that generated more than one token here computed their KV too (and holds
+        # a block for them), but the decode request carries the prompt alone and would refuse the rest.
+        prompt_len = min(request.num_computed_tokens, request.num_prompt_tokens)
+        blocks = list(block_ids)[: -(-prompt_len // self._block_size)]  # the blocks that hold the prompt
+        tp = self._make_params(rid, prompt_len, blocks)
+        self._sends[rid] = SendSpec(params=tp.to_dict(), block_ids=blocks, prompt_len=prompt_len)
+        self._delayed.add(rid)
+        return True, self._router_params(rid, tp)

@@ -137,6 +137,8 @@ COUNTERS = (
     "transfers_cancelled",
     "bytes_moved",
     "tokens_loaded",
+    "sends_started",  # prefill: start_send calls kvcore took
+    "sends_started_early",  # of those, started in the step that computed the prompt's last token
     *(f"load_failures_{r.value}" for r in LoadFailure),
 )
 
@@ -228,8 +230,14 @@ class KvcoreEngine:
 
     # --- prefill side ------------------------------------------------------------------------------
 
-    def send(self, name: str, block_ids: Sequence[int], prompt_len: int, params: TransferParams) -> None:
-        """The KV of request ``name`` is complete in ``block_ids``; serve it to whoever presents ``params``' ticket."""
+    def send(
+        self, name: str, block_ids: Sequence[int], prompt_len: int, params: TransferParams, *, early: bool = False
+    ) -> None:
+        """The KV of request ``name`` is complete in ``block_ids``; serve it to whoever presents ``params``' ticket.
+
+        ``early``: started in the step that computed the prompt's last token, before vLLM finished the request
+        (counted in ``sends_started_early``).
+        """
         entry = _Entry(Phase.SENDING, params.request_id, list(block_ids))
         if name in self._entries or self._claimed_by_other(name, params.request_id):
             self._refuse(name, entry, E.SessionError(f"request {name!r} is already being sent from this worker"))
@@ -240,6 +248,8 @@ class KvcoreEngine:
             self._refuse(name, entry, exc)
             return
         self._track(name, entry)
+        self._counters["sends_started"] += 1
+        self._counters["sends_started_early"] += early
 
     # --- decode side -------------------------------------------------------------------------------
 

@@ -103,9 +103,12 @@ def test_decode_loads_every_prompt_token_and_matches_one_engine(pair: Pair, refe
     """Two waves of 8 prompts: tokens equal one plain engine's, every prompt token loaded, none recomputed."""
     for wave in (1, 2):
         batch = prompts(wave)
-        before = pair.decode.metrics()
+        before, sent_before = pair.decode.metrics(), pair.prefill.metrics()
         outs = disagg(pair.prefill, pair.decode, f"w{wave}", batch)
-        after = pair.decode.metrics()
+        after, sent_after = pair.decode.metrics(), pair.prefill.metrics()
+        # Every send started in the step that computed its prompt's last token, not a step after vLLM finished it.
+        assert delta(sent_after, sent_before, "vllm:kvcore_sends_started") == len(batch), (sent_before, sent_after)
+        assert delta(sent_after, sent_before, "vllm:kvcore_sends_started_early") == len(batch)
         assert tokens_of(outs, f"w{wave}", len(batch)) == reference.tokens(batch, MAX_TOKENS)
         total = sum(map(len, batch))
         assert delta(after, before, "by_source", "external_kv_transfer") == total, (before, after)
@@ -114,6 +117,34 @@ def test_decode_loads_every_prompt_token_and_matches_one_engine(pair: Pair, refe
         assert delta(after, before, "vllm:kvcore_tokens_loaded") == total
         assert delta(after, before, "kvcore_transfers", "done") == len(batch)
         assert sum(after["kvcore_load_failures"].values()) == sum(before["kvcore_load_failures"].values())
+
+
+def test_a_prefill_of_more_than_one_token_sends_when_it_finishes(pair: Pair, reference: Reference) -> None:
+    """``max_tokens`` 2 on the prefill: not sure to finish with its prompt, so its send starts at request_finished
+    (not early); the decode still loads every prompt token and matches one engine."""
+    batch = prompts(12, n=2)
+    ids = [f"mt2-{k}" for k in range(len(batch))]
+    reqs = [
+        {"id": i, "prompt": p, "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}}
+        for i, p in zip(ids, batch)
+    ]
+    sent_before, before = pair.prefill.metrics(), pair.decode.metrics()
+    pouts = pair.prefill.call("generate", requests=reqs)["outputs"]
+    outs = decode_step(pair.decode, ids, batch, [pouts[i]["kv_transfer_params"] for i in ids])
+    after = pair.decode.metrics()
+    # The offline engine records the connector stats of steps it ran after generate() returned only when it next
+    # reads outputs: a plain one-token request makes it (bounded).
+    for k in range(10):
+        sent_after = pair.prefill.metrics()
+        if delta(sent_after, sent_before, "vllm:kvcore_sends_started") >= len(batch):
+            break
+        pair.prefill.call("generate", requests=[{"id": f"mt2-nudge-{k}", "prompt": [1, 2, 3], "max_tokens": 1}])
+        time.sleep(0.2)
+    assert delta(sent_after, sent_before, "vllm:kvcore_sends_started") == len(batch), (sent_before, sent_after)
+    assert delta(sent_after, sent_before, "vllm:kvcore_sends_started_early") == 0
+    assert tokens_of(outs, "mt2", len(batch)) == reference.tokens(batch, MAX_TOKENS)
+    assert delta(after, before, "by_source", "external_kv_transfer") == sum(map(len, batch))
+    assert delta(after, before, "by_source", "local_compute") == 0
 
 
 def test_a_decode_prefix_cache_hit_loads_only_the_rest(pair: Pair, reference: Reference) -> None:
