@@ -200,6 +200,43 @@ def test_decode_prefix_cache_hit_moves_only_the_suffix(engines: Any, model_dir: 
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_prefill_aborted_after_its_send_started_early_is_cancelled_then_freed(
+    engines: Any, model_dir: str, mode: str
+) -> None:
+    # The step that computes the prompt's last token starts the send early (its metadata); the request is aborted
+    # before vLLM finishes it (async scheduling's window). kvcore cancels the send; vLLM frees the blocks only
+    # once kvcore released it (finished_sending after request_finished), and no parameters go out.
+    p = engines(**spec("prefill", "shm", model_dir, mode))
+    base = p.ready["free_blocks"]
+    p.send_many(
+        {"op": "add", "id": "cut", "prompt": prompt_of(40, 5), "max_tokens": 1, "params": {"do_remote_decode": True},
+         "seed": 5},
+        {"op": "abort_after_schedule", "id": "cut"},
+    )  # fmt: skip
+    p.wait("freed", id="cut", timeout=60)
+    assert_idle(p, base)
+    stats = p.state()["connector_stats"]
+    assert stats.get("sends_started_early") == 1 and stats.get("transfers_cancelled") == 1, stats
+    assert not stats.get("transfers_done"), stats
+    assert not any(e.get("event") == "finished" and e.get("params") for e in p.events), p.events
+
+
+def test_a_proxy_prefill_starts_its_send_in_the_step_of_its_last_prompt_token(engines: Any, model_dir: str) -> None:
+    # max_tokens 1 and do_remote_decode: the send starts early; max_tokens 2: from request_finished (not early).
+    p = engines(**spec("prefill", "shm", model_dir, "pull"))
+    prefill(p, "early", 40, 6, "pull")
+    p.send(op="add", id="late", prompt=prompt_of(40, 7), max_tokens=2, params={"do_remote_decode": True}, seed=7)
+    done = p.wait("finished", id="late")
+    assert done["params"]["kvcore"]["prompt_len"] == 40 and len(done["params"]["kvcore"]["block_ids"]) == -(
+        -40 // BLOCK_SIZE
+    )
+    deadline = time.monotonic() + 30
+    while (stats := p.state()["connector_stats"]).get("sends_started", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stats.get("sends_started") == 2 and stats.get("sends_started_early") == 1, stats
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
 def test_prefill_frees_blocks_when_no_decode_ever_asks(engines: Any, model_dir: str, mode: str) -> None:
     # The router lost the parameters: the request's lease (request_timeout_s, never renewed) bounds how long the
     # prefill holds the blocks; kvcore reports it failed (LeaseExpiredError) and the connector frees them.

@@ -237,6 +237,8 @@ class Engine:
         self.seeds[req_id] = seed
         self.scheduler.add_request(request)
 
+    abort_after_schedule: list[str] = []  # aborted by the next step() between its schedule() and its forward
+
     def abort(self, req_id: str) -> None:
         from vllm.v1.request import RequestStatus
 
@@ -250,6 +252,10 @@ class Engine:
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Mixin
 
         so = self.scheduler.schedule()
+        # The window vLLM's async scheduling opens: a request finished (aborted) after its step was scheduled.
+        for rid in self.abort_after_schedule:
+            self.abort(rid)
+        self.abort_after_schedule = []
         if so.total_num_scheduled_tokens == 0:
             mro = Mixin.kv_connector_no_forward(so, self.vllm_config)
         else:
@@ -352,14 +358,14 @@ class Engine:
 class EngineRank:
     """One engine served as a rank (``kvcore.testing.ranks.serve``): commands in, events out as messages.
 
-    Commands: ``add``, ``abort`` and ``freeze`` (the test ``tell``s them: no reply, a failure still comes back),
+    Commands: ``add``, ``abort``, ``abort_after_schedule`` and ``freeze`` (the test ``tell``s them: no reply, a failure still comes back),
     ``batch`` (several of those, all acted on before the same step) and ``state`` (a call: one step, then the
     counters). Between commands the engine steps while it has requests, as EngineCore's busy loop does. Events
     are messages ``{"event": name, ...}``: ``ready``, ``loaded`` (with the prompt's KV), ``finished``,
     ``freed``, ``frozen``, ``thawed`` and ``closed``.
     """
 
-    BATCHABLE = ("add", "abort", "freeze")
+    BATCHABLE = ("add", "abort", "abort_after_schedule", "freeze")
 
     def __init__(self, channel: Channel, spec: EngineSpec) -> None:
         self.channel, self.spec = channel, spec
@@ -383,6 +389,11 @@ class EngineRank:
 
     def op_abort(self, id: str) -> None:
         self.engine.abort(id)
+        self.watched[id]["aborted"] = True
+
+    def op_abort_after_schedule(self, id: str) -> None:
+        """Abort ``id`` in the next step, after the scheduler scheduled it (and its connector metadata was built)."""
+        self.engine.abort_after_schedule = [*self.engine.abort_after_schedule, id]
         self.watched[id]["aborted"] = True
 
     def op_freeze(self, seconds: float) -> None:
