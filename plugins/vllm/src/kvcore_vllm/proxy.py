@@ -12,6 +12,11 @@ instance, and relays that answer (streamed when the client asked for a stream). 
 ``--decode`` URLs are taken in turn (round robin). ``GET /v1/models`` is a decode instance's;
 ``GET /health`` is 200 only when every instance answers its own ``/health``.
 
+At most ``--max-in-flight`` requests (default 256) are relayed at once; one more is answered 503 at once
+rather than queued without bound. A decode instance that fails in the middle of a stream (it died, the
+connection broke, its answer ran past ``--timeout-s``) ends the client's stream with an error event,
+``data: {"error": {...}}``, and no ``data: [DONE]``: the client can tell a cut answer from a whole one.
+
 It binds 127.0.0.1 unless ``--host`` says otherwise. It does not authenticate clients: put it behind what
 guards your API. The ``kv_transfer_params`` are a credential for the request's KV (they carry kvcore's
 ticket): the proxy passes them only to the decode instance and never to the client of the prefill step.
@@ -79,10 +84,16 @@ class _RoundRobin:
         return next(self._next)
 
 
-def make_app(prefill: Sequence[str], decode: Sequence[str], *, timeout_s: float = 600.0) -> Any:
+def make_app(
+    prefill: Sequence[str], decode: Sequence[str], *, timeout_s: float = 600.0, max_in_flight: int = 256
+) -> Any:
     """The proxy as an ``aiohttp.web.Application`` (aiohttp comes with vLLM)."""
     import aiohttp
     from aiohttp import web
+
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight: expected >= 1, got {max_in_flight}")
+    in_flight = 0
 
     prefills, decodes = _RoundRobin("prefill", prefill), _RoundRobin("decode", decode)
     session_key = web.AppKey("session", aiohttp.ClientSession)
@@ -97,6 +108,16 @@ def make_app(prefill: Sequence[str], decode: Sequence[str], *, timeout_s: float 
         return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}}, status=status)
 
     async def relay(request: web.Request) -> web.StreamResponse:
+        nonlocal in_flight
+        if in_flight >= max_in_flight:
+            return error(503, f"the proxy relays {max_in_flight} requests at once (--max-in-flight); try again later")
+        in_flight += 1
+        try:
+            return await relay_one(request)
+        finally:
+            in_flight -= 1
+
+    async def relay_one(request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -116,8 +137,9 @@ def make_app(prefill: Sequence[str], decode: Sequence[str], *, timeout_s: float 
             second = decode_body(body, answer, p_url)
         except ProxyError as exc:
             return error(exc.status, str(exc))
-        except aiohttp.ClientError as exc:
-            return error(502, f"the prefill instance {p_url} is unreachable: {exc}")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return error(502, f"the prefill instance {p_url} is unreachable or too slow: {exc!r}")
+        out: web.StreamResponse | None = None
         try:
             async with session.post(d_url + request.path, json=second, headers=headers) as r:
                 if not body.get("stream"):
@@ -132,8 +154,21 @@ def make_app(prefill: Sequence[str], decode: Sequence[str], *, timeout_s: float 
                     await out.write(chunk)
                 await out.write_eof()
                 return out
-        except aiohttp.ClientError as exc:
-            return error(502, f"the decode instance {d_url} is unreachable: {exc}")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if out is None or not out.prepared:
+                return error(502, f"the decode instance {d_url} is unreachable or too slow: {exc!r}")
+            # The status line went out already: end the stream with an error event (and no [DONE]).
+            log.warning("the decode instance %s failed in the middle of a stream: %r", d_url, exc)
+            event = {
+                "error": {
+                    "message": f"the decode instance {d_url} failed in the middle of the answer: {exc!r}",
+                    "type": "proxy_error",
+                    "code": 502,
+                }
+            }
+            await out.write(b"\n\ndata: " + json.dumps(event).encode() + b"\n\n")
+            await out.write_eof()
+            return out
 
     async def models(request: web.Request) -> web.Response:
         url = decodes.urls[0]
@@ -177,11 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit for each instance's answer")
+    parser.add_argument(
+        "--max-in-flight", type=int, default=256, help="requests relayed at once; one more is answered 503"
+    )
     args = parser.parse_args(argv)
     from aiohttp import web
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = make_app(args.prefill, args.decode, timeout_s=args.timeout_s)
+    app = make_app(args.prefill, args.decode, timeout_s=args.timeout_s, max_in_flight=args.max_in_flight)
     log.info("proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
     return 0
