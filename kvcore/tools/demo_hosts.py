@@ -106,6 +106,9 @@ def _start(host: Any, backend: str, spec: DemoSpec, role: str) -> tuple[list[Any
     peers: list[Any] = []
     with ThreadPoolExecutor(world) as pool:
         env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}  # gloo's "hostname cannot be retrieved" noise
+        # A network agent that advertises one address of its own (kvcore-mooncake's bind_address, loopback by
+        # default) reads it from KVCORE_<BACKEND>_BIND_ADDRESS: here, the test host's own address.
+        env.setdefault(f"KVCORE_{backend.upper()}_BIND_ADDRESS", host.address)
         peers = list(pool.map(lambda r: host.peer(backend, {}, name=f"{role[:3]}{r}", env=env), range(world)))
         infos = list(
             pool.map(
