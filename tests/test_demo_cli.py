@@ -127,19 +127,20 @@ def test_demo_cli_two_hosts_without_namespaces_says_why() -> None:
     assert "cannot build namespaced hosts here" in p.stderr and "root" in p.stderr, p.stderr
 
 
-def test_demo_cli_two_hosts_nixl_verifies_every_byte() -> None:
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_demo_cli_two_hosts_verifies_every_byte(backend: str) -> None:
     from kvcore.testing.hosts import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    if not _installed("nixl"):
-        pytest.skip("transfer agent 'nixl' is not installed (pip install ./plugins/nixl)")
-    cmd = ["kvcore", "demo", "--two-hosts", "--backend", "nixl", "--json", "--ctx-tp", "1", "--gen-tp", "1", *SMALL]
+    if not _installed(backend):
+        pytest.skip(f"transfer agent {backend!r} is not installed (pip install ./plugins/{backend})")
+    cmd = ["kvcore", "demo", "--two-hosts", "--backend", backend, "--json", "--ctx-tp", "1", "--gen-tp", "1", *SMALL]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     summary = json.loads(p.stdout)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert summary["ok"] and summary["backend"] == "nixl"
+    assert summary["ok"] and summary["backend"] == backend
     assert "198.18.0.1" in summary["hosts"] and "198.18.0.2" in summary["hosts"]
     # 6 requests x 4 layers x K,V x 4 heads x 48 tokens x 32 dims x 2 bytes, every one compared with the oracle
     assert summary["bytes"] == 6 * 4 * 2 * 4 * 48 * 32 * 2 and summary["mismatches"] == 0
