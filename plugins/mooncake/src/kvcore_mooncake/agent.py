@@ -46,7 +46,7 @@ from kvcore.errors import (
     TransferFailedError,
 )
 from kvcore.extension.convert import convert_options, from_text
-from kvcore.hostinfo import host_identity, process_start_time
+from kvcore.hostinfo import host_identity, process_alive, process_start_time
 from kvcore.transport.agent import (
     AgentDescriptor,
     MemoryRegion,
@@ -395,7 +395,7 @@ class MooncakeAgent(TransferAgent):
     def _peer_gone(self, loaded: RemoteAgent) -> bool:
         """Gone when its process on this host exited (pid and start time), or a transfer proved it unreachable."""
         peer: _Peer = loaded.native
-        return bool(peer.lost) or (peer.same_host and not _alive(peer.pid, peer.start_time))
+        return bool(peer.lost) or (peer.same_host and not process_alive(peer.pid, peer.start_time or None))
 
     def _describe_agent(self, descriptor: AgentDescriptor) -> str:
         payload = self._decode(descriptor)
@@ -473,7 +473,7 @@ class MooncakeAgent(TransferAgent):
             f"mooncake {xfer.op.value} to peer {peer.name!r} ({peer.target}) failed: batch_transfer_sync returned "
             f"{rc} (batch {batch + 1} of {len(xfer.chunks)})"
         )
-        if peer.same_host and not _alive(peer.pid, peer.start_time):
+        if peer.same_host and not process_alive(peer.pid, peer.start_time or None):
             peer.lost = f"its process {peer.pid} exited"
             return PeerLostError(f"{what}; the peer process {peer.pid} exited")
         if not peer.same_host and self._engine.send_probe(peer.target) != 0:
@@ -549,23 +549,3 @@ class MooncakeAgent(TransferAgent):
 
 def _is_loopback(address: str) -> bool:
     return ipaddress.ip_address(address).is_loopback
-
-
-def _alive(pid: int, start_time: int) -> bool:
-    """Whether process ``pid`` (started at ``start_time``, 0: unknown) still runs on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process: it exists
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            if f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X"):
-                return False  # killed, not yet reaped by its parent
-    except (OSError, IndexError):
-        pass
-    if start_time:
-        now = process_start_time(pid)
-        return now is None or now == start_time
-    return True
