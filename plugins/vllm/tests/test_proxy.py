@@ -125,3 +125,25 @@ def test_a_request_over_the_in_flight_cap_is_answered_503_at_once() -> None:
                 await runner.cleanup()
 
     _run(main())
+
+
+def test_a_prefill_answering_garbage_is_a_502_naming_it() -> None:
+    async def main() -> None:
+        async def garbage(request: web.Request) -> web.Response:
+            return web.Response(text="not json{", status=200)
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", garbage)
+        runners = [await _serve(app)]
+        try:
+            proxy = await _serve(make_app([runners[0][1]], ["http://127.0.0.1:9"], timeout_s=5))
+            runners.append(proxy)
+            async with aiohttp.ClientSession() as s:
+                status, body = await _events(s, proxy[1])
+            assert status == 502 and "not JSON" in body[0]["error"]["message"], body
+            assert runners[0][1] in body[0]["error"]["message"]
+        finally:
+            for runner, _ in runners:
+                await runner.cleanup()
+
+    _run(main())

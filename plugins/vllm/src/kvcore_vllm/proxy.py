@@ -133,7 +133,10 @@ def make_app(
                 if r.status != 200:
                     text = (await r.read())[:4000].decode(errors="replace")
                     return error(r.status, f"the prefill instance {p_url} answered {r.status}: {text}")
-                answer = await r.json(content_type=None)
+                try:
+                    answer = await r.json(content_type=None)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    return error(502, f"the prefill instance {p_url} answered 200 with a body that is not JSON: {exc}")
             second = decode_body(body, answer, p_url)
         except ProxyError as exc:
             return error(exc.status, str(exc))
