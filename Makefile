@@ -35,13 +35,13 @@ demo: install
 MYPY_PLUGINS := plugins/nixl/src/kvcore_nixl plugins/ucx/src/kvcore_ucx plugins/mixers/src/kvcore_mixers \
 	plugins/mooncake/src/kvcore_mooncake docs/examples/kvcore-cma/src/kvcore_cma
 
-# The last line is the cheap half of `make mutations` (a second): every breakage in tools/mutations.toml still
+# The last line is the cheap half of `make mutations` (a second): every breakage in mutation/mutations.toml still
 # applies exactly once and names tests that exist, so a refactor that orphans one fails lint (and CI) at once.
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check kvcore plugins
 	$(PYTHON) -m mypy --strict kvcore $(MYPY_PLUGINS)
-	$(PYTHON) tools/mutations.py --check
+	$(PYTHON) mutation/mutations.py --check
 
 # The suite on TEST_WORKERS pytest-xdist workers (each test still spawns its own rank processes; `worksteal`
 # keeps the long soaks from ending up queued behind each other). TEST_WORKERS=0 runs it in this process.
@@ -53,7 +53,7 @@ test: install lint
 	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial"
 	$(PYTHON) -m pytest -m serial
 
-# Break each guarantee on purpose (tools/mutations.toml) and require the tests to catch it: caught means pytest's
+# Break each guarantee on purpose (mutation/mutations.toml) and require the tests to catch it: caught means pytest's
 # summary counts a failed test named for the breakage. All of them (~10 min here): by hand, before a merge that
 # touches a guarantee. CI runs mutations-sample: the canary and MUTATION_SAMPLE breakages, the group at HEAD's
 # commit count (each commit takes the next group, so 13 commits in a row run all 39), with their baseline:
@@ -61,10 +61,10 @@ test: install lint
 MUTATION_SAMPLE ?= 3
 
 mutations:
-	$(PYTHON) tools/mutations.py
+	$(PYTHON) mutation/mutations.py
 
 mutations-sample:
-	$(PYTHON) tools/mutations.py --sample $(MUTATION_SAMPLE)
+	$(PYTHON) mutation/mutations.py --sample $(MUTATION_SAMPLE)
 
 # --- vLLM connector (plugins/vllm): its own environments, so the core's .venv never sees vLLM ------------------
 # Two environments, two kinds of test (plugins/vllm/README.md, "Tested here"):

@@ -1,4 +1,4 @@
-"""tools/mutations.py counts a breakage as caught only when pytest's own summary shows a named test failed.
+"""mutation/mutations.py counts a breakage as caught only when pytest's own summary shows a named test failed.
 
 The tool runs here on a tiny git tree of its own (a two-line ``kvcore``, one test file, a two-entry list) with a
 fake ``pytest`` package in front of the real one, so no run touches this repository or runs its suite: a pytest
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvcore_mutations_tool", ROOT / "tools" / "mutations.py")
+    spec = importlib.util.spec_from_file_location("kvcore_mutations_tool", ROOT / "mutation" / "mutations.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
@@ -117,7 +117,7 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "kvcore/__init__.py": "",
         "kvcore/core.py": CORE,
         "tests/test_fake.py": TESTS,
-        "tools/mutations.toml": LIST,
+        "mutation/mutations.toml": LIST,
     }.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
@@ -201,7 +201,7 @@ def test_the_canary_counts_only_when_its_own_test_fails(
 
 
 def test_caught_by_names_the_test_that_must_fail(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    listing = tree / "tools" / "mutations.toml"
+    listing = tree / "mutation" / "mutations.toml"
     listing.write_text(LIST + 'caught_by = ["tests/test_fake.py::test_other"]\n')
     assert run_tool(tree, "--only", "answer-off-by-one") != 0  # test_answer failed, test_other was expected
     monkeypatch.setenv("FAKE_FAILS", "tests/test_fake.py::test_other")
@@ -228,7 +228,7 @@ def test_check_reports_a_stale_snippet_and_fails(tree: Path, capsys: pytest.Capt
 def test_check_reports_a_renamed_test_and_a_replacement_that_does_not_compile(
     tree: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    listing = tree / "tools" / "mutations.toml"
+    listing = tree / "mutation" / "mutations.toml"
     listing.write_text(
         LIST.replace('tests = ["tests/test_fake.py"]', 'tests = ["tests/test_fake.py::test_renamed"]').replace(
             'replacement = "return 41"', 'replacement = "return (41"'
@@ -246,7 +246,7 @@ def test_the_real_list_applies_to_this_tree(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_sample_is_the_canary_and_a_rotation_over_the_rest(tree: Path) -> None:
-    muts = tool.load(tree / "tools" / "mutations.toml")
+    muts = tool.load(tree / "mutation" / "mutations.toml")
     muts += [tool.Mutation(f"m{i}", "g", "f", "a", "b", ("t",)) for i in range(3)]
     pool = [m.name for m in muts if not m.canary]  # 4 entries
     picks = [[m.name for m in tool.sample(muts, 1, seed)] for seed in range(4)]

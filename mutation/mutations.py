@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Break kvcore on purpose, one guarantee at a time, and require the tests to notice (``make mutations``).
 
-Each entry of ``tools/mutations.toml`` names a deliberate breakage: a file, an
+Each entry of ``mutation/mutations.toml`` names a deliberate breakage: a file, an
 exact snippet of today's code, its replacement, the tests to run and (optional
 ``caught_by``, default: those tests) the tests one of which must fail. For each
 entry this script copies the repository (tracked and untracked, non-ignored
@@ -41,11 +41,11 @@ and one summary line. ``--sample N`` runs the canary and the next N entries of
 a rotation driven by the commit count of ``HEAD`` (``make mutations-sample``, in CI).
 Usage::
 
-    python tools/mutations.py                 # every entry (make mutations; ~10 min here)
-    python tools/mutations.py --only NAME ... # some entries
-    python tools/mutations.py --sample 3      # the canary and 3 entries in turn (make mutations-sample, CI)
-    python tools/mutations.py --check         # every entry still applies; quiet (make lint)
-    python tools/mutations.py --list          # names, files, guarantees and tests, with the same check
+    python mutation/mutations.py                 # every entry (make mutations; ~10 min here)
+    python mutation/mutations.py --only NAME ... # some entries
+    python mutation/mutations.py --sample 3      # the canary and 3 entries in turn (make mutations-sample, CI)
+    python mutation/mutations.py --check         # every entry still applies; quiet (make lint)
+    python mutation/mutations.py --list          # names, files, guarantees and tests, with the same check
 
 ``--file``, ``--root`` and ``--python`` point the tool at another list, tree or
 interpreter (``tests/test_mutations_tool.py`` runs it on a tiny tree with a
@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIST = Path("tools") / "mutations.toml"  # relative to the tree's root
+LIST = Path("mutation") / "mutations.toml"  # relative to the tree's root
 
 _FIELDS = {"name", "guarantee", "file", "original", "replacement", "tests"}
 _OPTIONAL = {"caught_by", "timeout_s", "canary"}
@@ -249,7 +249,7 @@ class Setup:
     @staticmethod
     def env(copy: Path) -> dict[str, str]:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(copy), str(copy / "tools"), *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONPATH"] = os.pathsep.join([str(copy), str(copy / "mutation"), *filter(None, [env.get("PYTHONPATH")])])
         env["KVCORE_MUTATION_COPY"] = str(copy)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         env["COLUMNS"] = "400"  # pytest cuts its FAILED lines to the terminal width: keep the reason readable

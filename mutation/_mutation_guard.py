@@ -1,4 +1,4 @@
-"""pytest plugin for ``tools/mutations.py``: every ``kvcore`` module a run imports must come from the mutated copy.
+"""pytest plugin for ``mutation/mutations.py``: every ``kvcore`` module a run imports must come from the mutated copy.
 
 A module that exists in the installed (editable) tree but not in the copy would otherwise be imported from the
 installed tree behind the copy's back (say, a module the copy deleted); a run that mixes trees proves nothing.
