@@ -192,7 +192,6 @@ def test_the_planes_have_their_folders() -> None:
         "config",
         "errors",
         "hostinfo",
-        "metrics",
         "msgbounds",
         "params",
     ], flat

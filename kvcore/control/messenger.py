@@ -44,7 +44,7 @@ from kvcore.control import wire
 from kvcore.control.auth import AuthConfig, z85_key
 from kvcore.errors import ConfigError, KvcoreError, ProtocolError
 from kvcore.hostinfo import is_loopback_host
-from kvcore.metrics import Histogram, _cell_histogram, _hist_cell, _observe
+from kvcore.metrics.snapshot import Histogram, _cell_histogram, _hist_cell, _observe
 
 __all__ = ["Messenger", "Source", "RateLimitedLog", "peer_socket_budget", "FDS_PER_PEER_SOCKET"]
 
@@ -349,7 +349,7 @@ class Messenger:
         self._thread = threading.Thread(target=self._run, name=f"{name}-messenger", daemon=True)
         self._cpu_at_exit = 0.0
         # Written by the I/O thread only (see ``io_timing``): seconds it was ready to run but did not, and how late
-        # its timed sleeps ended (a histogram cell of kvcore.metrics).
+        # its timed sleeps ended (a histogram cell of kvcore.metrics.snapshot).
         self._stall_s = 0.0
         self._lag = _hist_cell()
 
