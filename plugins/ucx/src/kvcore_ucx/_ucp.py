@@ -1,6 +1,7 @@
 """cffi (ABI mode) binding to the UCP API of the ``libucx-cu12`` wheel: no compiler needed at install or run time.
 
-Only what the agent uses is declared. The struct layouts are copied field by
+Only what the agent uses is declared. The setup every user of the binding does (context, worker, endpoint and
+its close: the agent, the bench baseline) is written once at the end (:func:`create_context` and the rest). The struct layouts are copied field by
 field from ``libucx/include/ucp/api/ucp.h`` of UCX 1.22 (the wheel this plugin
 pins); ``tests/test_ucx.py::test_binding_struct_layouts_match_the_c_compiler``
 compiles a C program against the wheel's headers and checks every
@@ -14,10 +15,25 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["UcpLibrary", "load", "ptr_status", "UcxUnavailableError", "CDEF", "STRUCTS"]
+__all__ = [
+    "UcpLibrary",
+    "load",
+    "ptr_status",
+    "UcxUnavailableError",
+    "CDEF",
+    "STRUCTS",
+    "Check",
+    "create_context",
+    "create_worker",
+    "worker_address",
+    "create_endpoint",
+    "close_endpoint",
+]
 
 CDEF = r"""
 typedef int8_t ucs_status_t;               /* enum declared UCS_S_PACKED: one byte */
@@ -375,3 +391,122 @@ def load() -> UcpLibrary:
             + "; ".join(errors)
             + ". Install them with 'pip install libucx-cu12' or set KVCORE_UCX_LIBDIR to a directory holding libucp.so.0"
         )
+
+
+# --- setup: the one place a UCP context, worker and endpoint are made -----------------------------------------
+
+#: A caller's status check: ``check(status, what)`` returns on ``UCS_OK`` and raises the caller's own error
+#: (naming ``what``) otherwise, so each user keeps the error type and wording its callers know.
+Check = Callable[[int, str], None]
+
+
+def create_context(
+    u: UcpLibrary,
+    settings: Mapping[str, str],
+    *,
+    features: int,
+    check: Check,
+    name: bytes | None = None,
+    refused: Callable[[str, str, int], BaseException] | None = None,
+) -> Any:
+    """A ``ucp_context_h`` with ``features``, read from the ``UCX_*`` environment with ``settings`` applied on top.
+
+    ``settings`` are ``ucp_config_modify`` names (no ``UCX_`` prefix) and values; ``name`` (at most 31 bytes
+    are used) labels the context in UCX's logs. A setting UCX refuses raises ``refused(key, value, status)``
+    when given, else what ``check`` raises for ``"ucx_config <key>"``. The caller owns the context
+    (``ucp_cleanup``).
+    """
+    ffi, lib = u.ffi, u.lib
+    cfg = ffi.new("ucp_config_t **")
+    check(lib.ucp_config_read(ffi.NULL, ffi.NULL, cfg), "ucp_config_read")
+    try:
+        for key, value in settings.items():
+            status = lib.ucp_config_modify(cfg[0], key.encode(), value.encode())
+            if status != UCS_OK and refused is not None:
+                raise refused(key, value, status)
+            check(status, f"ucx_config {key}")
+        params = ffi.new("ucp_params_t *")
+        params.field_mask = UCP_PARAM_FIELD_FEATURES
+        params.features = features
+        if name is not None:
+            cname = ffi.new("char[]", name[:31])  # kept alive until ucp_init returned
+            params.field_mask |= UCP_PARAM_FIELD_NAME
+            params.name = cname
+        ctx = ffi.new("ucp_context_h *")
+        check(lib.ucp_init_version(API_MAJOR, API_MINOR, params, cfg[0], ctx), "ucp_init")
+    finally:
+        lib.ucp_config_release(cfg[0])
+    return ctx[0]
+
+
+def create_worker(u: UcpLibrary, context: Any, *, thread_mode: int, check: Check) -> Any:
+    """A ``ucp_worker_h`` of ``context`` in ``thread_mode`` (``UCS_THREAD_MODE_*``); the caller destroys it."""
+    ffi = u.ffi
+    wparams = ffi.new("ucp_worker_params_t *")
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE
+    wparams.thread_mode = thread_mode
+    worker = ffi.new("ucp_worker_h *")
+    check(u.lib.ucp_worker_create(context, wparams, worker), "ucp_worker_create")
+    return worker[0]
+
+
+def worker_address(u: UcpLibrary, worker: Any, *, check: Check) -> bytes:
+    """The worker's address as bytes (what a peer's :func:`create_endpoint` connects to)."""
+    ffi, lib = u.ffi, u.lib
+    wattr = ffi.new("ucp_worker_attr_t *")
+    wattr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS
+    check(lib.ucp_worker_query(worker, wattr), "ucp_worker_query")
+    address = bytes(ffi.buffer(wattr.address, wattr.address_length))
+    lib.ucp_worker_release_address(worker, wattr.address)
+    return address
+
+
+def create_endpoint(
+    u: UcpLibrary,
+    worker: Any,
+    address: bytes,
+    *,
+    peer_mode: bool,
+    check: Check,
+    err_handler: Any = None,
+    err_arg: Any = None,
+) -> Any:
+    """A ``ucp_ep_h`` from ``worker`` to the worker at ``address``.
+
+    ``peer_mode``: UCX's ``PEER`` error handling (a lost peer is reported; needed across hosts), else ``NONE``
+    (zero-copy CMA on one host). ``err_handler`` (a ``ucp_err_handler_cb_t`` callback, with ``err_arg``) is
+    called when the endpoint fails. The caller closes it with :func:`close_endpoint`.
+    """
+    ffi = u.ffi
+    params = ffi.new("ucp_ep_params_t *")
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+    addr = ffi.from_buffer(address)  # alive until ucp_ep_create returned (UCX copies what it needs)
+    params.address = ffi.cast("ucp_address_t *", addr)
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER if peer_mode else UCP_ERR_HANDLING_MODE_NONE
+    if err_handler is not None:
+        params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER
+        params.err_handler.cb = err_handler
+        params.err_handler.arg = err_arg
+    ep = ffi.new("ucp_ep_h *")
+    check(u.lib.ucp_ep_create(worker, params, ep), "ucp_ep_create")
+    return ep[0]
+
+
+def close_endpoint(u: UcpLibrary, worker: Any, ep: Any, param: Any, *, timeout_s: float) -> bool:
+    """Close ``ep`` with the request parameters ``param`` (``UCP_EP_CLOSE_FLAG_FORCE`` for a peer-mode endpoint,
+    whose peer may be gone), progressing ``worker`` for at most ``timeout_s``.
+
+    False when the close did not finish in time (it is then cancelled); the request is freed either way.
+    """
+    lib = u.lib
+    req = lib.ucp_ep_close_nbx(ep, param)
+    if ptr_status(req) != UCS_INPROGRESS:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while lib.ucp_request_check_status(req) == UCS_INPROGRESS and time.monotonic() < deadline:
+        lib.ucp_worker_progress(worker)
+    finished = bool(lib.ucp_request_check_status(req) != UCS_INPROGRESS)
+    if not finished:
+        lib.ucp_request_cancel(worker, req)
+    lib.ucp_request_free(req)
+    return finished

@@ -26,7 +26,6 @@ import os
 import select
 import socket
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -232,45 +231,29 @@ class UcxAgent(TransferAgent):
         if status != _ucp.UCS_OK:
             raise TransferError(f"ucx agent {self.name!r}: {what} failed: UCS_ERR_{self._u.status_string(status)}")
 
+    def _refused(self, key: str, value: str, status: int) -> TransferError:
+        return TransferError(
+            f"ucx option ucx_config: UCX refused {key}={value!r}: UCS_ERR_{self._u.status_string(status)}"
+        )
+
     def _init_ucx(self, progress_thread: bool) -> None:
         ffi, lib = self._ffi, self._lib
-        cfg = ffi.new("ucp_config_t **")
-        self._check(lib.ucp_config_read(ffi.NULL, ffi.NULL, cfg), "ucp_config_read")
-        for key, value in self._ucx_config.items():
-            status = lib.ucp_config_modify(cfg[0], key.encode(), value.encode())
-            if status != _ucp.UCS_OK:
-                lib.ucp_config_release(cfg[0])
-                raise TransferError(
-                    f"ucx option ucx_config: UCX refused {key}={value!r}: UCS_ERR_{self._u.status_string(status)}"
-                )
-        params = ffi.new("ucp_params_t *")
-        params.field_mask = _ucp.UCP_PARAM_FIELD_FEATURES | _ucp.UCP_PARAM_FIELD_NAME
-        params.features = _ucp.UCP_FEATURE_RMA | _ucp.UCP_FEATURE_AM | _ucp.UCP_FEATURE_WAKEUP
-        cname = ffi.new("char[]", self._name_bytes[:31])
-        params.name = cname
-        ctx = ffi.new("ucp_context_h *")
-        try:
-            self._check(lib.ucp_init_version(_ucp.API_MAJOR, _ucp.API_MINOR, params, cfg[0], ctx), "ucp_init")
-        finally:
-            lib.ucp_config_release(cfg[0])
-        self._context = ctx[0]
+        self._context = _ucp.create_context(
+            self._u,
+            self._ucx_config,
+            features=_ucp.UCP_FEATURE_RMA | _ucp.UCP_FEATURE_AM | _ucp.UCP_FEATURE_WAKEUP,
+            name=self._name_bytes,
+            check=self._check,
+            refused=self._refused,
+        )
         attr = ffi.new("ucp_context_attr_t *")
         attr.field_mask = _ucp.UCP_ATTR_FIELD_MEMORY_TYPES
         self._check(lib.ucp_context_query(self._context, attr), "ucp_context_query")
         self._memory_types = int(attr.memory_types)
-
-        wparams = ffi.new("ucp_worker_params_t *")
-        wparams.field_mask = _ucp.UCP_WORKER_PARAM_FIELD_THREAD_MODE
-        wparams.thread_mode = _ucp.UCS_THREAD_MODE_SERIALIZED
-        worker = ffi.new("ucp_worker_h *")
-        self._check(lib.ucp_worker_create(self._context, wparams, worker), "ucp_worker_create")
-        self._worker = worker[0]
-
-        wattr = ffi.new("ucp_worker_attr_t *")
-        wattr.field_mask = _ucp.UCP_WORKER_ATTR_FIELD_ADDRESS
-        self._check(lib.ucp_worker_query(self._worker, wattr), "ucp_worker_query")
-        self._address = bytes(ffi.buffer(wattr.address, wattr.address_length))
-        lib.ucp_worker_release_address(self._worker, wattr.address)
+        self._worker = _ucp.create_worker(
+            self._u, self._context, thread_mode=_ucp.UCS_THREAD_MODE_SERIALIZED, check=self._check
+        )
+        self._address = _ucp.worker_address(self._u, self._worker, check=self._check)
 
         # The AM callback runs inside ucp_worker_progress, i.e. with self._lock held.
         self._am_cb = ffi.callback("ucp_am_recv_callback_t", self._on_notification, onerror=self._on_cb_error)
@@ -488,7 +471,7 @@ class UcxAgent(TransferAgent):
             raise RemoteAgentError(
                 f"peer {descriptor.name!r}: the descriptor is this agent's own (a replay?); an agent never loads itself"
             )
-        ffi, lib = self._ffi, self._lib
+        ffi = self._ffi
         old: _Peer | None = previous.native if previous is not None else None
         with self._lock:
             if (
@@ -507,27 +490,22 @@ class UcxAgent(TransferAgent):
             peer.same_host = same_host
             peer.err_mode = _resolve_mode(self._err_mode_name, same_host)
             peer.user_handle = ffi.new_handle(peer)
-            params = ffi.new("ucp_ep_params_t *")
-            params.field_mask = (
-                _ucp.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-                | _ucp.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
-                | _ucp.UCP_EP_PARAM_FIELD_ERR_HANDLER
+
+            def check(status: int, what: str) -> None:
+                if status != _ucp.UCS_OK:
+                    raise RemoteAgentError(
+                        f"peer {descriptor.name!r}: {what} failed: UCS_ERR_{self._u.status_string(status)}"
+                    )
+
+            peer.ep = _ucp.create_endpoint(
+                self._u,
+                self._worker,
+                payload.worker_address,
+                peer_mode=peer.err_mode == "peer",
+                check=check,
+                err_handler=self._err_cb,
+                err_arg=peer.user_handle,
             )
-            addr = ffi.from_buffer(payload.worker_address)
-            params.address = ffi.cast("ucp_address_t *", addr)
-            if peer.err_mode == "peer":
-                params.err_mode = _ucp.UCP_ERR_HANDLING_MODE_PEER
-            else:
-                params.err_mode = _ucp.UCP_ERR_HANDLING_MODE_NONE
-            params.err_handler.cb = self._err_cb
-            params.err_handler.arg = peer.user_handle
-            ep = ffi.new("ucp_ep_h *")
-            status = lib.ucp_ep_create(self._worker, params, ep)
-            if status != _ucp.UCS_OK:
-                raise RemoteAgentError(
-                    f"peer {descriptor.name!r}: ucp_ep_create failed: UCS_ERR_{self._u.status_string(status)}"
-                )
-            peer.ep = ep[0]
             try:
                 peer.rkeys = self._unpack_rkeys(peer.ep, payload, descriptor.name)
             except BaseException:
@@ -584,18 +562,10 @@ class UcxAgent(TransferAgent):
     def _close_ep_locked(self, peer: _Peer) -> None:
         if peer.ep is None:
             return
-        lib = self._lib
-        req = lib.ucp_ep_close_nbx(peer.ep, self._param_close_force if peer.err_mode == "peer" else self._param_close)
-        peer.ep = None
-        if ptr_status(req) != _ucp.UCS_INPROGRESS:
-            return
-        deadline = time.monotonic() + self._close_timeout
-        while lib.ucp_request_check_status(req) == _ucp.UCS_INPROGRESS and time.monotonic() < deadline:
-            lib.ucp_worker_progress(self._worker)
-        if lib.ucp_request_check_status(req) == _ucp.UCS_INPROGRESS:
+        param = self._param_close_force if peer.err_mode == "peer" else self._param_close
+        ep, peer.ep = peer.ep, None
+        if not _ucp.close_endpoint(self._u, self._worker, ep, param, timeout_s=self._close_timeout):
             log.warning("ucx agent %r: closing the endpoint to %r did not finish; cancelling", self.name, peer.name)
-            lib.ucp_request_cancel(self._worker, req)
-        lib.ucp_request_free(req)
 
     # --- transfers --------------------------------------------------------------------------
 

@@ -55,26 +55,15 @@ class UcxPut(BenchBaseline):
     def _setup(self, plan: BaselinePlan) -> None:
         ffi, lib = self._ffi, self._lib
         opts = convert_options(UcxOptions, plan.agent_options, owner="ucx agent")
-        # The same UCX settings as the kvcore agent of this run (transports and devices are per context).
-        cfg = ffi.new("ucp_config_t **")
-        self._check(lib.ucp_config_read(ffi.NULL, ffi.NULL, cfg), "ucp_config_read")
-        try:
-            for key, value in ucx_settings(opts).items():
-                self._check(lib.ucp_config_modify(cfg[0], key.encode(), value.encode()), f"ucx_config {key}")
-            params = ffi.new("ucp_params_t *")
-            params.field_mask = _ucp.UCP_PARAM_FIELD_FEATURES
-            params.features = _ucp.UCP_FEATURE_RMA | _ucp.UCP_FEATURE_AM  # AM: the same lanes the agent's ep gets
-            ctx = ffi.new("ucp_context_h *")
-            self._check(lib.ucp_init_version(_ucp.API_MAJOR, _ucp.API_MINOR, params, cfg[0], ctx), "ucp_init")
-        finally:
-            lib.ucp_config_release(cfg[0])
-        self._context = ctx[0]
-        wparams = ffi.new("ucp_worker_params_t *")
-        wparams.field_mask = _ucp.UCP_WORKER_PARAM_FIELD_THREAD_MODE
-        wparams.thread_mode = _ucp.UCS_THREAD_MODE_SINGLE  # one thread, no lock: the bare API at its cheapest
-        worker = ffi.new("ucp_worker_h *")
-        self._check(lib.ucp_worker_create(self._context, wparams, worker), "ucp_worker_create")
-        self._worker = worker[0]
+        # The same UCX settings as the kvcore agent of this run (transports and devices are per context); AM: the
+        # same lanes the agent's endpoint gets.
+        self._context = _ucp.create_context(
+            self._u, ucx_settings(opts), features=_ucp.UCP_FEATURE_RMA | _ucp.UCP_FEATURE_AM, check=self._check
+        )
+        # One thread, no lock: the bare API at its cheapest.
+        self._worker = _ucp.create_worker(
+            self._u, self._context, thread_mode=_ucp.UCS_THREAD_MODE_SINGLE, check=self._check
+        )
 
         mparams = ffi.new("ucp_mem_map_params_t *")
         mparams.field_mask = (
@@ -95,15 +84,10 @@ class UcxPut(BenchBaseline):
         mine = host_identity()
         same_host = bool(mine) and payload.host_identity == mine  # as the agent decides it
         mode = _resolve_mode(opts.error_handling, same_host)
-        eparams = ffi.new("ucp_ep_params_t *")
-        eparams.field_mask = _ucp.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | _ucp.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
-        self._addr = ffi.from_buffer(payload.worker_address)
-        eparams.address = ffi.cast("ucp_address_t *", self._addr)
-        eparams.err_mode = _ucp.UCP_ERR_HANDLING_MODE_PEER if mode == "peer" else _ucp.UCP_ERR_HANDLING_MODE_NONE
         self._force_close = mode == "peer"
-        ep = ffi.new("ucp_ep_h *")
-        self._check(lib.ucp_ep_create(self._worker, eparams, ep), "ucp_ep_create")
-        self._ep = ep[0]
+        self._ep = _ucp.create_endpoint(
+            self._u, self._worker, payload.worker_address, peer_mode=mode == "peer", check=self._check
+        )
         out = ffi.new("ucp_rkey_h *")
         for info in payload.rkeys:
             self._check(lib.ucp_ep_rkey_unpack(self._ep, ffi.from_buffer(info.rkey), out), "ucp_ep_rkey_unpack")
@@ -175,15 +159,8 @@ class UcxPut(BenchBaseline):
             cparams = ffi.new("ucp_request_param_t *")
             cparams.op_attr_mask = _ucp.UCP_OP_ATTR_FIELD_FLAGS
             cparams.flags = _ucp.UCP_EP_CLOSE_FLAG_FORCE if self._force_close else 0
-            req = lib.ucp_ep_close_nbx(self._ep, cparams)
-            self._ep = None
-            if _ucp.ptr_status(req) == _ucp.UCS_INPROGRESS:
-                deadline = time.monotonic() + 5.0
-                while lib.ucp_request_check_status(req) == _ucp.UCS_INPROGRESS and time.monotonic() < deadline:
-                    lib.ucp_worker_progress(self._worker)
-                if lib.ucp_request_check_status(req) == _ucp.UCS_INPROGRESS:
-                    lib.ucp_request_cancel(self._worker, req)
-                lib.ucp_request_free(req)
+            ep, self._ep = self._ep, None
+            _ucp.close_endpoint(self._u, self._worker, ep, cparams, timeout_s=5.0)
         if self._memh is not None:
             lib.ucp_mem_unmap(self._context, self._memh)
             self._memh = None
