@@ -17,7 +17,7 @@ from _faults import RankGroup, fault_plugin_manager
 from _instances import fill_value, ticket_for
 
 from kvcore.transceiver import SessionState
-from kvcore.transceiver import link as link_module
+from kvcore.transceiver import dataplane as link_module
 from kvcore.transceiver.link import CHUNK_BYTES, FINE_CHUNK_BYTES, MAX_QUIET_CHUNKS, QUIET_PIECE_S
 
 pytestmark = pytest.mark.timeout(180)

@@ -49,7 +49,8 @@ from kvcore.params import (
     internal_id,
     is_role_name,
 )
-from kvcore.transceiver.link import Link, RoleCounter
+from kvcore.transceiver.counters import CACHE_GAUGES, COUNTERS, leaks
+from kvcore.transceiver.link import Link
 from kvcore.transceiver.receive import Receiver
 from kvcore.transceiver.role import Role
 from kvcore.transceiver.send import Sender
@@ -68,44 +69,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvcore.transceiver")
-
-#: ``stats()`` keys of bounded caches (peers, loaded agents, connections, tombstones), not per-request resources.
-CACHE_GAUGES = frozenset(
-    {
-        "ctx_instances",
-        "gen_peers",
-        "retired_instances",  # lost peers waiting for the timer to unload them
-        "retired_peers",
-        "remote_agents",
-        "control_connections",
-        "tombstones",
-    }
-)
-#: ``stats()`` keys that only grow (events counted since start); every other key returns to zero when idle.
-COUNTERS: frozenset[RoleCounter] = frozenset(
-    {
-        "bounced_writes_total",
-        "bounce_fallback_arena_full",
-        "bounce_fallback_plan_mismatch",
-        "bounce_fallback_staging_full",
-        "fenced_dead",
-        "fenced_grace",
-        "forged_messages",
-        "peers_lost",
-        "tickets_refused",
-        "early_requests_expired",
-        "peers_closed",
-        "exposed_to_peers",
-        "idle_peers_dropped",
-        "idle_peers_readmitted",
-    }
-)
-
-
-def leaks(stats: dict[str, int]) -> dict[str, int]:
-    """The per-request resources left in a ``stats()`` snapshot (sessions, leases, transfers...): {} when clean."""
-    return {k: v for k, v in stats.items() if v and k not in CACHE_GAUGES and k not in COUNTERS}
-
 
 _STATUS_CODE = {SessionState.DONE: 0, SessionState.CANCELLED: 1, SessionState.TIMED_OUT: 2, SessionState.FAILED: 3}
 _CODE_STATUS = {v: k for k, v in _STATUS_CODE.items()}
