@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.testing.ranks import Channel, RankProcess, serve
+from kvcore.runtime import Channel, RankProcess, serve
 
 SENTINEL = -3.0
 HERE = os.path.dirname(os.path.abspath(__file__))

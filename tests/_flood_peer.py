@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from kvcore.control import wire
-from kvcore.testing.ranks import Channel, RankProcess, serve
+from kvcore.runtime import Channel, RankProcess, serve
 from kvcore.transport.agent import TransferAgent
 
 V = wire.PROTOCOL_VERSION

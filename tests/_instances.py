@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any
 
-from kvcore.testing.ranks import Channel, RankProcess, ready, serve
+from kvcore.runtime import Channel, RankProcess, ready, serve
 
 #: The secret the tests derive every request's ticket from (both sides of a test know it, as a router would).
 TEST_TICKET_SECRET = b"kvcore-tests-ticket-secret-0001"

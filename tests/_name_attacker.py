@@ -13,7 +13,7 @@ import msgspec
 from _instances import GenerationProcess, _Instance
 
 from kvcore.control import wire
-from kvcore.testing.ranks import Channel, serve
+from kvcore.runtime import Channel, serve
 
 
 class _Impersonator(_Instance):

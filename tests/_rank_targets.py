@@ -1,4 +1,4 @@
-"""Child-side functions for ``test_ranks.py``: each runs in a real rank process (``kvcore.testing.ranks``)."""
+"""Child-side functions for ``test_ranks.py``: each runs in a real rank process (``kvcore.runtime``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any
 
-from kvcore.testing.ranks import Channel, serve
+from kvcore.runtime import Channel, serve
 
 
 class _Echo:

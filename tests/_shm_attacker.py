@@ -1,6 +1,6 @@
 """A hostile local process for the shm security tests (``test_security_shm.py``).
 
-A rank process (``kvcore.testing.ranks``) serving ``_Attacker``'s commands;
+A rank process (``kvcore.runtime``) serving ``_Attacker``'s commands;
 ``Attacker`` below starts and drives it.
 ``steal`` and ``forge_notification`` are plain functions too, so a test can run
 them in a forked child that dropped to another uid (the interpreter of this
@@ -19,10 +19,10 @@ from typing import Any
 
 import msgspec
 
+from kvcore.runtime import Channel, RankProcess, serve
 from kvcore.testing.harness import pattern
-from kvcore.testing.ranks import Channel, RankProcess, serve
 from kvcore.transport.agent import AgentDescriptor, RegionInfo, process_incarnation
-from kvcore.transport.builtin import shm
+from kvcore.transport.builtin import shm, shm_protocol
 
 enc = msgspec.msgpack.encode
 
@@ -33,11 +33,11 @@ def steal(fds_socket: str, client: str, incarnation: str, server: str, server_in
     s.settimeout(10)
     try:
         s.connect(b"\0" + fds_socket.encode())
-        s.send(enc(shm._FdRequest(client, incarnation, server, server_incarnation)))
+        s.send(enc(shm_protocol._FdRequest(client, incarnation, server, server_incarnation)))
         data, fds, _, _ = socket.recv_fds(s, 1 << 20, 253)
         for fd in fds:
             os.close(fd)
-        reply = msgspec.msgpack.decode(data, type=shm._FdReply) if data else None
+        reply = msgspec.msgpack.decode(data, type=shm_protocol._FdReply) if data else None
         return {"fds": len(fds), "ok": bool(reply and reply.ok), "error": reply.error if reply else "closed"}
     finally:
         s.close()
@@ -139,7 +139,7 @@ class _Attacker:
             while True:
                 conn, _ = listener.accept()
                 conn.recv(4096)
-                reply = enc(shm._FdReply(True, "", name, incarnation, [seg]))
+                reply = enc(shm_protocol._FdReply(True, "", name, incarnation, [seg]))
                 socket.send_fds(conn, [reply], [ctl_fd, self.evil_fd])
                 threading.Thread(target=conn.recv, args=(16,), daemon=True).start()  # keep it open
 

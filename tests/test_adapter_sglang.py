@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from _adapter_ranks import SPEC, start_instance
 
-from kvcore.testing.ranks import RankProcess
+from kvcore.runtime import RankProcess
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -181,8 +181,62 @@ def test_the_library_never_imports_the_tools() -> None:
     assert {k: v for k, v in offences.items() if v} == {}
 
 
+#: What the runtime for kvcore's own processes (rank processes, namespaced hosts) may import besides itself: the
+#: base modules only. The tools and kvcore.testing sit above it; it knows no transport, layout or role.
+RUNTIME_MAY_IMPORT = {"kvcore.errors", "kvcore.hostinfo"}
+
+
+def test_the_runtime_imports_only_the_base_modules() -> None:
+    """kvcore.runtime sits below the tools and kvcore.testing and above nothing role-specific, even lazily."""
+    offences = {
+        name: sorted(m for m in _all_imports(path) if not m.startswith("kvcore.runtime") and m != "kvcore")
+        for name, path in MODULES.items()
+        if name.startswith("kvcore.runtime")
+    }
+    offences = {k: [m for m in v if m not in RUNTIME_MAY_IMPORT] for k, v in offences.items()}
+    assert {k: v for k, v in offences.items() if v} == {}
+    assert "kvcore.runtime.process" in MODULES  # the check is real
+
+
+def test_only_tests_and_tools_import_the_test_support() -> None:
+    """The library and the plugins' shipped code (their bench targets included) never import kvcore.testing: rank
+    processes and hosts are kvcore.runtime's; kvcore.testing keeps the contract suite, the oracle, the scenario and
+    the test harnesses built on the runtime, which tests and the tools (the demo verifies with the oracle) use."""
+    shipped = sorted((ROOT / "plugins").glob("*/src/**/*.py"))
+    library = [p for n, p in MODULES.items() if not n.startswith(("kvcore.testing", "kvcore.tools"))]
+    offences = [
+        f"{path.relative_to(ROOT)}: imports {m}"
+        for path in [*library, *shipped]
+        for m in sorted(_all_imports_anywhere(path))
+        if m == "kvcore.testing" or m.startswith("kvcore.testing.")
+    ]
+    assert offences == []
+    assert len(shipped) > 10 and any(p.name == "process.py" for p in library)  # both were read
+
+
+def _all_imports_anywhere(path: Path) -> set[str]:
+    """Every module name ``path`` imports (kvcore's or not), inside functions too."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
 def test_the_planes_have_their_folders() -> None:
-    for package in ("extension", "control", "transport", "layout", "transceiver", "adapters", "testing", "tools"):
+    for package in (
+        "extension",
+        "control",
+        "transport",
+        "layout",
+        "transceiver",
+        "adapters",
+        "runtime",
+        "testing",
+        "tools",
+    ):
         assert (PACKAGE / package / "__init__.py").is_file(), package
     flat = sorted(p.stem for p in PACKAGE.glob("*.py"))
     # Only the engine-facing API, base modules every layer shares, and settings stay at the top.

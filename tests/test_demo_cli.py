@@ -129,7 +129,7 @@ def test_demo_cli_two_hosts_without_namespaces_says_why() -> None:
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_demo_cli_two_hosts_verifies_every_byte(backend: str) -> None:
-    from kvcore.testing.hosts import unavailable_reason
+    from kvcore.runtime.hosts import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.testing.ranks import Channel, RankProcess
+from kvcore.runtime import Channel, RankProcess
 
 TPB, PROMPT, WINDOW = 4, 30, 16
 TOTAL = -(-PROMPT // TPB)  # 8 blocks

@@ -1,4 +1,4 @@
-"""The one rank-process harness (``kvcore.testing.ranks``): real child processes, typed errors, nothing left over."""
+"""The one rank-process harness (``kvcore.runtime``): real child processes, typed errors, nothing left over."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import msgspec
 import pytest
 
 from kvcore.errors import KvcoreError
-from kvcore.testing.ranks import (
-    Call,
+from kvcore.runtime import (
     Channel,
     RankExitedError,
     RankFailedError,
@@ -24,6 +23,7 @@ from kvcore.testing.ranks import (
     StartMethod,
     ready,
 )
+from kvcore.runtime.frames import Call
 
 HERE = str(Path(__file__).parent)
 ECHO = "_rank_targets:echo_main"
@@ -147,7 +147,7 @@ def test_close_reaps_the_child_and_escalates_to_kill() -> None:
 
 _ORPHAN = """
 import sys
-from kvcore.testing.ranks import RankProcess, StartMethod
+from kvcore.runtime import RankProcess, StartMethod
 r = RankProcess("_rank_targets:echo_main", name="orphan", path=[sys.argv[1]], start=StartMethod[sys.argv[2]])
 print(r.recv(60)["pid"], flush=True)
 import time; time.sleep(600)

@@ -23,8 +23,9 @@ import pytest
 from kvcore.config import TransceiverConfig
 from kvcore.control.messenger import Messenger
 from kvcore.errors import ConfigError
+from kvcore.runtime.hosts import TwoHosts, sweep, unavailable_reason
 from kvcore.testing.harness import PeerError, digest, pattern
-from kvcore.testing.hosts import TwoHosts, sweep, unavailable_reason
+from kvcore.testing.host_peer import HostPeer
 
 _REASON = unavailable_reason()
 needs_hosts = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
@@ -49,8 +50,8 @@ def _u64(values: Any) -> bytes:
 
 def _pair(hosts: TwoHosts, backend: str, *, same_host: bool = False) -> tuple[Any, Any]:
     """A writer in host a and a reader in host b (or both in host a), each one agent of ``backend``."""
-    writer = hosts.a.peer(backend, {}, name="writer")
-    reader = (hosts.a if same_host else hosts.b).peer(backend, {}, name="reader")
+    writer = HostPeer(hosts.a, backend, {}, name="writer")
+    reader = HostPeer(hosts.a if same_host else hosts.b, backend, {}, name="reader")
     return writer, reader
 
 
@@ -89,7 +90,7 @@ def test_close_removes_everything_also_after_a_failure() -> None:
     with pytest.raises(RuntimeError, match="test body failed"), TwoHosts(ipv6=False) as h:
         names = [h.a.netns, h.b.netns]
         init_pids = [h.a.init_pid, h.b.init_pid]
-        peer = h.b.peer("shm", {}, name="doomed")
+        peer = HostPeer(h.b, "shm", {}, name="doomed")
         inner = peer.inner_pid
         raise RuntimeError("test body failed")
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -104,8 +105,8 @@ def test_close_removes_everything_also_after_a_failure() -> None:
 def test_sweep_removes_what_a_killed_creator_left() -> None:
     """A process that builds hosts and dies without any cleanup leaves namespaces; the sweeper removes them."""
     code = (
-        "import os, signal; from kvcore.testing.hosts import TwoHosts; h = TwoHosts(ipv6=False); "
-        "p = h.b.peer('shm', {}, name='orphan'); "
+        "import os, signal; from kvcore.runtime.hosts import TwoHosts; from kvcore.testing.host_peer import HostPeer; "
+        "h = TwoHosts(ipv6=False); p = HostPeer(h.b, 'shm', {}, name='orphan'); "
         "print(h.a.netns, h.b.netns, h.a.init_pid, h.b.init_pid, p.inner_pid, flush=True); "
         "os.kill(os.getpid(), signal.SIGKILL)"  # no atexit, no close(), no finally
     )
@@ -228,9 +229,9 @@ def test_receiver_killed_mid_transfer_gives_the_writer_a_typed_error(hosts: TwoH
 
 
 def test_shm_refuses_a_peer_on_another_host(hosts: TwoHosts) -> None:
-    writer = hosts.a.peer("shm", {}, name="shm-writer")
-    there = hosts.b.peer("shm", {}, name="shm-there")
-    here = hosts.a.peer("shm", {}, name="shm-here")
+    writer = HostPeer(hosts.a, "shm", {}, name="shm-writer")
+    there = HostPeer(hosts.b, "shm", {}, name="shm-there")
+    here = HostPeer(hosts.a, "shm", {}, name="shm-here")
     try:
         for p in (there, here):
             p.call("alloc", key="dst", nbytes=64 * KiB)
@@ -379,7 +380,7 @@ def _start_instance(
     """``tp`` rank processes of one instance in ``host``, started together (their process group waits for all)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    peers = [host.peer(backend, {}, name=f"{role[:3]}{r}") for r in range(tp)]
+    peers = [HostPeer(host, backend, {}, name=f"{role[:3]}{r}") for r in range(tp)]
     bind = bind_host or host.address
     with ThreadPoolExecutor(len(peers)) as pool:
         infos = list(

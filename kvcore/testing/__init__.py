@@ -1,8 +1,8 @@
-"""Test support for transport authors: the contract suite (``contract``) and its two-process harness (``harness``).
+"""Test support for transport authors: the contract suite (``contract``), its two-process harness (``harness``).
 
-``ranks`` is the one rank-process harness under ``harness``, the demo, the bench, the tests and the plugins: a
-child process runs ``main(channel, **kwargs)``, driven over msgpack frames with a deadline on every read.
-``hosts`` builds two namespaced "hosts" joined by a veth pair (root only) for cross-host tests.
+Also the one KV oracle (``oracle``), a demo run's spec and a rank's storage (``scenario``) and a harness peer
+inside a namespaced host (``host_peer``). The processes under them run on :mod:`kvcore.runtime` (rank
+processes on msgpack pipes, two namespaced hosts), which the tools use directly.
 
 Importing this package imports nothing heavy; pytest loads ``kvcore.testing.pytest_plugin`` on its own.
 """

@@ -1,10 +1,10 @@
-"""A second real process for transport tests: ``PeerProcess``, a rank process (``kvcore.testing.ranks``) serving one agent.
+"""A second real process for transport tests: ``PeerProcess``, a rank process (:mod:`kvcore.runtime`) serving one agent.
 
 The peer creates one agent of the backend under test through the plugin
 registry, allocates memory with ``agent.allocate_tensor``, registers it, hands
 out its descriptor and, on command, reads back bytes, drains notifications,
 deregisters, closes or exits. The process, the msgpack frames, the deadline on
-every read, the typed errors and the reaping are :mod:`kvcore.testing.ranks`'s;
+every read, the typed errors and the reaping are the runtime's (:mod:`kvcore.runtime`);
 nothing is pickled. The peer closes its agent and exits when its channel closes,
 so a crashed test never leaves a peer behind.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.testing.ranks import Channel, RankError, RankFailedError, RankProcess, RankTimeoutError, serve
+from kvcore.runtime import Channel, RankError, RankFailedError, RankProcess, RankTimeoutError, serve
 
 __all__ = ["PeerProcess", "PeerError", "HarnessTimeout", "pattern", "digest", "peer_main"]
 
@@ -85,8 +85,8 @@ class PeerProcess(RankProcess):
         launcher: Sequence[str] = (),
         target: str = "kvcore.testing.harness:peer_main",
     ) -> None:
-        # launcher: an argv prefix that runs the peer elsewhere (kvcore.testing.hosts enters a namespaced host);
-        # target: a function that serves a _Peer subclass with more commands (kvcore.testing.hosts has one).
+        # launcher: an argv prefix that runs the peer elsewhere (kvcore.testing.host_peer enters a namespaced host);
+        # target: a function that serves a _Peer subclass with more commands (kvcore.testing.host_peer has one).
         super().__init__(
             target,
             name=name,

@@ -1,7 +1,7 @@
 """A demo scenario: the spec of one run (:class:`DemoSpec`) and one rank's storage with its oracle view.
 
 Shared by ``kvcore demo`` (:mod:`kvcore.tools.demo`), the two-host harness
-(:mod:`kvcore.testing.hosts`) and tests: a rank allocates its pools the way an
+(:mod:`kvcore.testing.host_peer`) and tests: a rank allocates its pools the way an
 engine would, fills or verifies a request's bytes from the model-definition
 oracle (:mod:`kvcore.testing.oracle`), and uses the same block and slot
 assignment as every other rank of its instance. It never asks kvcore which

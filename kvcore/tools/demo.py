@@ -7,7 +7,7 @@ values derived from (request, layer, kv, head, token, dim); generation ranks
 receive N requests concurrently, then compare every received byte with the
 same formula computed independently on their own shard, and check that every
 byte nothing may write (a cached prefix, another DP group's request) is still
-zero. Each rank is a :class:`kvcore.testing.ranks.RankProcess`; orchestration
+zero. Each rank is a :class:`kvcore.runtime.RankProcess`; orchestration
 messages are msgpack frames, never pickle.
 
 What a run can cover: any TP/PP on each side (uneven PP splits too), GQA with
@@ -21,7 +21,7 @@ setting of the transceiver.
 ``--auth`` turns CurveZMQ on for every rank of both instances, with a fresh
 key pair per instance (:func:`instance_keys`). ``--two-hosts`` runs the
 context instance and the generation instance in two namespaced hosts
-(:mod:`kvcore.tools.demo_hosts`, built on :mod:`kvcore.testing.hosts`).
+(:mod:`kvcore.tools.demo_hosts`, built on :mod:`kvcore.runtime.hosts`).
 
 The oracles (:func:`heads_of_rank`, :func:`layers_of_rank`,
 :func:`conv_channels_of_rank`, :func:`ssm_heads_of_rank`, :func:`expected_values`,
@@ -52,6 +52,7 @@ from typing import Any, get_args
 
 from kvcore.layout.topology import BlockOrder
 from kvcore.params import TransferParams, derive_ticket
+from kvcore.runtime import Channel, RankExitedError, RankProcess, StartMethod, ready
 from kvcore.testing.oracle import (
     conv_channels_of_rank,
     expected_conv,
@@ -61,7 +62,6 @@ from kvcore.testing.oracle import (
     layers_of_rank,
     ssm_heads_of_rank,
 )
-from kvcore.testing.ranks import Channel, RankExitedError, RankProcess, StartMethod, ready
 from kvcore.testing.scenario import BOUNCE_MODES, MAX_PROCESSES, DemoSpec, Rank, assignment
 
 __all__ = [

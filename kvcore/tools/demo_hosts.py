@@ -1,9 +1,9 @@
 """``kvcore demo --two-hosts``: the demo's instances in two namespaced hosts, every byte verified.
 
 The context instance runs in host ``a`` and the generation instance in host
-``b`` of :class:`kvcore.testing.hosts.TwoHosts` (own network, pid, UTS, IPC and
+``b`` of :class:`kvcore.runtime.hosts.TwoHosts` (own network, pid, UTS, IPC and
 mount namespaces, joined by a veth pair). Each rank is a harness peer process
-of that module (``rank_start``/``rank_send``/``rank_receive``/``rank_verify``/
+(:class:`kvcore.testing.host_peer.HostPeer`: ``rank_start``/``rank_send``/``rank_receive``/``rank_verify``/
 ``rank_stop``), which builds the demo's own storage and oracle
 (:class:`kvcore.testing.scenario.Rank`); this module only orchestrates them and writes
 the demo's summary. KV crosses the link with NIXL or UCX over TCP: the shm
@@ -103,13 +103,15 @@ def _start(host: Any, backend: str, spec: DemoSpec, role: str) -> tuple[list[Any
     config = {k: v for k, v in spec.config_overrides(role).items() if k != "request_timeout_s"}
     # With CURVE a non-loopback bind needs no opt-in; without it the link is one this run isolated itself.
     config["allow_insecure_bind"] = not spec.auth
+    from kvcore.testing.host_peer import HostPeer
+
     peers: list[Any] = []
     with ThreadPoolExecutor(world) as pool:
         env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}  # gloo's "hostname cannot be retrieved" noise
         # A network agent that advertises one address of its own (kvcore-mooncake's bind_address, loopback by
         # default) reads it from KVCORE_<BACKEND>_BIND_ADDRESS: here, the test host's own address.
         env.setdefault(f"KVCORE_{backend.upper()}_BIND_ADDRESS", host.address)
-        peers = list(pool.map(lambda r: host.peer(backend, {}, name=f"{role[:3]}{r}", env=env), range(world)))
+        peers = list(pool.map(lambda r: HostPeer(host, backend, {}, name=f"{role[:3]}{r}", env=env), range(world)))
         infos = list(
             pool.map(
                 lambda r: peers[r].call(
@@ -153,7 +155,7 @@ def run_two_hosts(spec: DemoSpec) -> dict[str, Any]:
     timed apart; GB/s counts the rest, from the first ``rank_receive`` to the
     last release seen by the orchestrator (polled every 2 ms).
     """
-    from kvcore.testing.hosts import TwoHosts, unavailable_reason
+    from kvcore.runtime.hosts import TwoHosts, unavailable_reason
 
     backend = resolve_two_hosts_backend(spec.backend)
     reason = unavailable_reason()

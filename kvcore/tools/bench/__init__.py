@@ -1,7 +1,7 @@
 """``kvcore bench``: kvcore end to end vs the bare transport vs memcpy, on identical fragments, in one run.
 
 For every selected backend the orchestrator (this process) starts one context
-and one generation rank process (:class:`kvcore.testing.ranks.RankProcess`;
+and one generation rank process (:class:`kvcore.runtime.RankProcess`;
 orchestration commands travel on pipes as msgpack frames, never pickle). Each *case* is a
 function ``case(run: BackendRun) -> dict``; :data:`CASES` maps names to them.
 

@@ -1,7 +1,7 @@
 """The rank processes: each owns an agent, and per case a pool, a page table and a ``Transceiver``.
 
 The orchestrator (:mod:`kvcore.tools.bench.run`) starts ``_rank_main`` in a fresh interpreter through
-:class:`kvcore.testing.ranks.RankProcess` and calls its ``op_*`` methods by name (msgpack on a pipe, never pickle).
+:class:`kvcore.runtime.RankProcess` and calls its ``op_*`` methods by name (msgpack on a pipe, never pickle).
 The bare modes' commands come from :class:`kvcore.tools.bench.bare._BareModes`.
 """
 
@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from kvcore.params import derive_ticket
-from kvcore.testing.ranks import Channel, serve
+from kvcore.runtime import Channel, serve
 from kvcore.tools.bench.bare import _BareModes
 from kvcore.tools.bench.blocks import SMALL_SLOTS, _block_ids, _fill_logical, _logical_ids, _region_span
 from kvcore.tools.bench.floor import _FloorModes

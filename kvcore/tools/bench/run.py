@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from kvcore.errors import KvcoreError
-from kvcore.testing.ranks import RankError, RankProcess
+from kvcore.runtime import RankError, RankProcess
 from kvcore.tools.bench.rank import _SECRET_ENV
 from kvcore.tools.bench.spec import CASE_NAMES, BenchError, BenchSpec, Shape
 

@@ -1,4 +1,4 @@
-"""A NixlAgent in a separate rank process (``kvcore.testing.ranks``), driven by commands, for cross-process tests.
+"""A NixlAgent in a separate rank process (``kvcore.runtime``), driven by commands, for cross-process tests.
 
 The peer loop behaves like an engine loop: between commands it calls
 ``agent.get_notifications()``, buffering notifications for ``notifs``.
@@ -12,7 +12,7 @@ import signal
 import time
 from typing import Any
 
-from kvcore.testing.ranks import Channel, RankProcess, serve
+from kvcore.runtime import Channel, RankProcess, serve
 
 
 def pattern(seed: int, nbytes: int) -> Any:

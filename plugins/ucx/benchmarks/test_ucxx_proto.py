@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("ucxx", reason="ucxx (prototype A) not installed: see plugins/ucx/README.md")
 
 from kvcore.errors import RemoteRangeError
+from kvcore.runtime import Channel, RankProcess, serve
 from kvcore.testing.harness import pattern
-from kvcore.testing.ranks import Channel, RankProcess, serve
 from kvcore.transport.agent import MemoryRegion, TransferOp
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,4 +1,4 @@
-"""Fixtures: a tiny model directory and engine processes (vllm_engine.run, each a kvcore.testing.ranks rank)."""
+"""Fixtures: a tiny model directory and engine processes (vllm_engine.run, each a kvcore.runtime rank)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvcore.testing.ranks import RankError, RankProcess, RankTimeoutError
+from kvcore.runtime import RankError, RankProcess, RankTimeoutError
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

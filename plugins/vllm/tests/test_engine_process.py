@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvcore.testing.ranks import RankFailedError
+from kvcore.runtime import RankFailedError
 
 
 def test_an_engine_that_cannot_start_reports_why(engines: Any, model_dir: str) -> None:

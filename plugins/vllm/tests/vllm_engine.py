@@ -14,7 +14,7 @@ KV of the prompt tokens a prefill instance computes, and samples token 7.
 The decode instance's forward writes nothing, so every prompt byte it holds
 came through kvcore.
 
-As a process it is a ``kvcore.testing.ranks`` rank: the test starts
+As a process it is a ``kvcore.runtime`` rank: the test starts
 ``RankProcess("vllm_engine:run", ...)`` and drives :class:`EngineRank` with
 commands; events come back as messages, msgpack frames on the harness's pipe
 (vLLM's own logging goes to a log file).
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.testing.ranks import Channel, serve
+from kvcore.runtime import Channel, serve
 
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
@@ -352,11 +352,11 @@ class Engine:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
 
 
-# --- the process: a kvcore.testing.ranks rank -----------------------------------------------------
+# --- the process: a kvcore.runtime rank -----------------------------------------------------
 
 
 class EngineRank:
-    """One engine served as a rank (``kvcore.testing.ranks.serve``): commands in, events out as messages.
+    """One engine served as a rank (``kvcore.runtime.serve``): commands in, events out as messages.
 
     Commands: ``add``, ``abort``, ``abort_after_schedule`` and ``freeze`` (the test ``tell``s them: no reply, a failure still comes back),
     ``batch`` (several of those, all acted on before the same step) and ``state`` (a call: one step, then the

@@ -1,6 +1,6 @@
 """Bare NIXL vs ``NixlAgent.submit`` vs host memcpy on one KV-cache fragment plan, across two processes.
 
-``run_bench()`` starts a target rank process (:mod:`kvcore.testing.ranks`; a ``NixlAgent`` owning the destination
+``run_bench()`` starts a target rank process (:mod:`kvcore.runtime`; a ``NixlAgent`` owning the destination
 pool, calling ``progress()`` like an engine loop), runs every mode for
 one warm-up per mode whose result the target checks against an independently
 computed expectation, then ``iterations`` timed rounds interleaved across modes,
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.testing.ranks import Channel, RankProcess, serve
+from kvcore.runtime import Channel, RankProcess, serve
 
 __all__ = ["run_bench", "fragment_plan"]
 
@@ -73,7 +73,7 @@ class _TargetRank:
 
 
 def target_main(channel: Channel, nbytes: int, options: dict[str, Any]) -> None:
-    """The target's rank function (:mod:`kvcore.testing.ranks`): say where the pool is, then serve commands."""
+    """The target's rank function (:mod:`kvcore.runtime`): say where the pool is, then serve commands."""
     rank = _TargetRank(nbytes, options)
     try:
         channel.send({"desc": rank.agent.descriptor(), "base": rank.dst.data_ptr()})

@@ -11,7 +11,7 @@ Designs (:data:`DESIGNS`, name -> agent class as ``module:Class``): ``B``
 (``kvcore_ucx.agent.UcxAgent``, UCX RMA through cffi, the one shipped); the
 ucxx prototype ``A`` is not part of this package: ``plugins/ucx/benchmarks/bench_ucx.py``
 adds it from that folder. Each design runs against a target in a second process
-(a :mod:`kvcore.testing.ranks` rank process: msgpack frames on a pipe, never pickle). A host memcpy baseline (numpy, one thread) runs in the
+(a :mod:`kvcore.runtime` rank process: msgpack frames on a pipe, never pickle). A host memcpy baseline (numpy, one thread) runs in the
 same call. Every run verifies the target's bytes against an expectation
 computed with numpy from the source. GB/s = 1e9 bytes/s over submit -> DONE,
 where DONE means the target holds the bytes.
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.testing.ranks import Channel, RankProcess, serve
+from kvcore.runtime import Channel, RankProcess, serve
 
 __all__ = ["CASES", "DESIGNS", "run", "main"]
 

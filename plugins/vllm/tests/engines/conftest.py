@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvcore.testing.ranks import RankError, RankProcess
+from kvcore.runtime import RankError, RankProcess
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

@@ -23,7 +23,7 @@ from typing import Any
 
 from kvcore_vllm.tiny_model import LARGE_MODEL, MODEL, write_model  # noqa: F401  (the tests' model, made here)
 
-from kvcore.testing.ranks import Channel, serve
+from kvcore.runtime import Channel, serve
 
 
 @dataclass
