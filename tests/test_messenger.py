@@ -130,7 +130,7 @@ def test_a_peer_that_floods_and_never_reads_gets_its_answers_dropped_past_the_ca
 
     import zmq
 
-    from kvcore.control import messenger as mod
+    from kvcore.control import outbox as mod
 
     monkeypatch.setattr(mod, "_MAX_DEFERRED_PER_PEER", 50)
     b: Messenger
