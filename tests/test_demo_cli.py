@@ -149,7 +149,7 @@ def test_demo_cli_two_hosts_verifies_every_byte(backend: str) -> None:
 
 def test_two_hosts_spec_refuses_what_the_host_ranks_cannot_do() -> None:
     from kvcore.tools.demo import DemoSpec
-    from kvcore.tools.demo_hosts import validate_two_hosts
+    from kvcore.tools.demo.two_hosts import validate_two_hosts
 
     for field, value in (("mamba", True), ("layerwise", True), ("cached_prefix_blocks", 1)):
         with pytest.raises(ValueError, match=field):

@@ -71,7 +71,7 @@ class DemoSpec:
     poison: int = -1  # self-check: context ranks fill this request with another request's values (must fail)
     auth: bool = False  # CURVE on the control plane: a fresh key pair per instance (see instance_keys)
     auth_config: dict[str, dict[str, str]] = field(default_factory=dict)  # role -> auth_* fields (set by run_demo)
-    two_hosts: bool = False  # context instance in namespaced host a, generation in host b (kvcore.tools.demo_hosts)
+    two_hosts: bool = False  # context instance in namespaced host a, generation in host b (kvcore.tools.demo.two_hosts)
 
     # --- derived -------------------------------------------------------------------------------
 
@@ -184,7 +184,7 @@ class DemoSpec:
             )
         if self.mamba and not self.mamba_layers:
             raise ValueError("mamba: expected at least 2 layers (Mamba state lives on the odd layers)")
-        # two_hosts: kvcore.tools.demo_hosts.validate_two_hosts checks what a two-host run can honour.
+        # two_hosts: kvcore.tools.demo.two_hosts.validate_two_hosts checks what a two-host run can honour.
 
 
 # --- oracles: written from the model definition, independent of kvcore's arithmetic --------------

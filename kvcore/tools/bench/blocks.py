@@ -48,3 +48,17 @@ def _logical_ids(shape: Shape) -> dict[str, np.ndarray]:
         "small": nb + np.arange(SMALL_SLOTS, dtype=np.int64),
         "first": np.array([nb + SMALL_SLOTS], dtype=np.int64),
     }
+
+
+def request_blocks(
+    ids: dict[str, np.ndarray], region: str, i: int, count: int | None = None, slot_blocks: int | None = None
+) -> np.ndarray:
+    """Request ``i``'s blocks of ``region`` (``ids``: :func:`_block_ids`): a small slot, the whole region, or the
+    first ``count`` of slot ``i % slots``."""
+    region_ids = ids[region]
+    if region == "small":
+        return region_ids[i % SMALL_SLOTS : i % SMALL_SLOTS + 1]
+    if slot_blocks:
+        k = i % (len(region_ids) // slot_blocks)
+        return region_ids[k * slot_blocks : k * slot_blocks + (count or slot_blocks)]
+    return region_ids[:count]

@@ -233,7 +233,9 @@ class _FloorModes:
         from kvcore.layout.mapping import plan_transfer
 
         placement = self.tx.placement  # type: ignore[attr-defined]
-        ids = np.asarray(self._blocks("small", 0), dtype=np.int64)  # type: ignore[attr-defined]
+        from kvcore.tools.bench.blocks import request_blocks
+
+        ids = np.asarray(request_blocks(self.ids, "small", 0), dtype=np.int64)  # type: ignore[attr-defined]
 
         def timed(gap_s: float) -> float:
             seconds = []
