@@ -402,8 +402,8 @@ def test_vram_source_to_dram_peer(agent: NixlAgent) -> None:
 
 
 def test_bench_core_runs_small() -> None:
-    """``kvcore_nixl.bench.run_bench`` (what ``kvcore bench`` will call) returns numbers and verified bytes."""
-    from kvcore_nixl.bench import run_bench
+    """``kvcore_nixl.bench.bare_vs_agent.run_bench`` (what ``kvcore bench`` will call) returns numbers and verified bytes."""
+    from kvcore_nixl.bench.bare_vs_agent import run_bench
 
     r = run_bench(blocks=2, layers=4, iterations=1)
     assert r["fragments"] == 2 * 4 * 2 and r["bytes"] == r["fragments"] * 64 * KiB

@@ -240,7 +240,7 @@ def test_fragment_spanning_two_adjacent_peer_registrations_is_refused(ucp: Any) 
 
 
 def test_benchmark_core_runs_and_verifies(ucp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvcore_ucx import bench
+    from kvcore_ucx.bench import designs as bench
 
     monkeypatch.setitem(bench.CASES, "tiny", (64, 4096))
     result = bench.run(designs=["B"], cases=["tiny"], iterations=1)

@@ -60,7 +60,7 @@ def kvcore_register_bench_baselines(registry: BenchBaselineRegistry) -> None:
     """Register bare Mooncake (one ``batch_transfer_sync_write`` of the plan) as the baseline of ``mooncake``."""
     registry.add(
         "mooncake_batch",
-        "kvcore_mooncake.baselines:MooncakeBatchWrite",
+        "kvcore_mooncake.bench.baselines:MooncakeBatchWrite",
         backend="mooncake",
         in_matrix=True,
         description="a second bare TransferEngine, batch_transfer_sync_write of the plan as given, in this thread",

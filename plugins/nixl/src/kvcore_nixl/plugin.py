@@ -43,7 +43,7 @@ def kvcore_register_bench_baselines(registry: BenchBaselineRegistry) -> None:
     """Register NIXL's own API as ``kvcore bench`` baselines beside the ``nixl`` agent."""
     registry.add(
         "nixl_initialize",
-        "kvcore_nixl.baselines:NixlInitialize",
+        "kvcore_nixl.bench.baselines:NixlInitialize",
         backend="nixl",
         in_matrix=True,
         description="bare nixl_agent, initialize_xfer per transfer",
@@ -51,7 +51,7 @@ def kvcore_register_bench_baselines(registry: BenchBaselineRegistry) -> None:
     )
     registry.add(
         "nixl_prepped",
-        "kvcore_nixl.baselines:NixlPrepped",
+        "kvcore_nixl.bench.baselines:NixlPrepped",
         backend="nixl",
         description="bare nixl_agent, prepared descriptor lists re-posted",
         install_hint=INSTALL_HINT,

@@ -39,7 +39,7 @@ def kvcore_register_bench_baselines(registry: BenchBaselineRegistry) -> None:
     """Register bare UCX (``ucp_put_nbx`` per fragment + one flush) as the ``kvcore bench`` baseline of ``ucx``."""
     registry.add(
         "ucx_put",
-        "kvcore_ucx.baselines:UcxPut",
+        "kvcore_ucx.bench.baselines:UcxPut",
         backend="ucx",
         in_matrix=True,
         description="bare UCP worker, ucp_put_nbx per fragment + ucp_ep_flush_nbx, progressed without back-off",

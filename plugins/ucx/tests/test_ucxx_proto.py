@@ -1,13 +1,12 @@
-"""Prototype A (``ucxx_proto.py``, outside the wheel): the target refuses ranges it no longer registered.
+"""Prototype A (:mod:`kvcore_ucx.bench.ucxx_proto`): the target refuses ranges it no longer registered.
 
-Not in the test suite (prototype A is not a feature of kvcore-ucx); run it where ucxx is installed:
-``python -m pytest plugins/ucx/benchmarks/test_ucxx_proto.py``.
+Prototype A is not a feature of kvcore-ucx: this module is skipped where ucxx is not installed (see
+plugins/ucx/README.md, "Installing prototype A").
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,6 @@ from kvcore.testing.harness import pattern
 from kvcore.transport.agent import MemoryRegion, TransferOp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 MiB = 1024 * 1024
 
 
@@ -29,7 +27,7 @@ class _Target:
     """Two registered MiB; ``deregister`` drops the second, ``read`` returns the bytes and notifications."""
 
     def __init__(self) -> None:
-        from ucxx_proto import UcxxProtoAgent
+        from kvcore_ucx.bench.ucxx_proto import UcxxProtoAgent
 
         self.agent = UcxxProtoAgent("ucxx-target")
         self.buf = np.zeros(2 * MiB, dtype=np.uint8)
@@ -53,7 +51,7 @@ def target_main(channel: Channel) -> None:
 
 
 def test_ucxx_prototype_target_rejects_ranges_it_no_longer_registered() -> None:
-    from ucxx_proto import UcxxProtoAgent
+    from kvcore_ucx.bench.ucxx_proto import UcxxProtoAgent
 
     saved_env = dict(os.environ)  # importing ucxx sets UCX_* variables for the whole process
     target = RankProcess("test_ucxx_proto:target_main", name="ucxx target", path=[HERE])

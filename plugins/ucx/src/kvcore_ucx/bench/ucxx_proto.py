@@ -1,4 +1,4 @@
-"""Prototype A (kept out of the kvcore-ucx wheel, for the benchmark and the design record): ucxx tag messages.
+"""Prototype A (for the benchmark and the design record, never registered as a backend): ucxx tag messages.
 
 ucxx's Python API has no RMA, so a WRITE is emulated two-sided, one-sided as
 seen from kvcore: the initiator sends a header (destination ranges, sizes,
@@ -40,8 +40,8 @@ from kvcore.transport.agent import (
     TransferAgent,
     TransferHandle,
     TransferStatus,
-    ranges_inside,
 )
+from kvcore.transport.ranges import ranges_inside
 
 __all__ = ["UcxxProtoAgent", "load_ucxx"]
 
@@ -119,7 +119,7 @@ class UcxxProtoAgent(TransferAgent):
         x = self._x
         self._ctx = x.UCXContext(feature_flags=(x.Feature.TAG,))
         self._worker = x.UCXWorker(self._ctx)
-        self._address = self._worker.address.tobytes()
+        self._address: bytes = self._worker.address.tobytes()
         self._lock = threading.Lock()
         self._eps: dict[bytes, Any] = {}
         self._incoming: list[_Incoming] = []

@@ -8,9 +8,9 @@ random permutations, so nothing merges):
 * ``4096x16KiB``: 4096 x 16 KiB = 64 MiB.
 
 Designs (:data:`DESIGNS`, name -> agent class as ``module:Class``): ``B``
-(``kvcore_ucx.agent.UcxAgent``, UCX RMA through cffi, the one shipped); the
-ucxx prototype ``A`` is not part of this package: ``plugins/ucx/benchmarks/bench_ucx.py``
-adds it from that folder. Each design runs against a target in a second process
+(``kvcore_ucx.agent.UcxAgent``, UCX RMA through cffi, the one registered) and
+the ucxx prototype ``A`` (:mod:`kvcore_ucx.bench.ucxx_proto`, never registered as a
+backend; it needs ucxx, and a design whose import fails is reported skipped). Each design runs against a target in a second process
 (a :mod:`kvcore.runtime` rank process: msgpack frames on a pipe, never pickle). A host memcpy baseline (numpy, one thread) runs in the
 same call. Every run verifies the target's bytes against an expectation
 computed with numpy from the source. GB/s = 1e9 bytes/s over submit -> DONE,
@@ -39,8 +39,8 @@ CASES: dict[str, tuple[int, int]] = {
     "llama8b_512MiB": (8192, 64 * KiB),
     "4096x16KiB": (4096, 16 * KiB),
 }
-#: design name -> its agent class (``module:Class``); a benchmark script may add prototypes of its own.
-DESIGNS: dict[str, str] = {"B": "kvcore_ucx.agent:UcxAgent"}
+#: design name -> its agent class (``module:Class``); a caller may add prototypes of its own.
+DESIGNS: dict[str, str] = {"B": "kvcore_ucx.agent:UcxAgent", "A": "kvcore_ucx.bench.ucxx_proto:UcxxProtoAgent"}
 _TIMEOUT_S = 120.0
 
 
@@ -139,7 +139,7 @@ def _run_design(
 
     biggest = max(CASES[c][0] * CASES[c][1] for c in cases)
     target = RankProcess(
-        "kvcore_ucx.bench:target_main",
+        "kvcore_ucx.bench.designs:target_main",
         name=f"ucx bench target {design}",
         kwargs={"design": design, "nbytes": biggest, "options": options, "designs": DESIGNS},
         path=path,
@@ -238,11 +238,11 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None, path: Sequence[str] = ()) -> int:
-    """``python -m kvcore_ucx.bench [--designs B] [--cases ...] [--iterations N]``: print the result as JSON."""
+    """``python -m kvcore_ucx.bench [--designs B,A] [--cases ...] [--iterations N]``: print the result as JSON."""
     import argparse
     import json
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvcore_ucx.bench", description=__doc__.splitlines()[0])
     p.add_argument("--designs", default=",".join(DESIGNS))
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--iterations", type=int, default=3)
@@ -250,7 +250,3 @@ def main(argv: Sequence[str] | None = None, path: Sequence[str] = ()) -> int:
     result = run(args.designs.split(","), args.cases.split(","), args.iterations, path=path)
     print(json.dumps(result, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,5 +1,8 @@
 """Bare NIXL vs ``NixlAgent.submit`` vs host memcpy on one KV-cache fragment plan, across two processes.
 
+``python -m kvcore_nixl.bench [--iterations N] [--blocks B] [--progress-thread] [--json]`` runs it (:func:`main`):
+512 MiB of 32-layer x 8-head x 128-dim bf16 KV, 8192 x 64 KiB by default.
+
 ``run_bench()`` starts a target rank process (:mod:`kvcore.runtime`; a ``NixlAgent`` owning the destination
 pool, calling ``progress()`` like an engine loop), runs every mode for
 one warm-up per mode whose result the target checks against an independently
@@ -24,7 +27,7 @@ import numpy as np
 
 from kvcore.runtime import Channel, RankProcess, serve
 
-__all__ = ["run_bench", "fragment_plan"]
+__all__ = ["fragment_plan", "main", "run_bench"]
 
 _GB = 1e9
 
@@ -85,7 +88,9 @@ def target_main(channel: Channel, nbytes: int, options: dict[str, Any]) -> None:
 class _Target(RankProcess):
     def __init__(self, nbytes: int, options: dict[str, Any]) -> None:
         super().__init__(
-            "kvcore_nixl.bench:target_main", name="nixl bench target", kwargs={"nbytes": nbytes, "options": options}
+            "kvcore_nixl.bench.bare_vs_agent:target_main",
+            name="nixl bench target",
+            kwargs={"nbytes": nbytes, "options": options},
         )
         try:
             hello = self.recv(120.0, op="start")
@@ -262,3 +267,35 @@ def run_bench(
     finally:
         target.close()
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print a table (or JSON with ``--json``)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(
+        prog="python -m kvcore_nixl.bench",
+        description="Bare NIXL vs kvcore's NixlAgent vs host memcpy: 512 MiB of 32-layer x 8-head x 128-dim bf16 KV, "
+        "8192 x 64 KiB.",
+    )
+    ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=128, help="blocks of 32 tokens (128 -> 512 MiB)")
+    ap.add_argument("--progress-thread", action="store_true", help="NIXL progress thread (100 us delay) on both sides")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    options = {"progress_thread": True} if args.progress_thread else {}
+    r = run_bench(blocks=args.blocks, iterations=args.iterations, options=options)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(
+        f"{r['bytes'] / 2**20:.0f} MiB in {r['fragments']} fragments of {r['fragment_bytes'] // 1024} KiB, "
+        f"median of {r['iterations']}"
+    )
+    for mode in ("bare_nixl", "agent", "bare_nixl_initialize", "agent_prepped", "memcpy"):
+        extra = f"  submit {r[mode + '_submit_ms']:.2f} ms" if mode + "_submit_ms" in r else ""
+        print(f"  {mode:22s} {r[mode + '_gbps']:6.2f} GB/s (best {r[mode + '_best_gbps']:.2f}){extra}")
+    print(f"  agent / bare NIXL = {r['agent_vs_bare']:.3f}   agent / memcpy = {r['agent_vs_memcpy']:.3f}")
+    print(f"  bytes verified: {r['verified']}")
+    return 0
