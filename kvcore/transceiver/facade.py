@@ -6,12 +6,9 @@ it (:mod:`kvcore.transceiver.send`); the generation side
 (``role="generation"``) asks the context ranks that hold its layers/heads and
 waits until every one of them reported (:mod:`kvcore.transceiver.receive`).
 Both share a :class:`~kvcore.transceiver.link.Link` (messenger, agent, worker).
-
-Memory safety: ``poll()`` reports an outcome once every rank of the instance
-agrees the request is terminal, and reports the request as *released* only
-when no write into its pages can still land (every writer reported a final
-result, proved it never took the request, or is fenced). Engines reuse pages
-on release, never earlier.
+What the engine learns back (outcomes agreed across ranks, releases: the
+memory-safety promise) is :class:`~kvcore.transceiver.reporting.Reporting`,
+the half of ``Transceiver`` defined there.
 
 Threads: every public method may be called from any thread. ``poll`` is
 serialized: concurrent callers take turns, and each outcome and each release
@@ -25,12 +22,8 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
-
-import msgspec
 
 from kvcore import errors as E
 from kvcore.config import TransceiverConfig
@@ -39,22 +32,14 @@ from kvcore.control.collective import Collective
 from kvcore.layout.mapping import RankPlacement
 from kvcore.layout.page import PageTable
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
-from kvcore.params import (
-    InternalId,
-    RequestId,
-    RoleName,
-    TransferParams,
-    api_id,
-    check_ticket,
-    internal_id,
-    is_role_name,
-)
+from kvcore.params import RequestId, RoleName, TransferParams, api_id, check_ticket, internal_id, is_role_name
 from kvcore.transceiver.counters import CACHE_GAUGES, COUNTERS, leaks
 from kvcore.transceiver.link import Link
 from kvcore.transceiver.receive import Receiver
+from kvcore.transceiver.reporting import Outcome, PollResult, Reporting
 from kvcore.transceiver.role import Role
 from kvcore.transceiver.send import Sender
-from kvcore.transceiver.sessions import RequestStatus, RxSession, SessionState
+from kvcore.transceiver.sessions import RequestStatus
 from kvcore.transport.agent import TransferAgent
 
 __all__ = [
@@ -69,62 +54,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvcore.transceiver")
-
-_STATUS_CODE = {SessionState.DONE: 0, SessionState.CANCELLED: 1, SessionState.TIMED_OUT: 2, SessionState.FAILED: 3}
-_CODE_STATUS = {v: k for k, v in _STATUS_CODE.items()}
-
-
-def _order(rid: Any) -> tuple[int, Any]:
-    """A total order over mixed request ids (ints, then strs, then bytes) so reports are deterministic."""
-    if isinstance(rid, int):
-        return (0, rid)
-    if isinstance(rid, str):
-        return (1, rid)
-    return (2, rid if isinstance(rid, bytes) else getattr(rid, "b", b""))
-
-
-def _elsewhere(rid: object, state: SessionState) -> E.KvcoreError:
-    """The error of a request that ended ``state`` on another rank of this instance (this rank has none of its own).
-
-    Typed by the agreed state, so every rank reports the same kind of error for one request.
-    """
-    what = f"request {rid!r} ended {state.value} on another rank of this instance"
-    if state is SessionState.CANCELLED:
-        return E.RequestCancelledError(what)
-    if state is SessionState.TIMED_OUT:
-        return E.TransferTimeoutError(what)
-    return E.TransferFailedError(what)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The agreed terminal outcome of one request on this instance (``aux``: the context's payload, with DONE)."""
-
-    request_id: RequestId
-    state: SessionState
-    error: E.KvcoreError | None = None
-    nbytes: int = 0
-    aux: bytes = b""
-
-
-@dataclass
-class PollResult:
-    """What ``poll()`` learned: outcomes agreed by every rank, and requests whose pages may now be reused."""
-
-    done: list[Outcome] = field(default_factory=list)
-    failed: list[Outcome] = field(default_factory=list)  # FAILED and TIMED_OUT
-    cancelled: list[Outcome] = field(default_factory=list)
-    released: list[RequestId] = field(default_factory=list)
-
-    @property
-    def outcomes(self) -> list[Outcome]:
-        return self.done + self.failed + self.cancelled
-
-
-class _Agreement(msgspec.Struct, array_like=True):
-    group: int  # ranks with equal group agree on a request (the attention-DP group; 0 without attention DP)
-    terminal: list[tuple[wire.RequestId, int]]
-    quiescent: list[wire.RequestId]
 
 
 def lower_switch_interval(seconds: float) -> float:
@@ -142,8 +71,37 @@ def lower_switch_interval(seconds: float) -> float:
     return sys.getswitchinterval()
 
 
-class Transceiver:
-    """Moves KV between a context instance and generation instances; one per rank."""
+class Transceiver(Reporting):
+    """Moves KV between a context instance and generation instances; one per rank.
+
+    The engine starts requests (``start_send`` on the context side, ``start_receive`` or ``expect`` then
+    ``start_receive`` on the generation side), learns their outcomes and releases from ``poll`` (or
+    ``poll_local``, ``wait``, ``wait_all``: :class:`~kvcore.transceiver.reporting.Reporting`), and reuses a
+    request's pages only once ``poll`` released it. Every call may come from any thread.
+
+    Args:
+        config: the settings (:class:`~kvcore.config.TransceiverConfig`); every rank of an instance passes equal
+            ones.
+        role: ``"context"`` (sends finished requests' KV) or ``"generation"`` (receives it).
+        agent: this rank's transfer agent (``kvcore.create_agent``); the transceiver registers the page table's
+            pools with it and deregisters them at ``close``.
+        topology: this rank's parallelism (TP/PP/CP sizes and ranks, attention DP).
+        geometry: the attention KV geometry every pool of ``page_table`` holds.
+        page_table: where this rank's KV lives (``kvcore.build_page_table`` and the builders).
+        collective: the instance's collective over its ranks (``TorchCollective``, ...); None: one rank alone.
+        instance_name: the instance's name as peers see it; rank 0's wins; None: a random ``<role>-<hex>``.
+        pm: the plugin manager to take layout mappers from; None: the process-wide one.
+        device: where the pools are: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        mamba: the geometry of the state pools of a hybrid (Mamba) model, if the page table holds any.
+
+    Raises:
+        ConfigError: ``role`` or ``device`` is not one of the values above, or the control socket cannot bind
+            (port taken, a non-loopback host without authentication and without ``allow_insecure_bind``, an
+            ``advertise_host`` that makes no valid endpoint).
+        RegistrationError: the agent refused a pool; or a context rank in pull mode whose pools the agent
+            cannot offer to peers (allocate them with ``agent.allocate_tensor``).
+        CollectiveError: the collective failed while the ranks agreed on the instance's name and identities.
+    """
 
     def __init__(
         self,
@@ -211,24 +169,26 @@ class Transceiver:
         self._closed = False
         link.start()
 
-    # --- identity ------------------------------------------------------------------------------
+    # --- identity (each a property that raises nothing) -------------------------------------------
 
     @property
     def endpoint(self) -> str:
-        """This rank's control endpoint. Rank 0's is the instance's ``disagg_info_endpoint``."""
+        """This rank's control endpoint (``tcp://host:port``). Rank 0's is the instance's ``disagg_info_endpoint``."""
         return self._link.messenger.endpoint
 
     @property
     def info_endpoint(self) -> str:
-        """The endpoint generation workers contact first (context rank 0)."""
+        """The endpoint generation ranks contact first: context rank 0's ``endpoint``, the same on every rank."""
         return self._link.instance_ranks[0].endpoint
 
     @property
     def instance_name(self) -> str:
+        """The instance's name as its peers see it (``instance_name=`` of rank 0), the same on every rank."""
         return self._link.instance_name
 
     @property
     def incarnation(self) -> str:
+        """This process's incarnation: peers fence a restarted rank whose incarnation changed."""
         return self._link.incarnation
 
     @property
@@ -255,10 +215,6 @@ class Transceiver:
             raise E.SessionError(f"this is a {self.role} transceiver; that call is for the generation side")
         return self._receiver
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise E.SessionError("transceiver is closed")
-
     def start_send(
         self,
         request_id: RequestId,
@@ -274,29 +230,46 @@ class Transceiver:
     ) -> TransferParams:
         """Context side: the request's KV lives in ``block_ids`` (in token order); send it. Returns its parameters.
 
-        The returned :class:`~kvcore.params.TransferParams` are what the engine
-        forwards to the generation side (``start_receive(params=...)``); they
-        carry the request's ticket, without which no receiver is served
-        (``config.require_tickets``). Every rank of the instance returns the
-        same parameters for one request, so any rank's may be forwarded. Pass
-        ``ticket`` (or ``params`` made with ``TransferParams.make`` in the
-        scheduler) to choose the ticket beforehand; without one, it is derived
-        from the request id and a secret the instance's ranks share (never
-        sent to a peer), so every rank agrees on it without the engine
-        coordinating (see ``Link.request_ticket``; engines that reuse request
-        ids should pass their own).
+        The returned parameters are what the engine forwards to the generation side
+        (``start_receive(params=...)``); they carry the request's ticket, without which no
+        receiver is served (``config.require_tickets``). Every rank of the instance returns
+        the same parameters for one request, so any rank's may be forwarded. Without a
+        ticket one is derived from the request id and a secret the instance's ranks share
+        (never sent to a peer; see ``Link.request_ticket``): engines that reuse request ids
+        should pass their own. By default every layer is complete; for layer-wise sending
+        while prefill still runs (push mode), pass ``layers_ready=L`` and call
+        :meth:`layers_ready` as more layers finish: each slice is written as soon as a
+        receiver asked for the request.
 
-        ``mode``: "push" (this side writes into the receiver's blocks once it
-        asks) or "pull" (the receiver reads these blocks at once; they must be
-        the same on every context rank); default ``config.transfer_mode``.
-        ``aux``: opaque bytes (at most ``config.max_aux_bytes``) delivered
-        with DONE on the generation side; or call :meth:`set_aux` later.
+        Args:
+            request_id: the engine's id: an int in 0..2**64-1, a str or bytes.
+            block_ids: this rank's blocks holding the request, in token order: distinct integers inside its
+                pools (a mapping of layer group to ids for several groups; in pull mode the same on every
+                context rank, and every group's ids).
+            prompt_len: the prompt's length in tokens (-1: unknown); checked against the receiver's if both know it.
+            state_slot: the request's slot in the state pools of a hybrid model (-1: none).
+            layers_ready: push mode only: global layers below this are complete (None: every layer).
+            mode: ``"push"`` (this side writes into the receiver's blocks once it asks) or ``"pull"`` (the
+                receiver reads these blocks); None: the parameters' mode, else ``config.transfer_mode``.
+            ticket: the request's ticket (bytes or hex, 16..64 bytes); None: the parameters', else derived.
+            aux: opaque bytes (at most ``config.max_aux_bytes``) delivered with DONE on the generation side;
+                or call :meth:`set_aux` later.
+            params: parameters made beforehand with ``TransferParams.make`` (in the scheduler) for this request.
 
-        Block ids must be distinct integers inside this rank's pools (``LayoutError``
-        otherwise). By default every layer is complete. For layer-wise sending while
-        prefill still runs (push mode), pass ``layers_ready=L`` (global layers below
-        ``L`` are complete) and call :meth:`layers_ready` as more layers finish; each
-        slice is written as soon as a receiver asked for the request.
+        Returns:
+            The request's :class:`~kvcore.params.TransferParams`: endpoint, request id, ticket, mode, DP rank,
+            prompt length, lease and, in pull mode, the instance's block ids and incarnation.
+
+        Raises:
+            SessionError: the transceiver is closed or is a generation one; ``params`` name another request; the
+                request is already being sent; ``prompt_len`` is not an integer; ``mode`` is neither push nor
+                pull; ``layers_ready`` in pull mode; ``aux`` is not bytes.
+            LayoutError: a block id or ``state_slot`` is not an integer inside this rank's (or, in pull mode, the
+                instance's) pools, or a block id repeats.
+            TicketError: ``ticket`` is not 16..64 bytes (or their hex).
+            PayloadTooLargeError: ``aux`` exceeds ``config.max_aux_bytes``.
+            UnsupportedOperationError: pull mode with an agent that cannot READ.
+            ResourceExhaustedError: ``config.max_inflight_requests`` requests are in flight on this rank.
         """
         if params is not None:
             if api_id(internal_id(params.request_id)) != request_id:
@@ -310,7 +283,17 @@ class Transceiver:
         return out
 
     def set_aux(self, request_id: RequestId, aux: bytes) -> None:
-        """Context side: the request's aux payload (first token, draft tokens...), before any receiver has its KV."""
+        """Context side: the request's aux payload (first token, draft tokens...), before any receiver has its KV.
+
+        Args:
+            request_id: a request this rank is sending (``start_send`` was called).
+            aux: opaque bytes, at most ``config.max_aux_bytes``; they replace any given before.
+
+        Raises:
+            SessionError: closed or a generation transceiver; the request is not being sent; a receiver already
+                has its KV and its final answer; ``aux`` is not bytes.
+            PayloadTooLargeError: ``aux`` exceeds ``config.max_aux_bytes``.
+        """
         self._as_sender().set_aux(internal_id(request_id), aux)
 
     def layers_ready(self, request_id: RequestId, upto: int, event: Any = None) -> None:
@@ -321,6 +304,16 @@ class Transceiver:
         call returns at once and the transceiver's worker polls ``event.query()``, so
         the engine never synchronizes its stream for kvcore. Events of one transceiver
         take effect in the order they were given.
+
+        Args:
+            request_id: a request started with ``start_send(..., layers_ready=L)``.
+            upto: global layers below this are complete (never lowers what an earlier call said).
+            event: None (complete now) or an object with ``query()``, such as a ``torch.cuda.Event``.
+
+        Raises:
+            SessionError: closed or a generation transceiver; the request is not being sent; ``event`` has no
+                ``query()``.
+            ResourceExhaustedError: too many events wait already (64 per ``max_inflight_requests``).
         """
         self._as_sender().layers_ready(internal_id(request_id), upto, event)
 
@@ -339,26 +332,42 @@ class Transceiver:
     ) -> None:
         """Generation side: receive a request into ``block_ids``, usually ``start_receive(params=p, block_ids=b)``.
 
-        ``params`` are the context's :class:`~kvcore.params.TransferParams` (or
-        their ``to_dict()`` form): endpoint, request id, ticket, DP rank, mode
-        and, in pull mode, the blocks to read. Without them, name the request,
-        the context instance's endpoint and the ticket yourself (push mode).
+        The outcome comes from ``poll``; the blocks may be reused once ``poll`` released the request.
 
-        ``block_ids`` are this rank's destination blocks in token order (distinct,
-        inside this rank's pools), ending with the prompt's last block. They must
-        cover the whole prompt, unless ``cached_tokens`` says how many leading
-        prompt tokens this side holds already (its prefix-cache hit, e.g. vLLM's
-        ``num_computed_tokens``): then they must cover at least the blocks from
-        ``cached_tokens // tokens_per_block`` on (pass only those, or the whole
-        block table: its cached blocks are not written). A list that does not
-        cover ``prompt_len - cached_tokens`` is a ``MappingError`` naming both
-        numbers: here when the prompt length is known (``prompt_len`` or the
-        parameters'), else the request fails with it. When both sides pass
-        ``prompt_len`` they must agree (``MappingError`` naming both otherwise).
+        Args:
+            request_id: the request (needed without ``params``; with them, it must be theirs).
+            ctx_endpoint: the context instance's ``info_endpoint`` (needed without ``params``; with them, theirs).
+            block_ids: this rank's destination blocks in token order (distinct, inside this rank's pools),
+                ending with the prompt's last block. They must cover the whole prompt, unless ``cached_tokens``
+                says how many leading prompt tokens this side holds already (its prefix-cache hit, e.g. vLLM's
+                ``num_computed_tokens``): then at least the blocks from ``cached_tokens // tokens_per_block`` on
+                (pass only those, or the whole block table: its cached blocks are not written).
+            params: the context's :class:`~kvcore.params.TransferParams` (or their ``to_dict()`` form):
+                endpoint, request id, ticket, DP rank, mode and, in pull mode, the blocks to read. Without them,
+                name the request, the endpoint and the ticket yourself (push mode).
+            prompt_len: the prompt's length in tokens (-1: the parameters', or unknown).
+            state_slot: this rank's state slot for a hybrid model (-1: none).
+            ctx_dp_rank: the context's attention-DP rank holding the request (without ``params``).
+            ticket: the request's ticket, bytes or hex (without ``params``).
+            cached_tokens: leading prompt tokens this side holds already (see ``block_ids``).
+
+        Raises:
+            SessionError: closed or a context transceiver; neither ``params`` nor ``request_id`` and
+                ``ctx_endpoint``; ``request_id`` or ``ctx_endpoint`` differ from the parameters'; malformed
+                parameters; an integer argument that is not one; the request is already being received, or
+                ``expect`` named other parameters.
+            MappingError: ``block_ids`` do not cover ``prompt_len - cached_tokens`` (here when the prompt length
+                is known, else the request fails with it), ``cached_tokens`` exceeds ``prompt_len``, or both
+                sides' ``prompt_len`` differ; each names both numbers.
+            LayoutError: a block id or ``state_slot`` is not an integer inside this rank's pools, or repeats.
+            TicketError: the ticket is not 16..64 bytes (or their hex).
+            ProtocolError: ``ctx_endpoint`` is not ``tcp://host:port``.
+            UnsupportedOperationError: pull mode with an agent that cannot READ.
+            ResourceExhaustedError: ``config.max_inflight_requests`` requests are in flight on this rank.
         """
-        self._receive(
-            request_id, ctx_endpoint, block_ids, params, prompt_len, state_slot, ctx_dp_rank, ticket, False,
-            cached_tokens,
+        _receive(
+            self._as_receiver(), request_id, ctx_endpoint, block_ids, params, prompt_len, state_slot, ctx_dp_rank,
+            ticket, False, cached_tokens,
         )  # fmt: skip
 
     def expect(self, params: TransferParams | Mapping[str, Any]) -> None:
@@ -368,76 +377,31 @@ class Transceiver:
         blocks. ``start_receive(params=..., block_ids=...)`` then starts the
         transfer; ``cancel`` gives it up. If the context lets go meanwhile (its
         lease ran out), ``poll()`` reports the request failed with LeaseExpiredError.
-        """
-        self._receive(None, None, (), params, -1, -1, 0, None, True)
 
-    def _receive(
-        self,
-        request_id: RequestId | None,
-        ctx_endpoint: str | None,
-        block_ids: Iterable[int],
-        params: TransferParams | Mapping[str, Any] | None,
-        prompt_len: int,
-        state_slot: int,
-        ctx_dp_rank: int,
-        ticket: bytes | str | None,
-        expecting: bool,
-        cached_tokens: int = 0,
-    ) -> None:
-        rx = self._as_receiver()
-        if params is not None and not isinstance(params, TransferParams):
-            params = TransferParams.from_dict(params)
-        if params is None:
-            if request_id is None or ctx_endpoint is None:
-                raise E.SessionError("start_receive needs params=, or request_id and ctx_endpoint")
-            rid = internal_id(request_id)
-            tk = b"" if ticket is None else check_ticket(ticket, f"request {request_id!r} ticket")
-            rx.start_receive(
-                rid,
-                ctx_endpoint,
-                block_ids,
-                prompt_len,
-                state_slot,
-                ctx_dp_rank,
-                ticket=tk,
-                cached_tokens=cached_tokens,
-            )
-            return
-        rid = internal_id(params.request_id)
-        if request_id is not None and internal_id(request_id) != rid:
-            raise E.SessionError(f"start_receive({request_id!r}) got parameters of request {params.request_id!r}")
-        if ctx_endpoint is not None and ctx_endpoint != params.endpoint:
-            raise E.SessionError(
-                f"start_receive: ctx_endpoint {ctx_endpoint!r} but the parameters name {params.endpoint!r}"
-            )
-        if params.prompt_len >= 0 and prompt_len >= 0 and params.prompt_len != prompt_len:
-            raise E.MappingError(f"request {rid!r} prompt_len: context {params.prompt_len}, generation {prompt_len}")
-        rx.start_receive(
-            rid,
-            params.endpoint,
-            block_ids,
-            prompt_len if prompt_len >= 0 else params.prompt_len,
-            state_slot,
-            params.dp_rank,
-            ticket=params.ticket_bytes,
-            mode=params.mode,
-            ctx_block_ids=params.group_block_ids or params.block_ids,
-            ctx_state_slot=params.state_slot,
-            ctx_incarnation=params.incarnation,
-            expecting=expecting,
-            lease_s=params.lease_ms / 1000.0,
-            cached_tokens=cached_tokens,
-        )
+        Args:
+            params: the context's :class:`~kvcore.params.TransferParams` (or their ``to_dict()`` form).
+
+        Raises:
+            SessionError: closed or a context transceiver; malformed parameters; the request is already here.
+            TicketError, ProtocolError, UnsupportedOperationError, ResourceExhaustedError: as ``start_receive``.
+        """
+        _receive(self._as_receiver(), None, None, (), params, -1, -1, 0, None, True)
 
     def cancel(self, request_id: RequestId, reason: str = "cancelled by the engine") -> bool:
         """Cancel a request (logical). Its pages are released only once no write can still land.
 
-        Returns True when the cancel will take effect: the request is in flight
-        here, or (context side) not started yet and remembered, so a later
-        ``start_send`` of it ends CANCELLED at once and a receiver asking for it
-        is told. False when the request already ended, or is unknown on the
-        generation side. True never means the pages may be reused: that is
-        the release, reported by ``poll()``.
+        Args:
+            request_id: the request to cancel.
+            reason: why, for the logs and the peers (cut to 500 characters).
+
+        Returns:
+            True when the cancel will take effect: the request is in flight here, or (context side) not started
+            yet and remembered, so a later ``start_send`` of it ends CANCELLED at once and a receiver asking for
+            it is told. False when the request already ended, or is unknown on the generation side. True never
+            means the pages may be reused: that is the release, reported by ``poll()``.
+
+        Raises:
+            SessionError: the transceiver is closed, or ``request_id`` is not a valid request id.
         """
         self._check_open()
         accepted = self._role.cancel(internal_id(request_id), str(reason)[:500])
@@ -448,186 +412,15 @@ class Transceiver:
         if self._link.waiters:
             self._link.notify_news()
 
-    def status(self, request_id: RequestId) -> RequestStatus | None:
-        """This rank's state of a request (None when unknown here or already released); cheap, not collective."""
-        return self._role.status(internal_id(request_id))
-
-    def poll(self) -> PollResult:
-        """Outcomes every rank agrees on, and requests whose memory is now safe to reuse.
-
-        Collective: every rank of the instance calls ``poll`` the same number of times.
-        Safe from several threads: calls take turns and report each outcome once.
-        """
-        with self._poll_lock:
-            return self._poll()
-
-    def poll_local(self) -> PollResult:
-        """This rank's own outcomes and releases, with no collective (for engines that aggregate ranks themselves).
-
-        A request is reported by each rank when *that rank* is done with it, so
-        outcomes may differ between ranks (one rank DONE, another FAILED): the
-        engine combines them (worst wins), as vLLM's KVOutputAggregator does. Use
-        either ``poll`` or ``poll_local`` on a transceiver, not both.
-        """
-        with self._poll_lock:
-            terminal, quiescent = self._local_view()
-            return self._report(terminal, set(quiescent))
-
-    def _local_view(self) -> tuple[dict[InternalId, int], list[InternalId]]:
-        # Only sessions that ended are looked at (``SessionTable.ended``): a poll costs the same with one request
-        # in flight as with thousands, and holds the lock the I/O thread needs for no longer.
-        terminal: dict[InternalId, int] = {}
-        quiescent: list[InternalId] = []
-        with self._link.lock:
-            for rid, s in self._role.sessions.news():
-                if not s.reported:
-                    terminal[rid] = _STATUS_CODE[s.state]
-                if not s.released and s.quiescent:
-                    quiescent.append(rid)
-        return terminal, quiescent
-
-    def _poll(self) -> PollResult:
-        terminal, quiescent = self._local_view()
-        group = self.topology.dp_rank if self.topology.attention_dp else 0
-        payload = msgspec.msgpack.encode(_Agreement(group, list(terminal.items()), quiescent))
-        everyone = [msgspec.msgpack.decode(b, type=_Agreement) for b in self.collective.allgather(payload)]
-        # Under attention DP a request lives on one DP group only: those ranks must agree, not the whole instance.
-        gathered = [g for g in everyone if g.group == group]
-        codes = [dict(g.terminal) for g in gathered]
-        agreed = {rid: max(c[rid] for c in codes) for rid in terminal if all(rid in c for c in codes)}  # worst wins
-        agreed_quiet = set(quiescent)
-        for g in gathered:
-            agreed_quiet &= set(g.quiescent)
-        return self._report(agreed, agreed_quiet)
-
-    def _report(self, agreed: dict[InternalId, int], agreed_quiet: set[InternalId]) -> PollResult:
-        link = self._link
-        result = PollResult()
-        now = time.monotonic()
-        with link.lock:
-            sessions = self._role.sessions
-            for rid in sorted(agreed, key=_order):
-                state = _CODE_STATUS[agreed[rid]]
-                s = sessions.get(rid)
-                if s is None or s.reported:
-                    continue
-                s.reported = True
-                err = s.error
-                if state is not s.state and err is None:
-                    err = _elsewhere(rid, state)
-                done = state is SessionState.DONE
-                aux = s.aux if done and isinstance(s, RxSession) else b""
-                out = Outcome(api_id(rid), state, None if done else err, s.nbytes, aux)
-                self.metrics.request_finished(
-                    state.value, now - s.created, error=out.error, peer=self._role.peer_name(s)
-                )
-                if done:
-                    result.done.append(out)
-                elif state is SessionState.CANCELLED:
-                    result.cancelled.append(out)
-                else:
-                    result.failed.append(out)
-            for rid in sorted(agreed_quiet, key=_order):
-                s = sessions.get(rid)
-                if s is None or not s.reported or s.released:
-                    continue
-                s.released = True
-                result.released.append(api_id(rid))
-                self._role.release(rid)
-        return result
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until this rank has news for ``poll``: an outcome not yet reported, or a request to release.
-
-        Returns True when there is news (call ``poll`` or ``poll_local`` now), False when ``timeout`` seconds
-        (None: no bound) passed without any. Not collective and never reports anything itself: it lets an
-        engine thread sleep instead of polling on a timer, and wakes it as soon as this rank's I/O thread ended
-        or settled a request. Under several ranks, ``poll`` is still called by every rank alike; this rank's
-        news may be agreed on only at a later ``poll``. Raises ``SessionError`` once the transceiver is closed
-        (also in a thread blocked here when another thread closes it).
-        """
-        self._check_open()
-        deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
-        link = self._link
-        with link.news:
-            link.waiters += 1
-            try:
-                while True:
-                    if self._closed:
-                        raise E.SessionError("transceiver is closed")
-                    if self._has_news():
-                        return True
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        return False
-                    # Bounded sleeps: a notify lost to a race costs at most 50 ms, never a hang.
-                    link.news.wait(0.05 if left is None else min(left, 0.05))
-            finally:
-                link.waiters -= 1
-
-    def _has_news(self) -> bool:
-        """An outcome to report or a release to make on this rank (lock held)."""
-        for _, s in self._role.sessions.news():
-            if not s.released and (not s.reported or s.quiescent):
-                return True
-        return False
-
-    def wait_all(self, request_ids: Iterable[RequestId], timeout: float) -> dict[RequestId, Outcome]:
-        """Poll until every id is reported and released (single-rank helper for tests and tools)."""
-        want = set(request_ids)
-        outcomes: dict[RequestId, Outcome] = {}
-        released: set[RequestId] = set()
-        deadline = time.monotonic() + timeout
-        while not (want <= released and want <= set(outcomes)):
-            r = self.poll()
-            outcomes.update({o.request_id: o for o in r.outcomes})
-            released.update(r.released)
-            if want <= released and want <= set(outcomes):
-                break
-            if time.monotonic() > deadline:
-                missing = sorted((want - released) | (want - set(outcomes)), key=_order)
-                raise E.TransferTimeoutError(
-                    f"{len(missing)} request(s) not reported and released after {timeout}s: {missing[:8]} "
-                    "(wait_all sees only outcomes reported during its own polls)"
-                )
-            if self.topology.world_size == 1:
-                self.wait(min(0.05, max(0.0, deadline - time.monotonic())))  # poll again as soon as there is news
-            else:
-                time.sleep(0.001)  # collective: the other ranks poll on their own clocks
-        return outcomes
-
-    def _live_gauges(self) -> dict[str, int]:
-        """``stats()`` without the counters: what ``kvcore_live_objects`` exports."""
-        return {k: v for k, v in self.stats().items() if k not in COUNTERS and not k.endswith("_total")}
-
-    def _event_counts(self) -> dict[str, int]:
-        """The counters of ``stats()``: what ``kvcore_control_events_total`` exports."""
-        return {k: v for k, v in self.stats().items() if k in COUNTERS or k.endswith("_total")}
-
-    def stats(self) -> dict[str, int]:
-        """Live counts for leak checks (all return to zero, but peers, once every request is released) and counters.
-
-        Keys ending in ``_total`` and the keys of ``COUNTERS`` (``fenced_*``, ``bounce_fallback_*``,
-        ``forged_messages``, ``peers_lost``, ``tickets_refused``, ``early_requests_expired``) only grow; the
-        metrics export those as ``kvcore_control_events_total`` and the rest as ``kvcore_live_objects``.
-        """
-        res = self.agent.resources()
-        out = {
-            **self._role.stats(),
-            "agent_transfers": res.get("transfers", 0),
-            "remote_agents": res.get("remote_agents", 0),
-            "control_connections": self._link.messenger.peer_count,
-        }
-        for key in sorted(COUNTERS):
-            out[key] = self._link.counters.get(key, 0)
-        return out
-
-    def leaks(self) -> dict[str, int]:
-        """Per-request resources still held (``{}`` once every request is released): for leak checks."""
-        return leaks(self.stats())
-
     def close(self, timeout: float = 5.0) -> None:
-        """Stop threads, drop peers and deregister memory. Idempotent."""
+        """Stop threads, drop peers and deregister memory. Idempotent; raises nothing.
+
+        Peers are told this rank is closing (they let go at once), threads blocked in ``wait`` raise
+        ``SessionError``, and so does every later call that starts, changes or cancels a request, or ``wait``.
+
+        Args:
+            timeout: the most seconds to wait for the I/O thread to write what is queued and stop.
+        """
         if self._closed:
             return
         self._closed = True
@@ -654,3 +447,62 @@ class Transceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _receive(
+    rx: Receiver,
+    request_id: RequestId | None,
+    ctx_endpoint: str | None,
+    block_ids: Iterable[int],
+    params: TransferParams | Mapping[str, Any] | None,
+    prompt_len: int,
+    state_slot: int,
+    ctx_dp_rank: int,
+    ticket: bytes | str | None,
+    expecting: bool,
+    cached_tokens: int = 0,
+) -> None:
+    """``start_receive`` and ``expect``: check the arguments against the parameters, then hand them to ``rx``."""
+    if params is not None and not isinstance(params, TransferParams):
+        params = TransferParams.from_dict(params)
+    if params is None:
+        if request_id is None or ctx_endpoint is None:
+            raise E.SessionError("start_receive needs params=, or request_id and ctx_endpoint")
+        rid = internal_id(request_id)
+        tk = b"" if ticket is None else check_ticket(ticket, f"request {request_id!r} ticket")
+        rx.start_receive(
+            rid,
+            ctx_endpoint,
+            block_ids,
+            prompt_len,
+            state_slot,
+            ctx_dp_rank,
+            ticket=tk,
+            cached_tokens=cached_tokens,
+        )
+        return
+    rid = internal_id(params.request_id)
+    if request_id is not None and internal_id(request_id) != rid:
+        raise E.SessionError(f"start_receive({request_id!r}) got parameters of request {params.request_id!r}")
+    if ctx_endpoint is not None and ctx_endpoint != params.endpoint:
+        raise E.SessionError(
+            f"start_receive: ctx_endpoint {ctx_endpoint!r} but the parameters name {params.endpoint!r}"
+        )
+    if params.prompt_len >= 0 and prompt_len >= 0 and params.prompt_len != prompt_len:
+        raise E.MappingError(f"request {rid!r} prompt_len: context {params.prompt_len}, generation {prompt_len}")
+    rx.start_receive(
+        rid,
+        params.endpoint,
+        block_ids,
+        prompt_len if prompt_len >= 0 else params.prompt_len,
+        state_slot,
+        params.dp_rank,
+        ticket=params.ticket_bytes,
+        mode=params.mode,
+        ctx_block_ids=params.group_block_ids or params.block_ids,
+        ctx_state_slot=params.state_slot,
+        ctx_incarnation=params.incarnation,
+        expecting=expecting,
+        lease_s=params.lease_ms / 1000.0,
+        cached_tokens=cached_tokens,
+    )
