@@ -16,6 +16,7 @@ from kvcore.extension.plugins import make_plugin_manager
 from kvcore.layout import mapping
 from kvcore.layout.builders import allocate_kv_cache, build_page_table
 from kvcore.layout.mapping import RankPlacement, plan_transfer
+from kvcore.layout.page import table_bytes
 from kvcore.layout.topology import AttentionGeometry, Topology
 
 CORE = make_plugin_manager(load_entry_points=False).layout_mappers
@@ -91,7 +92,7 @@ def test_the_cache_is_bounded_in_bytes_and_counts_what_it_keeps_alive(monkeypatc
     s = d = np.array([1, 2])
     _plan(a, b, s, d)
     ((parts, plans, one),) = mapping._plan_cache.values()
-    assert one == mapping._entry_bytes(parts, plans) and one >= 2 * mapping._table_bytes(a.page_table)
+    assert one == mapping._entry_bytes(parts, plans.plans) and one >= 2 * table_bytes(a.page_table)
     assert mapping._plan_cache_bytes == one
     # room for two entries: a third pair evicts the least recently used (the first), never more than the cap
     monkeypatch.setattr(mapping, "_PLAN_CACHE_BYTES", 2 * one + one // 2)
@@ -148,3 +149,42 @@ def test_the_cache_is_bounded() -> None:
         for start in range(LAYERS):
             _plan(a, b, np.array([0]), np.array([0]), layer_range=(start, LAYERS + lo))
     assert len(mapping._plan_cache) <= mapping._PLAN_CACHE_ENTRIES
+
+
+class _OwnMap(mapping.MatchingHeadsMapper):
+    """A matching-heads mapper that plans through its own ``map`` (the contract's body, called explicitly)."""
+
+    calls = 0
+
+    def map(self, pair: mapping.ViewPair) -> mapping.FragmentPlan:
+        type(self).calls += 1
+        return mapping.LayoutMapper.map(self, pair)
+
+
+class _Lookup:
+    def __init__(self, cls: type[mapping.LayoutMapper]) -> None:
+        self.cls = cls
+
+    def get(self, name: str) -> type[mapping.LayoutMapper]:
+        assert name == mapping.MATCHING_HEADS
+        return self.cls
+
+
+def test_precomputed_buffer_fragments_plan_what_the_mappers_own_map_plans() -> None:
+    """The planner keeps a mapper's buffer fragments with the cached pair and applies them itself; a mapper that
+    overrides ``map`` is still asked per request, and both plan the same bytes."""
+    (a, _ka), (b, _kb) = _placement(), _placement()
+    own = _Lookup(_OwnMap)
+    rng = np.random.default_rng(11)
+    for i in range(30):
+        n = int(rng.integers(1, BLOCKS + 1))
+        s, d = rng.permutation(BLOCKS)[:n], rng.permutation(BLOCKS)[:n]
+        kw = {"layer_range": (0, 2)} if i % 4 == 0 else {}
+        before = _OwnMap.calls
+        fast = plan_transfer(a, b, s, d, mappers=CORE, prompt_len=2 * n, **kw)  # type: ignore[arg-type]
+        slow = plan_transfer(a, b, s, d, mappers=own, prompt_len=2 * n, **kw)  # type: ignore[arg-type]
+        assert _OwnMap.calls > before  # the overriding map ran for this request
+        for name in ("src", "dst", "sizes"):
+            got, want = getattr(fast, name), getattr(slow, name)
+            assert got.dtype == want.dtype == np.uint64 and got.flags.c_contiguous
+            assert got.tolist() == want.tolist()

@@ -17,12 +17,14 @@ actual value.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from kvcore.errors import LayoutError, MessageDecodeError
-from kvcore.layout.page import PageTable, check_group_name
+from kvcore.layout.page import PageTable, check_group_name, table_bytes
 
 __all__ = [
     "MAX_GROUPS",
@@ -102,6 +104,44 @@ def _shared_memory_groups(table: PageTable) -> list[tuple[str, str]]:
     return [(a, b) for i, a in enumerate(names) for b in names[i + 1 :] if keys[a] & keys[b]]
 
 
+class _TableFacts(NamedTuple):
+    """What checking a request's block ids needs of a page table, worked out once per table."""
+
+    groups: tuple[str, ...]  # the token groups, sorted (PageTable.groups)
+    slots: dict[str, int]  # group -> valid ids (PageTable.group_slots)
+    shared: tuple[tuple[str, str], ...]  # groups whose pools share memory
+
+
+#: Tables whose facts are kept (this rank's and its peers'): at most this many, and this many bytes of tables kept
+#: alive by the memo (``table_bytes`` estimates); the oldest goes first.
+_FACTS_ENTRIES = 64
+_FACTS_BYTES = 16 * 1024 * 1024
+_facts: dict[int, tuple[PageTable, _TableFacts, int]] = {}
+_facts_bytes = 0
+_facts_lock = threading.Lock()
+
+
+def _table_facts(table: PageTable) -> _TableFacts:
+    """``table``'s groups, slots and shared-memory pairs (a request's ids are checked against them per request)."""
+    global _facts_bytes
+    hit = _facts.get(id(table))
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    names = tuple(table.groups())
+    facts = _TableFacts(names, {g: table.group_slots(g) for g in names}, tuple(_shared_memory_groups(table)))
+    size = table_bytes(table)
+    with _facts_lock:
+        old = _facts.pop(id(table), None)  # another table under a reused id (the old one is gone), or a race
+        if old is not None:
+            _facts_bytes -= old[2]
+        while _facts and (len(_facts) >= _FACTS_ENTRIES or _facts_bytes + size > _FACTS_BYTES):
+            _facts_bytes -= _facts.pop(next(iter(_facts)))[2]
+        if size <= _FACTS_BYTES:
+            _facts[id(table)] = (table, facts, size)
+            _facts_bytes += size
+    return facts
+
+
 def normalize_block_ids(value: object, page_table: PageTable, what: str = "block_ids") -> dict[str, np.ndarray]:
     """A request's block ids as ``{group: int64 array}`` for every token group of ``page_table``; ``LayoutError`` if unusable.
 
@@ -114,7 +154,8 @@ def normalize_block_ids(value: object, page_table: PageTable, what: str = "block
     its type is checked). Each group's ids must be distinct integers inside the
     group's pools; groups whose pools share memory may not repeat an id.
     """
-    groups = page_table.groups()
+    facts = _table_facts(page_table)
+    groups = facts.groups
     given: dict[str, np.ndarray]
     if isinstance(value, Mapping):
         given = {}
@@ -139,8 +180,8 @@ def normalize_block_ids(value: object, page_table: PageTable, what: str = "block
         given = {next(iter(groups)): ids}
     out = {name: given[name] for name in groups}
     for name, ids in out.items():
-        _check_ids(ids, page_table.group_slots(name), f"{what}[{name!r}]")
-    for a, b in _shared_memory_groups(page_table):
+        _check_ids(ids, facts.slots[name], f"{what}[{name!r}]")
+    for a, b in facts.shared:
         both = np.intersect1d(out[a], out[b])
         if both.size:
             raise LayoutError(

@@ -42,6 +42,16 @@ class FragmentPlan:
             )
 
     @classmethod
+    def trusted(cls, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> FragmentPlan:
+        """A plan from arrays the caller built as this class keeps them (flat, contiguous uint64, equal lengths):
+        no conversion and no check, for the planner's per-request path."""
+        plan = object.__new__(cls)
+        object.__setattr__(plan, "src", src)
+        object.__setattr__(plan, "dst", dst)
+        object.__setattr__(plan, "sizes", sizes)
+        return plan
+
+    @classmethod
     def empty(cls) -> FragmentPlan:
         z = np.zeros(0, dtype=_U64)
         return cls(z, z, z)
@@ -73,7 +83,8 @@ class FragmentPlan:
     def merge_contiguous(self) -> FragmentPlan:
         """Merge neighbours contiguous on both sides (``src[i] == src[i-1]+size[i-1]``, same for dst); order kept."""
         src, dst, sizes, _ = merge_runs(self.src, self.dst, self.sizes)
-        return self if sizes is self.sizes else FragmentPlan(src, dst, sizes)
+        # merge_runs keeps the dtype and returns flat, contiguous arrays of one length: nothing to convert or check
+        return self if sizes is self.sizes else FragmentPlan.trusted(src, dst, sizes)
 
     def __repr__(self) -> str:
         return f"FragmentPlan(count={self.count}, nbytes={self.nbytes})"

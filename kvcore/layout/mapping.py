@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Protocol
 
 import msgspec
 import numpy as np
@@ -48,7 +48,7 @@ from kvcore.layout.mappers import (
     ViewPair,
     shard_split,
 )
-from kvcore.layout.page import DEFAULT_GROUP, REPLICATED, SECTIONED, PageTable, PoolView
+from kvcore.layout.page import DEFAULT_GROUP, REPLICATED, SECTIONED, PageTable, PoolView, table_bytes
 from kvcore.layout.peer import owns, peer_ranks
 from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology, require_no_cp
 
@@ -306,7 +306,9 @@ def _mapper(kind: str, mappers: MapperLookup, role: str) -> LayoutMapper:
     return inst
 
 
-def _group_ids(ids: BlockIds | None, table: PageTable, what: str) -> dict[str, np.ndarray]:
+def _group_ids(
+    ids: BlockIds | None, table: PageTable, what: str, groups: tuple[str, ...] | None = None
+) -> dict[str, np.ndarray]:
     """Block ids per token group of ``table``: a mapping as given, a plain list for the table's only group.
 
     Range checks happen where addresses are computed; duplicates are the
@@ -315,13 +317,18 @@ def _group_ids(ids: BlockIds | None, table: PageTable, what: str) -> dict[str, n
     if isinstance(ids, Mapping):
         return {name: as_id_array(v, f"{what}[{name!r}]") for name, v in ids.items()}
     arr = as_id_array(ids, what)
-    groups = list(table.groups())
+    if groups is None:
+        groups = tuple(table.groups())
     if len(groups) > 1:
         raise MappingError(
-            f"{what}: the page table holds layer groups {groups}; expected a mapping of group name to "
+            f"{what}: the page table holds layer groups {list(groups)}; expected a mapping of group name to "
             f"block ids, got one list"
         )
     return {groups[0] if groups else DEFAULT_GROUP: arr}
+
+
+#: Up to this many block ids the per-request checks run on Python ints (a one-block request is the common case).
+_SMALL_IDS = 16
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -346,7 +353,12 @@ class _Entries:
 
     def addresses(self, table: PageTable, ids: np.ndarray) -> np.ndarray:
         """``table.entry_addresses(view, entries, ids)``, without recomputing what does not depend on ``ids``."""
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.slots):
+        if ids.size <= _SMALL_IDS:
+            few = ids.tolist()  # a numpy reduction on a handful of ids costs more than the Python one
+            bad = bool(few) and (min(few) < 0 or max(few) >= self.slots)
+        else:
+            bad = bool(ids.size) and (int(ids.min()) < 0 or int(ids.max()) >= self.slots)
+        if bad:
             return table.entry_addresses(self.view, self.entries, ids)  # raises, naming the bad ids
         out: np.ndarray = self.start[:, None] + ids.astype(np.uint64)[None, :] * self.stride[:, None]
         return out
@@ -362,6 +374,9 @@ class _PairPlan:
     src: _Entries
     dst: _Entries
     group: int
+    #: The mapper's ``buffer_fragments`` of this pair, as uint64 arrays, when its class plans with the contract's own
+    #: ``map`` (request-independent: worked out once); ``None``: the mapper is asked per request, as before.
+    frags: tuple[type[LayoutMapper], np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,7 +390,17 @@ class _Deferred:
 _PLAN_CACHE_ENTRIES = 256
 #: The most bytes the plan cache may hold (its arrays and, by estimate, the page tables its entries keep alive).
 _PLAN_CACHE_BYTES = 64 * 1024 * 1024
-_CacheEntry = tuple[tuple[object, ...], tuple[_PairPlan | _Deferred, ...], int]
+
+
+class _Steps(NamedTuple):
+    """The request-independent part of a plan between two ranks: the view pairs, and each table's token groups."""
+
+    plans: tuple[_PairPlan | _Deferred, ...]
+    src_groups: tuple[str, ...]
+    dst_groups: tuple[str, ...]
+
+
+_CacheEntry = tuple[tuple[object, ...], _Steps, int]
 _plan_cache: dict[tuple[int, ...], _CacheEntry] = {}
 _plan_cache_bytes = 0
 _plan_cache_lock = threading.Lock()
@@ -389,14 +414,6 @@ def clear_plan_cache() -> None:
         _plan_cache_bytes = 0
 
 
-def _table_bytes(table: PageTable | None) -> int:
-    """An upper estimate of what ``table`` takes in memory: its tuples of Python ints, its pools and views."""
-    if table is None:
-        return 0
-    ints = sum(len(v.layers) + len(v.pools) + len(v.offsets) for v in table.views)
-    return 36 * ints + 512 * (len(table.views) + len(table.pools)) + 256
-
-
 def _entry_bytes(parts: tuple[object, ...], plans: tuple[_PairPlan | _Deferred, ...]) -> int:
     """Bytes one cache entry accounts for: its arrays, and the peer's and our page tables it keeps alive."""
     arrays = sum(
@@ -405,14 +422,14 @@ def _entry_bytes(parts: tuple[object, ...], plans: tuple[_PairPlan | _Deferred, 
         if isinstance(pp, _PairPlan)
         for side in (pp.src, pp.dst)
         for a in (side.entries, side.start, side.stride)
-    )
-    tables = sum(_table_bytes(p) for p in parts if isinstance(p, PageTable))
+    ) + sum(a.nbytes for pp in plans if isinstance(pp, _PairPlan) and pp.frags for a in pp.frags[1:])
+    tables = sum(table_bytes(p) for p in parts if isinstance(p, PageTable))
     return 256 + arrays + tables
 
 
 def _pair_plans(
     src: RankPlacement, dst: RankPlacement, mappers: MapperLookup, layer_range: tuple[int, int] | None
-) -> tuple[_PairPlan | _Deferred, ...]:
+) -> _Steps:
     """The request-independent part of :func:`plan_transfer`, cached per (source, destination, mappers, layers).
 
     Keyed by the identity of the placements' parts (a peer's ``RankInfo`` keeps them for its lifetime); the cache
@@ -440,8 +457,12 @@ def _pair_plans(
                 _plan_cache[key] = hit  # most recently used last
                 return hit[1]
             _plan_cache_bytes -= hit[2]  # another pair under the same ids (cannot happen while held): dropped
-    plans = _build_pair_plans(src, dst, layer_range)
-    size = _entry_bytes(parts, plans)
+    plans = _Steps(
+        tuple(_with_fragments(pp, mappers) for pp in _build_pair_plans(src, dst, layer_range)),
+        tuple(src.page_table.groups()),
+        tuple(dst.page_table.groups()),
+    )
+    size = _entry_bytes(parts, plans.plans)
     if size > _PLAN_CACHE_BYTES:
         return plans  # planned, not kept: a single peer cannot make the cache exceed its bytes
     with _plan_cache_lock:
@@ -455,6 +476,46 @@ def _pair_plans(
         ):
             _plan_cache_bytes -= _plan_cache.pop(next(iter(_plan_cache)))[2]
     return plans
+
+
+def _with_fragments(pp: _PairPlan | _Deferred, mappers: MapperLookup) -> _PairPlan | _Deferred:
+    """``pp`` with its mapper's buffer fragments worked out once, when the mapper plans with ``LayoutMapper.map``.
+
+    Anything that goes wrong here (no such mapper, fragments it refuses) leaves ``frags`` empty: the request then
+    asks the mapper itself, which raises the error at the place and in the order the uncached planner did.
+    """
+    if not isinstance(pp, _PairPlan):
+        return pp
+    try:
+        mapper = _mapper(pp.kind, mappers, pp.sv.role)
+        if type(mapper).map is not LayoutMapper.map:
+            return pp  # a mapper with its own map: asked per request
+        so, do, sz = (
+            np.ascontiguousarray(a, dtype=np.uint64).reshape(-1) for a in mapper.buffer_fragments(pp.sv, pp.dv)
+        )
+    except Exception:
+        return pp
+    if not (so.size == do.size == sz.size) or not sz.size:
+        return pp  # the contract's map refuses it per request (MappingError from FragmentPlan)
+    return replace(pp, frags=(type(mapper), so, do, sz))
+
+
+def _outer(
+    frags: tuple[np.ndarray, np.ndarray, np.ndarray], sa: np.ndarray, da: np.ndarray, group: int
+) -> FragmentPlan:
+    """``LayoutMapper.map`` on precomputed buffer fragments: the same arithmetic, the same fragment order."""
+    so, do, sz = frags
+    e, b = sa.shape
+    g = group if group >= 1 and e % group == 0 else 1
+    sa = sa.reshape(e // g, g, b).transpose(0, 2, 1)
+    da = da.reshape(e // g, g, b).transpose(0, 2, 1)
+    src = (sa[..., None] + so).reshape(-1)
+    dst = (da[..., None] + do).reshape(-1)
+    if sz.size == 1:  # one fragment per buffer (matching heads): every fragment has the same size
+        sizes = np.full(src.size, sz[0], dtype=np.uint64)
+    else:
+        sizes = np.ascontiguousarray(np.broadcast_to(sz, sa.shape + sz.shape).reshape(-1))
+    return FragmentPlan.trusted(src, dst, sizes)
 
 
 def _build_pair_plans(
@@ -569,10 +630,10 @@ def plan_transfer(
         from kvcore.extension.plugins import get_plugin_manager
 
         mappers = get_plugin_manager().layout_mappers
-    steps = _pair_plans(src, dst, mappers, layer_range)  # raises the topology errors, as before caching
+    steps, src_groups, dst_groups = _pair_plans(src, dst, mappers, layer_range)  # raises the topology errors
     st, dt = src.page_table, dst.page_table
-    s_groups = _group_ids(src_block_ids, st, "src_block_ids")
-    d_groups = _group_ids(dst_block_ids, dt, "dst_block_ids")
+    s_groups = _group_ids(src_block_ids, st, "src_block_ids", src_groups)
+    d_groups = _group_ids(dst_block_ids, dt, "dst_block_ids", dst_groups)
     plans: list[FragmentPlan] = []
     state_plans: list[FragmentPlan] = []
     for pp in steps:
@@ -603,8 +664,12 @@ def plan_transfer(
             sb, db = align_blocks(s_ids, d_ids, tps, prompt_len=prompt_len, window=window, cached_tokens=cached_tokens)
             if not len(sb):
                 continue
-        pair = ViewPair(sv, dv, pp.src.addresses(st, sb), pp.dst.addresses(dt, db), group=pp.group)
-        (state_plans if sv.is_state else plans).append(_mapper(pp.kind, mappers, sv.role).map(pair))
+        sa, da = pp.src.addresses(st, sb), pp.dst.addresses(dt, db)
+        if pp.frags is not None and type(_mapper(pp.kind, mappers, sv.role)) is pp.frags[0]:
+            frag = _outer(pp.frags[1:], sa, da, pp.group)
+        else:
+            frag = _mapper(pp.kind, mappers, sv.role).map(ViewPair(sv, dv, sa, da, group=pp.group))
+        (state_plans if sv.is_state else plans).append(frag)
     if state_plans:
         state = FragmentPlan.concat(state_plans)
         if merge:

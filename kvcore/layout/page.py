@@ -40,6 +40,7 @@ __all__ = [
     "SHARDING_KINDS",
     "ViewSharding",
     "check_group_name",
+    "table_bytes",
 ]
 
 HEAD_MAJOR = "head_major_sharded"
@@ -383,3 +384,12 @@ class PageTable(msgspec.Struct, frozen=True, kw_only=True):
             return msgspec.msgpack.decode(data, type=PageTable)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise LayoutError(f"page table: could not decode: {exc}") from exc
+
+
+def table_bytes(table: PageTable | None) -> int:
+    """An upper estimate of what ``table`` takes in memory: its tuples of Python ints, its pools and views (the
+    caches that keep peers' tables alive count them with it)."""
+    if table is None:
+        return 0
+    ints = sum(len(v.layers) + len(v.pools) + len(v.offsets) for v in table.views)
+    return 36 * ints + 512 * (len(table.views) + len(table.pools)) + 256

@@ -91,11 +91,24 @@ def peer_ranks(self_topo: Topology, peer_topo: Topology, peer_dp_rank: int = 0) 
     """Instance-global ranks of the peer this rank exchanges with (sorted); CP > 1 raises ``TopologyError``.
 
     PP by layer-interval overlap, TP by shard overlap within peer DP group
-    ``peer_dp_rank`` (peers.md B2). Used by both sides, each against the other.
+    ``peer_dp_rank`` (peers.md B2). Used by both sides, each against the other (per request: the answer for a
+    pair of topologies is kept, at most ``_PEER_RANKS_ENTRIES`` pairs).
     """
-    require_no_cp(self_topo, peer_topo, what="peer_ranks")
-    tps = peer_tp_ranks(self_topo, peer_topo, peer_dp_rank)
-    return sorted(peer_topo.rank_of(p, t) for p in peer_pp_ranks(self_topo, peer_topo) for t in tps)
+    key = (self_topo, peer_topo, peer_dp_rank)
+    hit = _peer_ranks.get(key)
+    if hit is None:
+        require_no_cp(self_topo, peer_topo, what="peer_ranks")
+        tps = peer_tp_ranks(self_topo, peer_topo, peer_dp_rank)
+        hit = tuple(sorted(peer_topo.rank_of(p, t) for p in peer_pp_ranks(self_topo, peer_topo) for t in tps))
+        if len(_peer_ranks) >= _PEER_RANKS_ENTRIES:
+            _peer_ranks.clear()  # bounded: a few hundred bytes an entry, peers come and go
+        _peer_ranks[key] = hit
+    return list(hit)
+
+
+#: Pairs of topologies whose peer ranks are kept (a Topology is a small frozen struct: about 1 KiB an entry).
+_PEER_RANKS_ENTRIES = 1024
+_peer_ranks: dict[tuple[Topology, Topology, int], tuple[int, ...]] = {}
 
 
 def expected_writers(ctx_topo: Topology, gen_topo: Topology, ctx_dp_rank: int = 0) -> int:
