@@ -24,22 +24,27 @@ The *arrangement* (``arrangement=``) names how an engine's tensors hold the cach
 ``head_major_pool`` (one tensor), ``token_major_layers`` or ``token_major_layers_kv_first`` (one
 tensor per layer); for Mamba state ``layer_major`` or ``vllm``.
 
-Why one module of this length: every builder declares its views through the same sharding and tensor checks
-(``kv_view_sharding``, ``_check_tensor``) that the table above summarizes, and each allocator returns exactly what
-its builder accepts; kept together, a builder and the tensors it accepts are read side by side.
+The Mamba state's builder and allocator live in :mod:`kvcore.layout.mamba_builders`, the tensor checks every
+builder shares in :mod:`kvcore.layout.tensors`; this module re-exports their public names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import LayoutError
+from kvcore.layout.mamba_builders import (
+    MAMBA_ARRANGEMENTS,
+    MAMBA_LAYER_MAJOR,
+    MAMBA_VLLM,
+    allocate_mamba_state,
+    build_mamba_state,
+)
 from kvcore.layout.page import (
     DEFAULT_GROUP,
     HEAD_MAJOR,
     REPLICATED,
-    SECTIONED,
     TOKEN_MAJOR,
     PageTable,
     Pool,
@@ -47,7 +52,8 @@ from kvcore.layout.page import (
     ViewSharding,
 )
 from kvcore.layout.peer import shard_position
-from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology, dtype_bytes
+from kvcore.layout.tensors import Allocator, check_tensor, torch_dtype, zeros
+from kvcore.layout.topology import AttentionGeometry, Topology
 
 if TYPE_CHECKING:
     import torch
@@ -76,35 +82,26 @@ __all__ = [
 ]
 
 HEAD_MAJOR_POOL = "head_major_pool"
-#: Mamba state arrangements :func:`build_mamba_state` accepts.
-MAMBA_LAYER_MAJOR = "layer_major"
-MAMBA_VLLM = "vllm"
-MAMBA_ARRANGEMENTS = (MAMBA_LAYER_MAJOR, MAMBA_VLLM)
 TOKEN_MAJOR_LAYERS = "token_major_layers"
 TOKEN_MAJOR_LAYERS_KV_FIRST = "token_major_layers_kv_first"
 #: KV arrangements :func:`allocate_kv_cache` and :func:`build_kv_page_table` accept.
 KV_ARRANGEMENTS = (HEAD_MAJOR_POOL, TOKEN_MAJOR_LAYERS, TOKEN_MAJOR_LAYERS_KV_FIRST)
 
-#: ``allocator(shape, dtype) -> tensor``; e.g. a shared-memory agent's ``allocate_tensor``.
-Allocator = Callable[[tuple[int, ...], "torch.dtype"], "torch.Tensor"]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype called ``name`` (``"bfloat16"``)."""
-    import torch
-
-    dtype_bytes(name)
-    return getattr(torch, name.removeprefix("torch."))  # type: ignore[no-any-return]
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    import torch
-
-    return torch.zeros(shape, dtype=dtype)
-
 
 def kv_view_sharding(topology: Topology, geometry: AttentionGeometry) -> tuple[str, str, ViewSharding]:
-    """``(role, mapper kind, sharding)`` of the attention KV view of a rank."""
+    """``(role, mapper kind, sharding)`` of the attention KV view of a rank.
+
+    Args:
+        topology: the rank's parallelism (its attention TP size and rank decide the shard).
+        geometry: the attention geometry (MLA, block order, heads).
+
+    Returns:
+        ``("mla", "replicated", ...)`` for MLA (``kv_factor`` 1), else ``("kv", "head_mismatch_head_major" or
+        "head_mismatch_token_major", ...)`` with the :class:`~kvcore.layout.page.ViewSharding` of this rank.
+
+    Raises:
+        TopologyError: the attention TP size is neither a divisor nor a multiple of ``num_kv_heads``.
+    """
     size, rank = topology.attention_tp
     eb = geometry.element_bytes
     if geometry.is_mla:
@@ -137,20 +134,19 @@ def kv_view_sharding(topology: Topology, geometry: AttentionGeometry) -> tuple[s
     return "kv", "head_mismatch_token_major", sharding
 
 
-def _check_tensor(t: Any, expected: tuple[int, ...], dtype: str, what: str) -> None:
-    actual = tuple(t.shape)
-    if actual != expected:
-        raise LayoutError(f"{what}: expected shape {list(expected)}, got {list(actual)}")
-    if str(t.dtype).removeprefix("torch.") != dtype.removeprefix("torch."):
-        raise LayoutError(f"{what}: expected dtype {dtype}, got {str(t.dtype).removeprefix('torch.')}")
-    if not t.is_contiguous():
-        raise LayoutError(f"{what}: expected a contiguous tensor, got strides {list(t.stride())}")
-
-
 def covered_layers(topology: Topology, geometry: AttentionGeometry, layers: Sequence[int] | None) -> tuple[int, ...]:
     """The global layers of ``layers`` (all model layers when ``None``) this rank holds, ascending.
 
-    ``layers`` must be distinct model layers (``0 <= layer < geometry.num_layers``).
+    Args:
+        topology: the rank's parallelism (its pipeline stage's ``layer_range``).
+        geometry: the model's attention geometry (``num_layers``).
+        layers: distinct global layers (``0 <= layer < geometry.num_layers``); None: every layer.
+
+    Returns:
+        Those of ``layers`` inside this rank's ``layer_range``, ascending (empty when it holds none).
+
+    Raises:
+        LayoutError: ``layers`` repeats a layer or names one outside ``0..num_layers-1``.
     """
     start, stop = topology.layer_range
     if layers is None:
@@ -182,6 +178,25 @@ def build_head_major_pool(
     attention layers, or one layer group's); the tensor then holds only this
     rank's share of them, in order, and a rank holding none gets an empty
     table. ``group`` names the layer group (see :class:`kvcore.layout.page.PoolView`).
+
+    Args:
+        kv_cache: a contiguous tensor ``[blocks, local layers, kv_factor, heads per rank, tokens_per_block,
+            head_dim]`` of ``geometry.dtype`` (:func:`allocate_kv_cache` makes one).
+        topology: the rank's parallelism.
+        geometry: the attention geometry; its ``block_order`` must be ``head_major``.
+        role: the view's role; None: ``kv`` (``mla`` for MLA).
+        window: sliding-window size in tokens; None: full attention.
+        layers: the global layers this cache covers; None: every layer of this rank's stage.
+        group: the layer group's name.
+
+    Returns:
+        A :class:`~kvcore.layout.page.PageTable` with one pool and one view (no pool and no view when this rank
+        holds none of ``layers``).
+
+    Raises:
+        LayoutError: the block order is not ``head_major``; the tensor's shape, dtype or contiguity differs from
+            the expected one (the message names both); no block; ``layers`` invalid.
+        TopologyError: the attention TP size is neither a divisor nor a multiple of ``num_kv_heads``.
     """
     if geometry.block_order != "head_major":
         raise LayoutError(f"block_order: expected 'head_major' for build_head_major_pool, got {geometry.block_order!r}")
@@ -195,7 +210,7 @@ def build_head_major_pool(
         )
     blocks = kv_cache.shape[0]
     expected = (blocks, nl, kv, heads, geometry.tokens_per_block, geometry.head_dim)
-    _check_tensor(kv_cache, expected, geometry.dtype, "kv_cache")
+    check_tensor(kv_cache, expected, geometry.dtype, "kv_cache")
     if not nl:
         return PageTable(pools=(), views=())
     if blocks < 1:
@@ -240,6 +255,24 @@ def build_token_major_layers(
     (vLLM's FlashAttention arrangement). ``layers`` and ``group`` as in
     :func:`build_head_major_pool`: with ``layers``, ``kv_caches`` holds one
     tensor per local layer of that list.
+
+    Args:
+        kv_caches: one contiguous tensor per local layer, ``[kv_factor, blocks, tokens_per_block, heads per
+            rank, head_dim]`` (kv-first) or ``[blocks, kv_factor, ...]`` (blocks-first), of ``geometry.dtype``.
+        topology: the rank's parallelism.
+        geometry: the attention geometry; its ``block_order`` must be ``token_major``.
+        kv_first: the tensors' order; None: detected from each shape.
+        role, window, layers, group: as :func:`build_head_major_pool`.
+
+    Returns:
+        A :class:`~kvcore.layout.page.PageTable` with one view over one pool per layer (per layer and buffer
+        when kv-first); an empty table when this rank holds none of ``layers``.
+
+    Raises:
+        LayoutError: the block order is not ``token_major``; the number of tensors is not the number of local
+            layers; a tensor's shape, dtype or contiguity differs (the message names the tensor, expected and
+            actual); a shape fits both orders and ``kv_first`` is None; ``layers`` invalid.
+        TopologyError: the attention TP size is neither a divisor nor a multiple of ``num_kv_heads``.
     """
     if geometry.block_order != "token_major":
         raise LayoutError(
@@ -271,7 +304,7 @@ def build_token_major_layers(
             order = fits_kv_first
         blocks = t.shape[1] if order else t.shape[0]
         expected = (kv, blocks, tpb, heads, d) if order else (blocks, kv, tpb, heads, d)
-        _check_tensor(t, expected, geometry.dtype, what)
+        check_tensor(t, expected, geometry.dtype, what)
         base = t.data_ptr()
         if order:
             for k in range(kv):
@@ -302,176 +335,25 @@ def build_token_major_layers(
     return PageTable(pools=tuple(pools), views=(view,))
 
 
-def _check_slot_tensor(t: Any, expected: tuple[int, ...], dtype: str, what: str) -> int:
-    """Check a ``[slots, ...]`` tensor whose slots may be strided (vLLM's page views); return the slot stride in bytes."""
-    actual = tuple(t.shape)
-    if actual != expected:
-        raise LayoutError(f"{what}: expected shape {list(expected)}, got {list(actual)}")
-    if str(t.dtype).removeprefix("torch.") != dtype.removeprefix("torch."):
-        raise LayoutError(f"{what}: expected dtype {dtype}, got {str(t.dtype).removeprefix('torch.')}")
-    inner: list[int] = []
-    step = 1
-    for n in reversed(expected[1:]):
-        inner.append(step)
-        step *= n
-    inner.reverse()
-    strides = list(t.stride())
-    if strides[1:] != inner:
-        raise LayoutError(f"{what}: expected each slot contiguous (strides {['*', *inner]}), got strides {strides}")
-    eb = dtype_bytes(dtype)
-    if expected[0] > 1 and strides[0] < step:
-        raise LayoutError(f"{what}: expected a slot stride >= {step} elements (one slot), got {strides[0]}")
-    return (strides[0] if expected[0] > 1 else step) * eb
-
-
-def _conv_views(
-    topology: Topology,
-    geometry: MambaGeometry,
-    pools: Sequence[int],
-    rows: int,
-    row_sections: tuple[int, ...],
-    layers: tuple[int, ...],
-) -> list[PoolView]:
-    """Conv views over ``rows`` rows per slot, each row the sections ``row_sections`` (bytes) side by side.
-
-    Without ``n_groups`` one view re-shards every section over TP; with it the
-    x section (``mamba_conv``) and the B|C sections (``mamba_conv_groups``,
-    sharded by whole groups, replicated when TP exceeds ``n_groups``) are
-    separate views, so owner election picks one writer for each.
-    """
-    size, rank = topology.attention_tp
-    row_bytes = sum(row_sections)
-    position = shard_position(size, rank, size)
-    parts: list[tuple[str, int, tuple[int, ...], tuple[int, int, int, int]]] = []
-    if geometry.n_groups:
-        parts.append(("mamba_conv", 0, row_sections[:1], position))
-        parts.append(("mamba_conv_groups", row_sections[0], row_sections[1:], geometry.group_position(topology)))
-    else:
-        parts.append(("mamba_conv", 0, row_sections, position))
-    views = []
-    for role, start, sections, (n, i, r, j) in parts:
-        views.append(
-            PoolView(
-                role=role,
-                mapper="mamba_conv",
-                layers=layers,
-                buffers_per_layer=rows,
-                buffer_bytes=sum(sections),
-                pools=tuple(p for p in pools for _ in range(rows)),
-                offsets=tuple(row * row_bytes + start for _ in pools for row in range(rows)),
-                sharding=ViewSharding(
-                    kind=SECTIONED, num_shards=n, shard_index=i, num_replicas=r, replica_index=j, section_bytes=sections
-                ),
-                dtype=geometry.conv_dtype,
-            )
-        )
-    return views
-
-
-def build_mamba_state(
-    conv_state: Any,
-    ssm_state: Any,
-    *,
-    topology: Topology,
-    geometry: MambaGeometry,
-    arrangement: str | None = None,
-) -> PageTable:
-    """Page table of this rank's Mamba state (``geometry.local_layers``), one slot per request.
-
-    ``arrangement="layer_major"`` (default): one conv tensor ``[layers, slots,
-    conv_dim, d_conv-1]`` (channel-major) and one SSM tensor ``[layers, slots,
-    heads, head_dim, d_state]``, both contiguous.
-
-    ``arrangement="vllm"``: vLLM's arrangement, one tensor per layer: ``conv_state`` is a
-    list of ``[slots, d_conv-1, conv_dim]`` and ``ssm_state`` a list of
-    ``[slots, heads, head_dim, d_state]``; each slot contiguous, slots strided
-    as vLLM's page views are (conv and SSM interleaved in one page buffer).
-    Its rows of ``x|B|C`` make ``d_conv-1`` conv fragments per layer and section.
-
-    Both peers must use the same arrangement. A rank without Mamba layers gets an
-    empty table (``[]`` tensors or tensors with 0 layers).
-    """
-    arrangement = MAMBA_LAYER_MAJOR if arrangement is None else arrangement
-    if arrangement not in MAMBA_ARRANGEMENTS:
-        raise LayoutError(f"arrangement: expected one of {list(MAMBA_ARRANGEMENTS)}, got {arrangement!r}")
-    local = geometry.local_layers(topology)
-    nl = len(local)
-    conv_dim, rows = geometry.conv_dim(topology), geometry.d_conv - 1
-    ssm_shape = geometry.ssm_shape(topology)
-    ceb = dtype_bytes(geometry.conv_dtype)
-    conv_bytes = conv_dim * rows * ceb
-    ssm_bytes = ssm_shape[0] * geometry.ssm_head_bytes()
-    pools: list[Pool] = []
-    if arrangement == MAMBA_LAYER_MAJOR:
-        if conv_state.dim() != 4 or ssm_state.dim() != 5:
-            raise LayoutError(
-                f"mamba state: expected conv [{nl}, slots, {conv_dim}, {rows}] and ssm "
-                f"[{nl}, slots, {', '.join(map(str, ssm_shape))}], got {list(conv_state.shape)} and "
-                f"{list(ssm_state.shape)}"
-            )
-        slots = conv_state.shape[1]
-        _check_tensor(conv_state, (nl, slots, conv_dim, rows), geometry.conv_dtype, "conv_state")
-        _check_tensor(ssm_state, (nl, slots, *ssm_shape), geometry.ssm_dtype, "ssm_state")
-        if nl == 0:
-            return PageTable(pools=(), views=())
-        for tensor, nbytes in ((conv_state, conv_bytes), (ssm_state, ssm_bytes)):
-            base = tensor.data_ptr()
-            for li in range(nl):
-                pools.append(
-                    Pool(base=base + li * slots * nbytes, slot_bytes=nbytes, slot_stride=nbytes, num_slots=slots)
-                )
-        conv_rows, row_sections = 1, geometry.conv_section_bytes(topology)
-    else:
-        if len(conv_state) != nl or len(ssm_state) != nl:
-            raise LayoutError(
-                f"mamba state: expected {nl} conv and {nl} ssm tensors (local Mamba layers {list(local)}), "
-                f"got {len(conv_state)} and {len(ssm_state)}"
-            )
-        if nl == 0:
-            return PageTable(pools=(), views=())
-        specs: list[tuple[Any, int, tuple[int, ...], str, str]] = [
-            (conv_state, conv_bytes, (rows, conv_dim), geometry.conv_dtype, "conv_state")
-        ]
-        specs.append((ssm_state, ssm_bytes, ssm_shape, geometry.ssm_dtype, "ssm_state"))
-        for tensors, nbytes, shape, dtype, name in specs:
-            for li, t in enumerate(tensors):
-                what = f"{name}[{li}] (layer {local[li]})"
-                if t.dim() != 1 + len(shape):
-                    raise LayoutError(f"{what}: expected [slots, {', '.join(map(str, shape))}], got {list(t.shape)}")
-                stride = _check_slot_tensor(t, (t.shape[0], *shape), dtype, what)
-                if t.shape[0] < 1:
-                    raise LayoutError(f"{what}: expected at least one slot, got 0")
-                pools.append(Pool(base=t.data_ptr(), slot_bytes=nbytes, slot_stride=stride, num_slots=t.shape[0]))
-        conv_rows = rows
-        row_sections = tuple(c * ceb for c in geometry.conv_section_channels(topology))
-    size, rank = topology.attention_tp
-    n, i, r, j = shard_position(size, rank, size)
-    views = _conv_views(topology, geometry, range(nl), conv_rows, row_sections, local)
-    views.append(
-        PoolView(
-            role="mamba_ssm",
-            mapper="mamba_ssm",
-            layers=local,
-            buffers_per_layer=1,
-            buffer_bytes=ssm_bytes,
-            pools=tuple(range(nl, 2 * nl)),
-            offsets=(0,) * nl,
-            sharding=ViewSharding(
-                kind=HEAD_MAJOR,
-                num_shards=n,
-                shard_index=i,
-                num_replicas=r,
-                replica_index=j,
-                unit_bytes=geometry.ssm_head_bytes(),
-            ),
-            dtype=geometry.ssm_dtype,
-        )
-    )
-    return PageTable(pools=tuple(pools), views=tuple(views))
-
-
 def build_page_table(name: str, *args: Any, pm: PluginManager | None = None, **kwargs: Any) -> PageTable:
-    """Build a page table with the builder registered as ``name`` (``head_major_pool``, ``token_major_layers``...)."""
+    """Build a page table with the builder registered as ``name`` (``head_major_pool``, ``token_major_layers``...).
+
+    Args:
+        name: a page-table builder registered through ``kvcore_register_page_table_builders`` (built in:
+            ``head_major_pool``, ``token_major_layers``, ``mamba_state``; plugins add their engine's).
+        args, kwargs: passed to the builder (e.g. ``kv_cache, topology=..., geometry=...``).
+        pm: the plugin manager to ask; None: the process-wide one.
+
+    Returns:
+        The builder's :class:`~kvcore.layout.page.PageTable`.
+
+    Raises:
+        UnknownBackendError: no builder is registered as ``name`` (the message lists the registered ones), or
+            its target failed to import.
+        DuplicateBackendError: two plugins registered ``name``.
+        LayoutError: the builder returned something other than a ``PageTable``; or whatever the builder raises
+            for tensors that do not match (the built-in ones raise ``LayoutError`` and ``TopologyError``).
+    """
     if pm is None:
         from kvcore.extension.plugins import get_plugin_manager
 
@@ -499,10 +381,27 @@ def allocate_kv_cache(
     defaults to ``torch.zeros``; receivers pass their agent's ``allocate_tensor``.
     ``layers`` restricts the cache to those global layers (a hybrid's attention
     layers); a rank holding none of them gets a tensor with 0 layers (or ``[]``).
+
+    Args:
+        topology: the rank's parallelism.
+        geometry: the attention geometry (dtype, heads, block order).
+        num_blocks: blocks per layer (>= 1).
+        arrangement: one of ``KV_ARRANGEMENTS``; None: the default for ``geometry.block_order``.
+        allocator: ``allocator(shape, dtype) -> tensor``; None: ``torch.zeros``.
+        layers: the global layers to hold; None: every layer of this rank's stage.
+
+    Returns:
+        What :func:`build_kv_page_table` accepts with the same ``arrangement`` and ``layers``: one tensor for
+        ``head_major_pool``, a list of one tensor per local layer otherwise.
+
+    Raises:
+        LayoutError: ``num_blocks < 1``; an unknown ``arrangement`` or one that does not match
+            ``geometry.block_order``; ``layers`` invalid; an unknown dtype.
+        TopologyError: the attention TP size is neither a divisor nor a multiple of ``num_kv_heads``.
     """
     if num_blocks < 1:
         raise LayoutError(f"num_blocks: expected >= 1, got {num_blocks}")
-    alloc = allocator or _zeros
+    alloc = allocator or zeros
     dtype = torch_dtype(geometry.dtype)
     if arrangement is None:
         arrangement = HEAD_MAJOR_POOL if geometry.block_order == "head_major" else TOKEN_MAJOR_LAYERS
@@ -534,7 +433,23 @@ def build_kv_page_table(
     group: str = DEFAULT_GROUP,
     window: int | None = None,
 ) -> PageTable:
-    """Page table of tensors made by :func:`allocate_kv_cache` with the same ``arrangement`` and ``layers``."""
+    """Page table of tensors made by :func:`allocate_kv_cache` with the same ``arrangement`` and ``layers``.
+
+    Args:
+        kv_cache: the tensor (``head_major_pool``) or list of tensors (token-major arrangements).
+        topology: the rank's parallelism.
+        geometry: the attention geometry.
+        arrangement: one of ``KV_ARRANGEMENTS``; None: the default for ``geometry.block_order``.
+        layers, group, window: as :func:`build_head_major_pool`.
+
+    Returns:
+        The :class:`~kvcore.layout.page.PageTable` of :func:`build_head_major_pool` or
+        :func:`build_token_major_layers`.
+
+    Raises:
+        LayoutError: an unknown ``arrangement``, or as the builder it calls.
+        TopologyError: the attention TP size is neither a divisor nor a multiple of ``num_kv_heads``.
+    """
     if arrangement is None:
         arrangement = HEAD_MAJOR_POOL if geometry.block_order == "head_major" else TOKEN_MAJOR_LAYERS
     if arrangement not in KV_ARRANGEMENTS:
@@ -552,54 +467,3 @@ def build_kv_page_table(
         group=group,
         window=window,
     )
-
-
-def allocate_mamba_state(
-    topology: Topology,
-    geometry: MambaGeometry,
-    num_slots: int,
-    allocator: Allocator | None = None,
-    arrangement: str | None = None,
-    page_bytes: int | None = None,
-) -> tuple[Any, Any]:
-    """``(conv_state, ssm_state)`` that :func:`build_mamba_state` accepts for this rank with the same ``arrangement``.
-
-    ``arrangement="vllm"`` allocates as vLLM does: per local Mamba layer one buffer
-    of ``num_slots`` pages, each page ``conv | ssm`` (``page_bytes``, default
-    the two rounded up to their element sizes; vLLM pads it to the attention
-    page), returned as two lists of strided views.
-    """
-    arrangement = MAMBA_LAYER_MAJOR if arrangement is None else arrangement
-    if num_slots < 1:
-        raise LayoutError(f"num_slots: expected >= 1, got {num_slots}")
-    if arrangement not in MAMBA_ARRANGEMENTS:
-        raise LayoutError(f"arrangement: expected one of {list(MAMBA_ARRANGEMENTS)}, got {arrangement!r}")
-    alloc = allocator or _zeros
-    nl = len(geometry.local_layers(topology))
-    cdt, sdt = torch_dtype(geometry.conv_dtype), torch_dtype(geometry.ssm_dtype)
-    conv_shape, ssm_shape = geometry.conv_shape(topology), geometry.ssm_shape(topology)
-    if arrangement == MAMBA_LAYER_MAJOR:
-        return alloc((nl, num_slots, *conv_shape), cdt), alloc((nl, num_slots, *ssm_shape), sdt)
-    import torch
-
-    ceb, seb = dtype_bytes(geometry.conv_dtype), dtype_bytes(geometry.ssm_dtype)
-    rows, dim = conv_shape[1], conv_shape[0]
-    ssm_off = -(-(dim * rows * ceb) // seb) * seb
-    unit = max(ceb, seb)
-    need = -(-(ssm_off + ssm_shape[0] * geometry.ssm_head_bytes()) // unit) * unit
-    page = need if page_bytes is None else page_bytes
-    if page < need or page % ceb or page % seb:
-        raise LayoutError(
-            f"page_bytes: expected >= {need} and a multiple of {ceb} and {seb} (element sizes), got {page_bytes}"
-        )
-    convs, ssms = [], []
-    hd_ds = ssm_shape[1] * ssm_shape[2]
-    for _ in range(nl):
-        raw = alloc((num_slots * page,), torch.uint8)
-        convs.append(torch.as_strided(raw.view(cdt), (num_slots, rows, dim), (page // ceb, dim, 1), 0))
-        ssms.append(
-            torch.as_strided(
-                raw.view(sdt), (num_slots, *ssm_shape), (page // seb, hd_ds, ssm_shape[2], 1), ssm_off // seb
-            )
-        )
-    return convs, ssms
