@@ -1,8 +1,9 @@
 """Two ranks, two processes: a context rank sends one request's KV to a generation rank over the shm backend.
 
-Run it as ``python docs/examples/two_ranks.py``. The parent starts the context rank, hands the request's
-transfer parameters (JSON) to the generation rank, and exits non-zero unless both report DONE and every
-byte of the generation rank's cache is what an independent computation says it must be.
+Run it as ``python docs/examples/two_ranks.py``. The parent starts the context rank and hands the request's
+transfer parameters (JSON) to the generation rank, which polls until the request is done and released. It exits
+non-zero unless both report DONE and every byte of the generation rank's cache is what an independent
+computation says it must be.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
@@ -60,7 +62,15 @@ def generation() -> None:
     tx, blocks = rank("generation")
     with tx:
         tx.start_receive(params=json.loads(sys.stdin.readline()), block_ids=DST_BLOCKS)
-        outcome = tx.wait_all([REQUEST], timeout=60)[REQUEST]
+        outcome, released, deadline = None, False, time.monotonic() + 60
+        while not released:  # an engine's loop: the outcome first, then the release (the pages are safe to read)
+            if time.monotonic() > deadline:
+                sys.exit(f"request {REQUEST}: no outcome and release within 60 s")
+            tx.wait(1.0)
+            result = tx.poll()
+            outcome = next((o for o in result.outcomes if o.request_id == REQUEST), outcome)
+            released = REQUEST in result.released
+        assert outcome is not None  # poll releases a request only after reporting its outcome
         got = blocks.copy()
     expected = np.zeros_like(got)  # every block untouched but those of the request
     for src, dst in zip(SRC_BLOCKS, DST_BLOCKS):
