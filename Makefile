@@ -8,11 +8,17 @@ PLUGINS := 'plugins/nixl[cu12]' plugins/ucx plugins/mixers plugins/mooncake docs
 .PHONY: install mooncake-syslibs demo test lint mutations mutations-sample
 
 # torch first and pinned: 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
+# `make install` always installs; `make test` and `make demo` install once (the stamp .installed), again only
+# when a pyproject.toml changed (the packages are editable: code changes need no reinstall).
 install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(foreach p,$(PLUGINS),$(PIP) install -q -e $(p) &&) true
 	$(MAKE) --no-print-directory mooncake-syslibs
+	touch .installed
+
+.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) docs/examples/kvcore-cma/pyproject.toml
+	$(MAKE) --no-print-directory install
 
 # Mooncake's engine.so links libibverbs, libnl-3 and libnl-route-3 from the system even for TCP; the plugin's own
 # table (kvcore_mooncake.syslibs) names the Debian packages still missing. As root they are installed; otherwise
@@ -27,7 +33,7 @@ mooncake-syslibs:
 		echo "Mooncake needs: apt-get install -y $$missing (as root)" >&2; \
 	fi
 
-demo: install
+demo: .installed
 	kvcore demo
 
 # mypy --strict runs on the core and on each plugin's sources; the vLLM connector needs vLLM, which this environment
@@ -49,7 +55,7 @@ lint:
 # afterwards, with no other worker beside them.
 TEST_WORKERS ?= 2
 
-test: install lint
+test: .installed lint
 	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial"
 	$(PYTHON) -m pytest -m serial
 
