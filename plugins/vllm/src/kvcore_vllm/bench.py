@@ -70,7 +70,7 @@ class SizeResult:
     reps: dict[str, list[Rep]] = field(default_factory=dict)
 
     def median(self, stack: str, what: str) -> float:
-        return statistics.median(getattr(r, what) for r in self.reps[stack])
+        return float(statistics.median(getattr(r, what) for r in self.reps[stack]))
 
     def ratio(self, what: str) -> float:
         return self.median("kvcore", what) / self.median("nixl", what)

@@ -11,7 +11,9 @@ KV per token in bfloat16 is ``layers x kv_heads x head_dim x 2 (K, V) x 2 bytes`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 MODEL = {
     "hidden_size": 256,
@@ -52,17 +54,19 @@ def write_model(path: str | Path, shape: dict[str, int] | None = None, seed: int
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = dict(shape or MODEL)
-    config = LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        max_position_embeddings=4096,
-        initializer_range=0.3,  # the default 0.02 makes a random model repeat one token: a weak check
-        torch_dtype="bfloat16",
-        bos_token_id=1,
-        eos_token_id=2,
+    settings: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "max_position_embeddings": 4096,
+        "initializer_range": 0.3,  # the default 0.02 makes a random model repeat one token: a weak check
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
         **shape,
-    )
+    }
+    config = LlamaConfig(**settings)
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(path))
+    model_class: Callable[..., Any] = LlamaForCausalLM  # transformers leaves its constructors untyped
+    model_class(config).to(torch.bfloat16).save_pretrained(str(path))
     if tokenizer:
         write_tokenizer(path, vocab_size=shape["vocab_size"])
     return str(path)
@@ -82,5 +86,6 @@ def write_tokenizer(path: str | Path, vocab_size: int) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([" ".join(WORDS)] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer_class: Callable[..., Any] = PreTrainedTokenizerFast  # untyped constructor
+    fast = tokenizer_class(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(path))
