@@ -1,9 +1,10 @@
 """The transceiver an engine drives, split by role around explicit peer and request lifecycles.
 
-``Transceiver`` (:mod:`.facade`) is the engine-facing API; the context role lives in
-:mod:`.sender`, the generation role in :mod:`.receiver`, what both share (messenger,
-agent, worker thread) in :mod:`.link`. Request lifecycles are in :mod:`.sessions`,
-peer lifecycles in :mod:`.peers`.
+``Transceiver`` (:mod:`.facade`, its polling and reporting in :mod:`.reporting`) is the engine-facing API; the
+context role lives in :mod:`.send`, the generation role in :mod:`.receive` (each a thin role class over one module
+per concern and one settle module that alone moves states), what both share (messenger, agent, worker thread) in
+:mod:`.link`, the chunked data plane in :mod:`.dataplane`. Request lifecycles are in :mod:`.sessions`, peer
+lifecycles in :mod:`.peers`.
 """
 
 from __future__ import annotations
