@@ -6,6 +6,7 @@ import hmac
 import logging
 import time
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -16,9 +17,10 @@ from kvcore import errors as E
 from kvcore.control import wire
 from kvcore.control.messenger import Source
 from kvcore.layout.blocks import decode_group_ids, normalize_block_ids
+from kvcore.layout.mappers import FragmentPlan
 from kvcore.layout.peer import peer_ranks
 from kvcore.params import InternalId
-from kvcore.transceiver.link import error_from
+from kvcore.transceiver.link import Transfer, error_from
 from kvcore.transceiver.peers import PeerState
 from kvcore.transceiver.planning import plan_request
 from kvcore.transceiver.send.asks import SendAsks
@@ -176,7 +178,7 @@ class SendPush(SendAsks):
             self._finish(s, t, TaskState.FAILED, kind=type(exc).__name__, error=str(exc))
             self._end(s, SessionState.FAILED, exc)
 
-    def layers_ready(self, rid: Any, upto: int, event: Any = None) -> None:
+    def layers_ready(self, rid: InternalId, upto: int, event: Any = None) -> None:
         if event is not None and not callable(getattr(event, "query", None)):
             raise E.SessionError(
                 f"request {rid}: event must have a query() method (a torch.cuda.Event), got {type(event).__name__}"
@@ -266,7 +268,7 @@ class SendPush(SendAsks):
             return NextSlice(SliceKind.WHOLE)  # everything at once: the common, fastest case
         return NextSlice(SliceKind.LAYERS, (lo, hi)) if hi > lo else NextSlice(SliceKind.NOT_READY)
 
-    def _plan(self, s: TxSession, t: ReceiverTask, *, layers: tuple[int, int] | None, merge: bool) -> Any:
+    def _plan(self, s: TxSession, t: ReceiverTask, *, layers: tuple[int, int] | None, merge: bool) -> FragmentPlan:
         assert t.peer.info is not None
         return plan_request(
             self.link.placement,
@@ -315,7 +317,7 @@ class SendPush(SendAsks):
         self.link.metrics.transfer_posted(t.peer.name, plan.nbytes, plan.count, t1 - t0, t2 - t1)
         self._track(s, t, handle, plan.nbytes, plan.count, upto)
 
-    def _track(self, s: TxSession, t: ReceiverTask, handle: Any, nbytes: int, count: int, upto: int) -> None:
+    def _track(self, s: TxSession, t: ReceiverTask, handle: Transfer, nbytes: int, count: int, upto: int) -> None:
         with self.link.lock:
             t.handle, t.nbytes, t.fragments, t.sent_upto = handle, nbytes, count, upto
             t.posted_at = time.monotonic()
@@ -324,7 +326,7 @@ class SendPush(SendAsks):
             t.deadline = min(t.deadline, time.monotonic() + self.config.transfer_timeout_s)
         self._check_transfer(s, t, time.monotonic())  # same-host transports are often done already
 
-    def _done_hook(self, s: TxSession, t: ReceiverTask) -> Any:
+    def _done_hook(self, s: TxSession, t: ReceiverTask) -> Callable[[], None]:
         """What the data plane calls (worker thread) when the task's transfer ends: answer the receiver now."""
         return lambda: self._check_transfer(s, t, time.monotonic())
 

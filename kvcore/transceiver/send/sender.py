@@ -54,8 +54,8 @@ class Sender(SendBounce, SendPull, SendLeases):
 
     def start_send(
         self,
-        rid: Any,
-        block_ids: Any,
+        rid: InternalId,
+        block_ids: object,
         prompt_len: int,
         state_slot: int,
         layers_ready: int | None,
@@ -139,7 +139,7 @@ class Sender(SendBounce, SendPull, SendLeases):
             lease_ms=int(self.config.lease_s * 1000),
         )
 
-    def _check_aux(self, rid: Any, aux: Any) -> bytes:
+    def _check_aux(self, rid: InternalId, aux: object) -> bytes:
         if aux is None:
             return b""
         if not isinstance(aux, (bytes, bytearray, memoryview)):
@@ -151,7 +151,7 @@ class Sender(SendBounce, SendPull, SendLeases):
             )
         return data
 
-    def set_aux(self, rid: Any, aux: bytes) -> None:
+    def set_aux(self, rid: InternalId, aux: bytes) -> None:
         data = self._check_aux(rid, aux)
         with self.link.lock:
             s = self.tx.get(rid)
