@@ -137,6 +137,13 @@ class RaisingShmAgent(ShmAgent):
             raise RuntimeError("injected: a bug in the transport's submit")
         return super().submit(*args, **kwargs)
 
+    def submit_checked(self, *args: Any, **kwargs: Any) -> TransferHandle:  # the data plane's submit of a piece
+        if self.raise_writes > 0:
+            self.raise_writes -= 1
+            self.raised += 1
+            raise RuntimeError("injected: a bug in the transport's submit")
+        return super().submit_checked(*args, **kwargs)
+
     def progress(self) -> None:
         if self.raise_progress > 0:
             self.raise_progress -= 1

@@ -14,7 +14,9 @@ speed), ``FINE_CHUNK_BYTES`` while other requests come and go (a message or a
 work item beside a chunked transfer within the last ``BUSY_WINDOW_S``), so that
 they wait for a shorter copy. When the first chunk is still in flight after
 ``submit`` returned (the transport posts asynchronously: RDMA, TCP lanes), the
-rest of the plan follows as one chunk.
+rest of the plan follows as one chunk. A chunked plan is checked against registered memory once, whole
+(``TransferAgent.check_plan``), and each piece is a slice of that checked plan (``submit_checked``): no piece
+pays the checks again, and none is submitted unchecked after a registration changed.
 
 Everything here runs on the worker thread (the messenger's I/O thread), but
 ``DataPlane.stop``, which any thread may call.
@@ -27,12 +29,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvcore import errors as E
 from kvcore.transceiver.counters import RoleCounter
-from kvcore.transport.agent import TransferAgent, TransferHandle, TransferOp, TransferStatus
+from kvcore.transport.agent import CheckedPlan, TransferAgent, TransferHandle, TransferOp, TransferStatus
 
 __all__ = [
     "Transfer",
@@ -47,6 +50,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvcore.transceiver")
+_R = TypeVar("_R")
 
 #: The first piece of a plan posted to an agent whose submit moves the bytes itself, before this rank has
 #: measured how fast that agent copies (16 MiB: about 2.5 ms of CMA copy on a small box).
@@ -94,8 +98,10 @@ def chunk_plan(
 class Transfer:
     """One plan as the data plane moves it: consecutive chunks through the agent, one in flight at a time.
 
-    ``bounds`` cut the plan into fine chunks; the piece in flight is fine chunks ``chunk`` to ``chunk + span``
-    (several fine chunks go as one submit while the rank is quiet).
+    ``plan``: the plan as the agent checked it once, whole (``check_plan``), when it goes in more than one fine
+    chunk: each piece is ``submit_checked`` of a slice of it (None: the plan went as one ``submit``). ``bounds``
+    cut the plan into fine chunks; the piece in flight is fine chunks ``chunk`` to ``chunk + span`` (several fine
+    chunks go as one submit while the rank is quiet).
 
     ``status`` is PENDING until every chunk is terminal at the transport; then DONE (every byte landed) or
     FAILED (``error``; no chunk is in flight and none is posted after it).
@@ -103,9 +109,7 @@ class Transfer:
 
     op: TransferOp
     remote: str
-    src: np.ndarray
-    dst: np.ndarray
-    sizes: np.ndarray
+    plan: CheckedPlan | None
     bounds: list[int]
     on_done: Callable[[], None] | None
     nbytes: int
@@ -166,9 +170,11 @@ class DataPlane:
     ) -> Transfer:
         """Start moving a plan to (WRITE) or from (READ) loaded peer ``remote``; returns its ``Transfer``.
 
-        Raises the agent's ``TransferError`` when the first chunk is refused (then nothing moved). ``on_done``
-        runs on the worker thread as soon as the worker sees the transfer end after this returned; a transfer
-        that ended inside ``submit`` is seen by the caller's first ``poll``.
+        A plan of more than one fine chunk is checked whole once (``check_plan``) and moves in pieces of that
+        checked plan; a smaller one goes as one ``submit``. Raises the agent's ``TransferError`` when the plan or
+        its first chunk is refused (then nothing moved). ``on_done`` runs on the worker thread as soon as the
+        worker sees the transfer end after this returned; a transfer that ended inside ``submit`` is seen by the
+        caller's first ``poll``.
         """
         nbytes = int(np.asarray(sizes, dtype=np.uint64).sum())
         fine = min(self.fine_chunk_bytes, self.chunk_bytes) if self.chunk_bytes else 0
@@ -176,8 +182,13 @@ class DataPlane:
             src, dst, sizes, bounds = chunk_plan(src, dst, sizes, fine)
         else:
             bounds = [0, len(sizes)]
-        x = Transfer(op, remote, src, dst, sizes, bounds, None, nbytes)
-        self._post_chunk(x)  # the first chunk's refusal is the caller's error
+        if len(bounds) > 2:
+            x = Transfer(op, remote, self._check(op, remote, src, dst, sizes), bounds, None, nbytes)
+            self._post_chunk(x)  # the first chunk's refusal is the caller's error
+        else:
+            x = Transfer(op, remote, None, bounds, None, nbytes)
+            x.posted_at = time.monotonic()
+            self._posted(x, self._call("submit", remote, self.agent.submit, op, remote, src, dst, sizes))
         if x.more and x.handle is not None and self.agent.poll(x.handle) is TransferStatus.PENDING:
             # The transport did not move the chunk inside submit (RDMA, a remote lane): it does not hold
             # this thread, so the rest goes as one more chunk rather than paying a submit per chunk.
@@ -188,6 +199,26 @@ class DataPlane:
         self._xfers[id(x)] = x
         x.on_done = on_done
         return x
+
+    def _check(self, op: TransferOp, remote: str, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> CheckedPlan:
+        return self._call("check_plan", remote, self.agent.check_plan, op, remote, src, dst, sizes)
+
+    def _call(self, name: str, remote: str, fn: Callable[..., _R], *args: Any) -> _R:
+        """``fn(*args)``, an agent call; its kvcore errors propagate. Anything else is an agent bug (its contract
+        says TransferError): it fails this transfer, never the worker's loop, and no handle exists to poll, so the
+        request ends FAILED instead of waiting for its deadline."""
+        try:
+            return fn(*args)
+        except E.KvcoreError:
+            raise
+        except Exception as exc:
+            self.counters["agent_errors"] += 1
+            log.error(
+                "agent %s: %s to %r raised %s", self.agent.backend, name, remote, type(exc).__name__, exc_info=True
+            )
+            raise E.TransferFailedError(
+                f"the {self.agent.backend} agent's {name} to {remote!r} raised {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _span(self, x: Transfer) -> int:
         """Fine chunks in ``x``'s next submit: one while other requests are active (traffic or work came while its
@@ -205,26 +236,16 @@ class DataPlane:
         x.span = min(self._span(x), x.chunks - x.chunk)
         a, b = x.bounds[x.chunk], x.bounds[x.chunk + x.span]
         x.posted_at = time.monotonic()
-        try:
-            h = self.agent.submit(x.op, x.remote, x.src[a:b], x.dst[a:b], x.sizes[a:b])
-        except E.KvcoreError:
-            raise
-        except Exception as exc:
-            # An agent bug (its contract says TransferError): it fails this transfer, never the worker's loop,
-            # and no handle exists to poll, so the request ends FAILED instead of waiting for its deadline.
-            self.counters["agent_errors"] += 1
-            log.error(
-                "agent %s: submit to %r raised %s", self.agent.backend, x.remote, type(exc).__name__, exc_info=True
-            )
-            raise E.TransferFailedError(
-                f"the {self.agent.backend} agent's submit to {x.remote!r} raised {type(exc).__name__}: {exc}"
-            ) from exc
+        assert x.plan is not None  # a transfer of more than one fine chunk is checked whole first
+        h = self._call("submit", x.remote, self.agent.submit_checked, x.plan, a, b)
+        self._posted(x, h)
+        self._note_rate(x, h, x.plan.nbytes(a, b))
+
+    def _posted(self, x: Transfer, h: TransferHandle) -> None:
         x.handle = h
         self._by_handle[h.id] = x
-        if x.chunks > 1:
-            self._note_rate(x, h, a, b)
 
-    def _note_rate(self, x: Transfer, h: TransferHandle, a: int, b: int) -> None:
+    def _note_rate(self, x: Transfer, h: TransferHandle, nbytes: int) -> None:
         """A piece that is DONE at its first poll was copied on this thread (inside ``submit``, or inside that poll
         as the UCX agent's progress does): its rate, from submit to that poll, sizes this peer's next quiet pieces."""
         try:
@@ -235,7 +256,7 @@ class DataPlane:
         if done and took > 0:
             if len(self.copy_rates) >= 4096:
                 self.copy_rates.clear()  # bounded: peers come and go
-            self.copy_rates[x.remote] = float(x.sizes[a:b].sum(dtype=np.uint64)) / took
+            self.copy_rates[x.remote] = nbytes / took
 
     def poll(self, x: Transfer) -> TransferStatus:
         """Advance ``x`` (post its next chunk when one ended) and report its state; never calls ``on_done``.
@@ -269,7 +290,7 @@ class DataPlane:
         self.agent.release(h)
         if status is TransferStatus.DONE and x.more and x.stopped:
             status = TransferStatus.FAILED
-            moved = int(x.sizes[: x.bounds[x.chunk + x.span]].sum(dtype=np.uint64))
+            moved = x.plan.nbytes(0, x.bounds[x.chunk + x.span]) if x.plan is not None else 0
             error = E.TransferFailedError(
                 f"transfer to {x.remote!r} stopped after {moved} of {x.nbytes} bytes: {x.stopped}"
             )

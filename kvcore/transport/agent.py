@@ -9,6 +9,11 @@ the check that every fragment lies inside registered memory on both sides
 book-keeping and leak accounting. A transport implements the ``_``-prefixed
 primitives.
 
+A caller that moves one large plan in pieces checks it once with ``check_plan`` and submits slices of the
+returned :class:`CheckedPlan` with ``submit_checked``: the pieces are not checked again while neither side's
+registrations changed since the check (then they are), and a transport may do its per-plan work once
+(``_submit_piece``).
+
 Example (two processes, the receiver exported its descriptor ``d``)::
 
     agent = registry.get("shm")(name="ctx0")
@@ -47,6 +52,7 @@ from kvcore.transport.agent_types import (
     DESCRIPTOR_VERSION,
     AgentCapabilities,
     AgentDescriptor,
+    CheckedPlan,
     MemoryKind,
     MemoryRegion,
     Notification,
@@ -70,6 +76,7 @@ __all__ = [
     "Registration",
     "RemoteAgent",
     "TransferHandle",
+    "CheckedPlan",
     "Notification",
     "AgentDescriptor",
     "RegionInfo",
@@ -77,6 +84,13 @@ __all__ = [
     "DESCRIPTOR_VERSION",
     "process_incarnation",
 ]
+
+
+def _frozen(values: np.ndarray) -> np.ndarray:
+    """A read-only copy: what a checked plan holds, so that no fragment changes after its check."""
+    out = values.copy()
+    out.flags.writeable = False
+    return out
 
 
 class TransferAgent(AgentPeers, AgentCompletions):
@@ -137,16 +151,108 @@ class TransferAgent(AgentPeers, AgentCompletions):
                 ``TransferError`` the transport raised propagates as it is.
         """
         self._check_open()
+        op = self._allowed_op(op)
+        self._check_notification(notification)
+        peer = self.remote(remote)
+        local, rem, size = self._checked_fragments(peer, local_addrs, remote_addrs, sizes)
+        return self._post(op, peer, local, rem, size, notification, None, 0, 0)
+
+    def check_plan(
+        self,
+        op: TransferOp,
+        remote: str,
+        local_addrs: Any,
+        remote_addrs: Any,
+        sizes: Any,
+    ) -> CheckedPlan:
+        """Check a batch of fragments once, to submit it whole or in pieces with ``submit_checked``; moves nothing.
+
+        The same checks as ``submit`` (every local range inside memory this agent registered, every remote range
+        inside memory the peer registered), done once for the whole plan: a caller that moves a large plan in
+        pieces pays them once, not per piece.
+
+        Args:
+            op: ``TransferOp.WRITE`` or ``READ``, as ``capabilities`` allow.
+            remote: a loaded peer's name.
+            local_addrs: local start addresses, a 1-D array of non-negative integers.
+            remote_addrs: the peer's start addresses, the same length.
+            sizes: fragment lengths in bytes, the same length, none zero.
+
+        Returns:
+            A :class:`CheckedPlan` holding read-only copies of the arrays (uint64), for this agent only.
+
+        Raises:
+            The errors of ``submit`` for the same arguments, but the transport's (nothing is submitted).
+        """
+        self._check_open()
+        op = self._allowed_op(op)
+        peer = self.remote(remote)
+        local, rem, size = (_frozen(a) for a in self._checked_fragments(peer, local_addrs, remote_addrs, sizes))
+        before = np.zeros(size.size + 1, dtype=np.uint64)
+        np.cumsum(size, out=before[1:])
+        return CheckedPlan(op, remote, local, rem, size, before, self, peer, self._generation)
+
+    def submit_checked(
+        self, plan: CheckedPlan, start: int = 0, stop: int | None = None, notification: bytes | None = None
+    ) -> TransferHandle:
+        """Submit fragments ``start:stop`` of a plan this agent checked; returns at once with a handle to poll.
+
+        The fragments are not checked again while neither side's registrations changed since ``check_plan`` (a
+        registration made or withdrawn here, the peer reloaded or unloaded); after such a change they are checked
+        again, as ``submit`` would, before any byte moves.
+
+        Args:
+            plan: what this agent's ``check_plan`` returned.
+            start: the first fragment of the piece.
+            stop: the fragment after its last (default: the end of the plan).
+            notification: as for ``submit``.
+
+        Returns:
+            A :class:`TransferHandle` (``PENDING``) to ``poll`` or ``wait`` on, then ``release``.
+
+        Raises:
+            TransferError: the agent is closed, ``plan`` was checked by another agent, ``start:stop`` is not a range
+                inside the plan, or ``notification`` is not bytes.
+            UnsupportedOperationError: a notification is not in ``capabilities``.
+            RemoteAgentError: the plan's peer is no longer loaded.
+            RegistrationError, RemoteRangeError: registrations changed since the check and a fragment of the piece
+                is no longer inside registered memory (nothing moved).
+            TransferFailedError: as for ``submit``.
+        """
+        self._check_open()
+        if plan.agent is not self:
+            raise TransferError(f"this plan was checked by another agent, not by agent {self.name!r}")
+        self._check_notification(notification)
+        count = plan.count
+        stop = count if stop is None else stop
+        if not (0 <= start <= stop <= count):
+            raise TransferError(f"fragments [{start}, {stop}) are not a range of the plan's {count} fragments")
+        peer = self.remote(plan.remote)
+        local, rem, size = plan.local[start:stop], plan.remote_addrs[start:stop], plan.sizes[start:stop]
+        if peer is plan.peer and self._generation == plan.generation:
+            return self._post(plan.op, peer, local, rem, size, notification, plan, start, stop)
+        # A registration changed on either side since the check: this piece is checked against what is registered now.
+        self._check_ranges(peer, local, rem, size)
+        return self._post(plan.op, peer, local, rem, size, notification, None, 0, 0)
+
+    def _allowed_op(self, op: TransferOp) -> TransferOp:
         op = TransferOp(op)
         if op is TransferOp.WRITE and not self.capabilities.write:
             raise UnsupportedOperationError(f"{self.backend} agent does not support WRITE")
         if op is TransferOp.READ and not self.capabilities.read:
             raise UnsupportedOperationError(f"{self.backend} agent does not support READ")
+        return op
+
+    def _check_notification(self, notification: bytes | None) -> None:
         if notification is not None and not self.capabilities.notifications:
             raise UnsupportedOperationError(f"{self.backend} agent does not support notifications")
         if notification is not None and not isinstance(notification, bytes):
             raise TransferError(f"notification must be bytes, got {type(notification).__name__}")
-        peer = self.remote(remote)
+
+    def _checked_fragments(
+        self, peer: RemoteAgent, local_addrs: Any, remote_addrs: Any, sizes: Any
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The fragment arrays as uint64, each fragment checked: non-empty, inside registered memory on both sides."""
         local = _as_u64("local_addrs", local_addrs)
         rem = _as_u64("remote_addrs", remote_addrs)
         size = _as_u64("sizes", sizes)
@@ -156,6 +262,11 @@ class TransferAgent(AgentPeers, AgentCompletions):
             )
         if size.size and int(size.min()) == 0:
             raise TransferError(f"fragment {int(np.argmin(size))} has size 0")
+        self._check_ranges(peer, local, rem, size)
+        return local, rem, size
+
+    def _check_ranges(self, peer: RemoteAgent, local: np.ndarray, rem: np.ndarray, size: np.ndarray) -> None:
+        """Raise unless every local range lies in memory this agent registered and every remote one in the peer's."""
         bad_local = ~ranges_inside(local, size, self._local_starts, self._local_ends)
         if bad_local.any():
             i = int(np.flatnonzero(bad_local)[0])
@@ -168,23 +279,41 @@ class TransferAgent(AgentPeers, AgentCompletions):
             i = int(np.flatnonzero(bad_remote)[0])
             raise RemoteRangeError(
                 f"fragment {i}: remote range [{int(rem[i]):#x}, +{int(size[i])}) is not inside memory "
-                f"peer {remote!r} registered ({int(bad_remote.sum())} of {size.size} fragments affected); nothing was moved"
+                f"peer {peer.name!r} registered ({int(bad_remote.sum())} of {size.size} fragments affected); "
+                "nothing was moved"
             )
+
+    def _post(
+        self,
+        op: TransferOp,
+        peer: RemoteAgent,
+        local: np.ndarray,
+        rem: np.ndarray,
+        size: np.ndarray,
+        notification: bytes | None,
+        plan: CheckedPlan | None,
+        start: int,
+        stop: int,
+    ) -> TransferHandle:
+        """Hand checked fragments to the transport (``_submit_piece`` for a piece of a plan still valid)."""
         handle = TransferHandle(
             id=next(self._ids),
             op=op,
-            remote=remote,
+            remote=peer.name,
             count=int(size.size),
-            nbytes=int(size.sum()) if size.size else 0,
+            nbytes=plan.nbytes(start, stop) if plan is not None else (int(size.sum()) if size.size else 0),
             notification=notification,
             submitted_at=time.monotonic(),
         )
         try:
-            handle.native = self._submit(handle, peer, local, rem, size)
+            if plan is not None:
+                handle.native = self._submit_piece(handle, peer, plan, start, stop)
+            else:
+                handle.native = self._submit(handle, peer, local, rem, size)
         except TransferError:
             raise
         except Exception as exc:
-            raise TransferFailedError(f"{self.backend} agent failed to submit to {remote!r}: {exc}") from exc
+            raise TransferFailedError(f"{self.backend} agent failed to submit to {peer.name!r}: {exc}") from exc
         self._handles[handle.id] = handle
         return handle
 
@@ -333,6 +462,18 @@ class TransferAgent(AgentPeers, AgentCompletions):
         sizes: np.ndarray,
     ) -> Any:
         """Start the transfer (arrays are validated uint64); return its native handle."""
+
+    def _submit_piece(
+        self, handle: TransferHandle, remote: RemoteAgent, plan: CheckedPlan, start: int, stop: int
+    ) -> Any:
+        """Start fragments ``start:stop`` of a checked plan; return the native handle (default: ``_submit``).
+
+        Called only while the plan's check still holds. A transport overrides it to do its per-plan work (region
+        lookups, descriptor arrays) once, in ``plan.native``, instead of once per piece.
+        """
+        return self._submit(
+            handle, remote, plan.local[start:stop], plan.remote_addrs[start:stop], plan.sizes[start:stop]
+        )
 
     @abstractmethod
     def _poll(self, handle: TransferHandle) -> TransferStatus:

@@ -174,6 +174,37 @@ class Notification:
 
 
 @dataclass(eq=False)
+class CheckedPlan:
+    """A batch of fragments an agent's ``check_plan`` found inside registered memory on both sides.
+
+    ``submit_checked(plan, start, stop)`` submits fragments ``start:stop`` of it without checking them again while
+    neither side's registrations changed since the check (the agent's registration generation, the peer object it
+    loaded); once one did, that piece is checked again before any byte moves. The arrays are the agent's own
+    read-only copies, so no fragment changes after its check. Only the agent that checked a plan accepts it.
+    """
+
+    op: TransferOp
+    remote: str
+    local: np.ndarray  # uint64, read-only
+    remote_addrs: np.ndarray  # uint64, read-only
+    sizes: np.ndarray  # uint64, read-only, none zero
+    before: np.ndarray  # uint64, count + 1: bytes of the fragments before each one (the last: the plan's bytes)
+    agent: object  # the agent that checked it
+    peer: RemoteAgent  # the peer object its remote ranges were checked against
+    generation: int  # the agent's registration generation at the check
+    native: Any = None  # the transport's per-plan work (region indices, descriptors), made by its first piece
+
+    @property
+    def count(self) -> int:
+        """Fragments in the plan."""
+        return int(self.sizes.size)
+
+    def nbytes(self, start: int = 0, stop: int | None = None) -> int:
+        """Bytes of fragments ``start:stop`` (the whole plan by default)."""
+        return int(self.before[self.count if stop is None else stop]) - int(self.before[start])
+
+
+@dataclass(eq=False)
 class TransferHandle:
     """A submitted transfer; poll it until it is terminal, then release it."""
 

@@ -47,6 +47,7 @@ from kvcore.extension.convert import convert_options
 from kvcore.hostinfo import host_identity
 from kvcore.transport.agent import (
     AgentDescriptor,
+    CheckedPlan,
     MemoryKind,
     MemoryRegion,
     Notification,
@@ -160,6 +161,16 @@ class _Xfer:
     keep: list[Any] = field(default_factory=list)  # buffers UCX reads until the request completes
     error: TransferError | None = None
     done: bool = False
+
+
+@dataclass(eq=False)
+class _PlanIndex:
+    """A checked plan's registrations, found once for all its pieces: local memh and remote rkey per fragment."""
+
+    rkeys: _RkeySet  # the peer's rkeys they index (a reloaded peer gets new ones: found again)
+    lidx: np.ndarray
+    ridx: np.ndarray
+    memhs: list[Any]
 
 
 class UcxOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -591,6 +602,28 @@ class UcxAgent(TransferAgent):
         remote_addrs: np.ndarray,
         sizes: np.ndarray,
     ) -> Any:
+        peer = self._ready_peer(handle, remote)
+        ridx = self._remote_index(peer.rkeys, peer, remote_addrs, sizes)
+        lidx, memhs = self._local_memhs(local, sizes)
+        local, remote_addrs, sizes, (lidx, ridx) = merge_runs(local, remote_addrs, sizes, lidx, ridx)
+        return self._post_puts(handle, peer, (local, remote_addrs, sizes, lidx, ridx), memhs)
+
+    def _submit_piece(
+        self, handle: TransferHandle, remote: RemoteAgent, plan: CheckedPlan, start: int, stop: int
+    ) -> Any:
+        """A piece of a checked plan: the registration of every fragment on both sides is found once per plan (at
+        its first piece, for the rkeys of that moment) and each piece takes its slice."""
+        peer = self._ready_peer(handle, remote)
+        pi: _PlanIndex | None = plan.native
+        if pi is None or pi.rkeys is not peer.rkeys:
+            ridx = self._remote_index(peer.rkeys, peer, plan.remote_addrs, plan.sizes)
+            lidx, memhs = self._local_memhs(plan.local, plan.sizes)
+            pi = plan.native = _PlanIndex(peer.rkeys, lidx, ridx, memhs)
+        frags = (plan.local[start:stop], plan.remote_addrs[start:stop], plan.sizes[start:stop])
+        local, remote_addrs, sizes, (lidx, ridx) = merge_runs(*frags, pi.lidx[start:stop], pi.ridx[start:stop])
+        return self._post_puts(handle, peer, (local, remote_addrs, sizes, lidx, ridx), pi.memhs)
+
+    def _ready_peer(self, handle: TransferHandle, remote: RemoteAgent) -> _Peer:
         peer: _Peer = remote.native
         if peer.failed:
             raise _status_error(self._u, peer.failed, "endpoint", peer.name)
@@ -598,7 +631,11 @@ class UcxAgent(TransferAgent):
             raise TransferError(
                 f"notification is {len(handle.notification)} bytes; the ucx agent allows {self._max_notif}"
             )
-        rk = peer.rkeys
+        return peer
+
+    @staticmethod
+    def _remote_index(rk: _RkeySet, peer: _Peer, remote_addrs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """The peer registration (rkey) holding each remote range; ``RemoteRangeError`` for one spanning two."""
         ridx = np.searchsorted(rk.starts, remote_addrs, side="right").astype(np.int64) - 1
         rbad = (ridx < 0) | (remote_addrs + sizes > rk.ends[np.maximum(ridx, 0)])
         if rbad.any():
@@ -607,8 +644,18 @@ class UcxAgent(TransferAgent):
                 f"fragment {i}: remote range [{int(remote_addrs[i]):#x}, +{int(sizes[i])}) is not inside one "
                 f"registration of peer {peer.name!r}; nothing was moved"
             )
-        lidx, memhs = self._local_memhs(local, sizes)
-        local, remote_addrs, sizes, (lidx, ridx) = merge_runs(local, remote_addrs, sizes, lidx, ridx)
+        return ridx
+
+    def _post_puts(
+        self,
+        handle: TransferHandle,
+        peer: _Peer,
+        runs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        memhs: list[Any],
+    ) -> _Xfer:
+        """One put (or get) per merged run, then a flush of the endpoint."""
+        local, remote_addrs, sizes, lidx, ridx = runs
+        rk = peer.rkeys
         xfer = _Xfer(peer, rk, notify=handle.notification is not None)
         rk.users += 1
         lib = self._lib
