@@ -98,6 +98,9 @@ def test_backend_mismatch_is_refused_at_first_contact_naming_both_backends(pm: A
         assert isinstance(out.error, E.IncompatiblePeerError), repr(out.error)
         msg = str(out.error)
         assert "backend" in msg and "'shm-other'" in msg and "'shm'" in msg, msg
+        # refused by the generation rank itself from the instance's rank list, before it registers anywhere (not
+        # left to the context's answer to its registration, which says "generation rank uses ...")
+        assert "context rank 0 uses 'shm-other'" in msg, msg
         assert not _flat(gen.caches[0]).any(), "a refused peer wrote bytes"
     finally:
         gen.close()
