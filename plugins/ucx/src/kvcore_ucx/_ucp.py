@@ -450,6 +450,18 @@ def create_worker(u: UcpLibrary, context: Any, *, thread_mode: int, check: Check
     return worker[0]
 
 
+def mem_map_params(u: UcpLibrary, address: int, length: int, memory_type: int) -> Any:
+    """The ``ucp_mem_map_params_t`` that maps ``length`` bytes at ``address`` of ``memory_type`` (``UCS_MEMORY_TYPE_*``)."""
+    params = u.ffi.new("ucp_mem_map_params_t *")
+    params.field_mask = (
+        UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+    )
+    params.address = u.ffi.cast("void *", address)
+    params.length = length
+    params.memory_type = memory_type
+    return params
+
+
 def worker_address(u: UcpLibrary, worker: Any, *, check: Check) -> bytes:
     """The worker's address as bytes (what a peer's :func:`create_endpoint` connects to)."""
     ffi, lib = u.ffi, u.lib

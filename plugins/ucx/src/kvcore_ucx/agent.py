@@ -381,15 +381,12 @@ class UcxAgent(TransferAgent):
                 "this UCX cannot register VRAM: CUDA memory is not among its memory types "
                 "(no CUDA driver, or libuct_cuda is not loadable); DRAM works"
             )
-        params = ffi.new("ucp_mem_map_params_t *")
-        params.field_mask = (
-            _ucp.UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-            | _ucp.UCP_MEM_MAP_PARAM_FIELD_LENGTH
-            | _ucp.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+        params = _ucp.mem_map_params(
+            self._u,
+            region.address,
+            region.length,
+            _ucp.UCS_MEMORY_TYPE_CUDA if region.kind is MemoryKind.VRAM else _ucp.UCS_MEMORY_TYPE_HOST,
         )
-        params.address = ffi.cast("void *", region.address)
-        params.length = region.length
-        params.memory_type = _ucp.UCS_MEMORY_TYPE_CUDA if region.kind is MemoryKind.VRAM else _ucp.UCS_MEMORY_TYPE_HOST
         memh = ffi.new("ucp_mem_h *")
         with self._lock:
             status = lib.ucp_mem_map(self._context, params, memh)

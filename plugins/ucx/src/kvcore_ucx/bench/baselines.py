@@ -65,15 +65,7 @@ class UcxPut(BenchBaseline):
             self._u, self._context, thread_mode=_ucp.UCS_THREAD_MODE_SINGLE, check=self._check
         )
 
-        mparams = ffi.new("ucp_mem_map_params_t *")
-        mparams.field_mask = (
-            _ucp.UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-            | _ucp.UCP_MEM_MAP_PARAM_FIELD_LENGTH
-            | _ucp.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
-        )
-        mparams.address = ffi.cast("void *", plan.pool_base)
-        mparams.length = plan.pool_bytes
-        mparams.memory_type = _ucp.UCS_MEMORY_TYPE_HOST
+        mparams = _ucp.mem_map_params(self._u, plan.pool_base, plan.pool_bytes, _ucp.UCS_MEMORY_TYPE_HOST)
         memh = ffi.new("ucp_mem_h *")
         self._check(lib.ucp_mem_map(self._context, mparams, memh), "ucp_mem_map of the local pool")
         self._memh = memh[0]
