@@ -40,6 +40,9 @@ _SIZED: dict[int, tuple[int, int]] = {
 _CONTAINERS: dict[int, tuple[int, int]] = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 
 
+#: Above this many bytes ``cannot_exceed_bounds`` answers False at once: its translation costs more than the walk.
+_CHEAP_BYTES = 2048
+
 # 1 for every byte value that starts a container (fixmap, fixarray, array 16/32, map 16/32), else 0.
 _CONTAINER_STARTS = bytes(1 if 0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF else 0 for b in range(256))
 
@@ -58,8 +61,11 @@ def cannot_exceed_bounds(
     or objects than the bounds; and every nesting level starts with a container byte, so fewer such byte values
     anywhere in the data (inside strings too: it over-counts, never under-counts) than ``max_depth`` bound the
     depth. It says nothing of well-formedness: the caller's typed decoder must reject truncated, reserved or
-    trailing bytes itself (msgspec does, with ``DecodeError``).
+    trailing bytes itself (msgspec does, with ``DecodeError``). Data over ``_CHEAP_BYTES`` is answered False at once
+    (a 32 KiB RequestData: the translation took 60 µs, the walk takes 12).
     """
+    if len(data) > _CHEAP_BYTES:
+        return False
     return len(data) <= min(max_entries, max_items) and data.translate(_CONTAINER_STARTS).count(1) < max_depth
 
 

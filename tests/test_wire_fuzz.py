@@ -151,6 +151,8 @@ def test_small_real_messages_skip_the_walk_and_deep_or_large_frames_do_not() -> 
     assert not cannot_exceed_bounds(b"\x82" * 40 + b"\xc0")  # container bytes anywhere count, inside strings too
     assert not cannot_exceed_bounds(HOSTILE["a million nils"])  # larger than the entries bound
     assert not cannot_exceed_bounds(b"\xc0" * 9, max_entries=8)
+    # a large frame is walked whatever it holds: translating it would cost more than the walk
+    assert cannot_exceed_bounds(b"\xc0" * 2048) and not cannot_exceed_bounds(b"\xc0" * 2049)
 
 
 _SMALL = {"max_depth": 3, "max_entries": 40, "max_items": 40}

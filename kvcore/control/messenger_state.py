@@ -61,9 +61,13 @@ class _Dealer:
     retries: int = 0  # fresh sockets made for this endpoint after failed handshakes
 
 
+#: Plain ints of the option and flag ``_readable`` uses: pyzmq's enum members cost an enum operation per call.
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
 def _readable(sock: zmq.Socket[bytes]) -> bool:
     """Whether a message waits on ``sock`` (its ZMQ_EVENTS): draining stops without raising zmq.Again."""
-    return bool(int(sock.get(zmq.EVENTS)) & zmq.POLLIN)
+    return bool(int(sock.get(_EVENTS)) & _POLLIN)
 
 
 class MessengerState:

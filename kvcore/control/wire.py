@@ -8,6 +8,7 @@ wire are relative (milliseconds), never absolute clock readings.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated, Literal
 
@@ -423,6 +424,15 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """Strictly parse a peer-supplied ``tcp://host:port``; anything else is a ``ProtocolError``."""
     if not isinstance(endpoint, str):
         raise ProtocolError(f"endpoint must be a string, got {type(endpoint).__name__}")
+    if len(endpoint) > 300:
+        raise ProtocolError(
+            f"endpoint {endpoint[:64]!r}... ({len(endpoint)} characters) is not of the form tcp://host:port"
+        )
+    return _parse_endpoint(endpoint)
+
+
+@functools.lru_cache(maxsize=256)  # every message sent parses its endpoint: the few peers a rank has, parsed once
+def _parse_endpoint(endpoint: str) -> tuple[str, int]:
     m = _ENDPOINT_RE.match(endpoint)
     if not m or not (0 < int(m.group("port")) <= 65535):
         raise ProtocolError(f"endpoint {endpoint!r} is not of the form tcp://host:port")

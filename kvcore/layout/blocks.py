@@ -43,8 +43,13 @@ MAX_GROUPS = 64
 BlockIds = Sequence[int] | np.ndarray | Mapping[str, Sequence[int] | np.ndarray]
 
 
+_I64 = np.dtype(np.int64)
+
+
 def as_id_array(value: object, what: str) -> np.ndarray:
     """``value`` as a flat int64 array; ``LayoutError`` for nested lists, bools, floats or other non-integers."""
+    if type(value) is np.ndarray and value.dtype == _I64 and value.ndim == 1:
+        return value  # already what this returns (the transceiver's own normalized ids: every request)
     if value is None:
         return np.zeros(0, dtype=np.int64)
     if isinstance(value, (str, bytes, Mapping)):
@@ -203,8 +208,10 @@ def normalize_state_slot(value: object, page_table: PageTable, what: str = "stat
     slot = int(value)
     if slot < -1:
         raise LayoutError(f"{what}: expected -1 (none) or a slot >= 0, got {slot}")
+    if slot == -1:
+        return None  # no state slot: the table's views need not be looked at (every attention-only request)
     slots = page_table.state_slots()
-    if slot == -1 or slots == 0:
+    if slots == 0:
         return None
     if slot >= slots:
         raise LayoutError(f"{what}: expected a slot in 0..{slots - 1}, got {slot}")

@@ -314,7 +314,7 @@ def _group_ids(
     Range checks happen where addresses are computed; duplicates are the
     caller's to refuse (:func:`kvcore.layout.blocks.normalize_block_ids`).
     """
-    if isinstance(ids, Mapping):
+    if type(ids) is dict or isinstance(ids, Mapping):  # a dict (normalized ids) skips the ABC check
         return {name: as_id_array(v, f"{what}[{name!r}]") for name, v in ids.items()}
     arr = as_id_array(ids, what)
     if groups is None:

@@ -146,6 +146,7 @@ class Transceiver(Reporting):
             device=device,
         )
         self.collective = self._link.collective
+        self._alone = self.collective.size == 1  # poll agrees with no other rank
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
         if role == "context":

@@ -232,6 +232,8 @@ class Link:
         #: This rank's info for a generation rank it accepted: its agent descriptor identity-only, no memory keys.
         self.accepted_info = msgspec.structs.replace(self.rank_info, agent_descriptor=agent.descriptor(exposed=False))
         self.placement = RankPlacement(topology=topology, geometry=geometry, page_table=page_table, mamba=mamba)
+        #: Layer groups of this rank's sliding-window views (their block counts may differ between the sides).
+        self.windowed_groups = frozenset(v.group for v in page_table.views if v.window is not None)
         self.metrics = TransceiverMetrics(
             backend=agent.backend, role=role, rank=topology.rank, instance=self.instance_name
         )

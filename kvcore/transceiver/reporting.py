@@ -102,6 +102,7 @@ class Reporting:
     topology: Topology
     agent: TransferAgent
     collective: Collective
+    _alone: bool  # a single-rank instance: poll exchanges nothing
     metrics: TransceiverMetrics
     _link: Link
     _role: Role
@@ -177,6 +178,9 @@ class Reporting:
 
     def _poll(self) -> PollResult:
         terminal, quiescent = self._local_view()
+        if self._alone:
+            # One rank agrees with itself: no payload to encode, gather and decode (the engine polls every step).
+            return self._report(terminal, set(quiescent)) if terminal or quiescent else PollResult()
         group = self.topology.dp_rank if self.topology.attention_dp else 0
         payload = msgspec.msgpack.encode(_Agreement(group, list(terminal.items()), quiescent))
         everyone = [msgspec.msgpack.decode(b, type=_Agreement) for b in self.collective.allgather(payload)]

@@ -236,7 +236,8 @@ class TransferAgent(AgentPeers, AgentCompletions):
         return self._post(plan.op, peer, local, rem, size, notification, None, 0, 0)
 
     def _allowed_op(self, op: TransferOp) -> TransferOp:
-        op = TransferOp(op)
+        if op.__class__ is not TransferOp:
+            op = TransferOp(op)
         if op is TransferOp.WRITE and not self.capabilities.write:
             raise UnsupportedOperationError(f"{self.backend} agent does not support WRITE")
         if op is TransferOp.READ and not self.capabilities.read:
@@ -260,7 +261,7 @@ class TransferAgent(AgentPeers, AgentCompletions):
             raise TransferError(
                 f"fragment arrays differ in length: local_addrs={local.size}, remote_addrs={rem.size}, sizes={size.size}"
             )
-        if size.size and int(size.min()) == 0:
+        if size.size and (0 in size.tolist() if size.size <= 8 else int(size.min()) == 0):
             raise TransferError(f"fragment {int(np.argmin(size))} has size 0")
         self._check_ranges(peer, local, rem, size)
         return local, rem, size

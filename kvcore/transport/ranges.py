@@ -12,8 +12,12 @@ import numpy as np
 
 from kvcore.errors import TransferError
 
+_U64 = np.dtype(np.uint64)
+
 
 def _as_u64(name: str, values: Any) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype == _U64 and values.ndim == 1:
+        return values  # a planner's array: nothing to convert or check (every request's three arrays)
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise TransferError(f"{name} must be a 1-D array, got shape {arr.shape}")

@@ -182,4 +182,9 @@ class RecvPush(RecvBounce):
 
 
 def _single_bytes(ids: dict[str, np.ndarray]) -> bytes:
-    return next(iter(ids.values()), np.zeros(0, np.int64)).astype("<i8").tobytes() if len(ids) <= 1 else b""
+    """The only group's ids as little-endian int64 bytes (b"": several groups, or none)."""
+    if len(ids) != 1:
+        return b""
+    for v in ids.values():
+        return v.astype("<i8", copy=False).tobytes()
+    return b""  # pragma: no cover - a one-entry dict has a value

@@ -165,7 +165,7 @@ class SendPush(SendAsks):
                 raise E.MappingError(
                     f"request {s.request_id} prompt_len: context {s.prompt_len}, generation {msg.prompt_len}"
                 )
-            windowed = {v.group for v in self.link.page_table.views if v.window is not None}
+            windowed = self.link.windowed_groups
             for g, ids in t.block_ids.items():
                 held = s.block_ids.get(g)
                 if held is not None and g not in windowed and len(ids) > len(held):
@@ -314,8 +314,9 @@ class SendPush(SendAsks):
             self._fail_task(s, t, exc)
             return
         t2 = time.monotonic()
-        self.link.metrics.transfer_posted(t.peer.name, plan.nbytes, plan.count, t1 - t0, t2 - t1)
-        self._track(s, t, handle, plan.nbytes, plan.count, upto)
+        nbytes = handle.nbytes
+        self.link.metrics.transfer_posted(t.peer.name, nbytes, plan.count, t1 - t0, t2 - t1)
+        self._track(s, t, handle, nbytes, plan.count, upto)
 
     def _track(self, s: TxSession, t: ReceiverTask, handle: Transfer, nbytes: int, count: int, upto: int) -> None:
         with self.link.lock:

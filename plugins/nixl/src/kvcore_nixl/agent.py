@@ -48,6 +48,7 @@ gives no guarantee that no more bytes land.
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import itertools
 import logging
@@ -276,6 +277,7 @@ class _Side:
     target: str  # prep_xfer_dlist agent name: "NIXL_INIT_AGENT" or the peer's NIXL name
     api: Any  # the nixl_agent (lane) that prepares this side's lists
     units: dict[int, tuple[_Dlist, np.ndarray]] = field(default_factory=dict)  # unit -> (dlist, first index)
+    _start_list: list[int] | None = None  # ``starts`` as Python ints, made on the first small lookup
 
     @classmethod
     def build(cls, regions: list[tuple[int, int, str, int]], target: str, api: Any) -> _Side:
@@ -291,6 +293,11 @@ class _Side:
 
     def locate(self, addrs: np.ndarray) -> np.ndarray:
         """Index of the region holding each address (addresses were range-checked by the base class)."""
+        if addrs.size <= 4:  # a one-block request: bisect on the region starts beats three numpy calls
+            if self._start_list is None:
+                self._start_list = self.starts.tolist()
+            lo = self._start_list
+            return np.array([max(0, bisect.bisect_right(lo, a) - 1) for a in addrs.tolist()], dtype=np.int64)
         idx = np.searchsorted(self.starts, addrs, side="right").astype(np.int64) - 1
         return np.maximum(idx, 0)
 
