@@ -249,3 +249,77 @@ def test_threaded_floor_io_thread_failure_is_raised_at_once(monkeypatch: pytest.
         assert time.monotonic() - t0 < 20  # told at once, not at the 30 s deadline
     finally:
         echo.close()
+
+
+def _fake_result(ok: bool, overhead: float, agent_ratio: float, cpu: tuple[float, float]) -> dict[str, Any]:
+    return {
+        "ok": ok,
+        "seconds": 1.0,
+        "machine": {"loadavg": [0.5, 0.5, 0.5], "loadavg_end": [0.6, 0.5, 0.5]},
+        "backends": {
+            "nixl": {
+                "cases": {
+                    "small": {
+                        "latency": {
+                            "overhead_vs_threaded_round_trip": overhead,
+                            "overhead_ms_p50": overhead / 4,
+                            "threaded_round_trip_ms_p50": 0.25,
+                        },
+                        "cpu_us_per_request": {"context.process": cpu[0], "generation.process": cpu[1]},
+                    },
+                    "frag16k": {"modes": {}, "ratios": {"kvcore_vs_agent": agent_ratio, "kvcore_vs_bare": 0.5}},
+                }
+            }
+        },
+    }
+
+
+def test_invocations_summary_is_the_median_of_each_measure_as_each_result_states_it() -> None:
+    from kvcore.tools.bench.repeat import summarize_invocations
+
+    results = [
+        _fake_result(True, 3.0, 0.90, (400.0, 300.0)),
+        _fake_result(True, 2.0, 0.96, (500.0, 450.0)),
+        _fake_result(False, 5.0, 0.80, (600.0, 100.0)),
+    ]
+    del results[1]["backends"]["nixl"]["cases"]["frag16k"]  # a case one invocation lacks: counted where present
+    rows = {(r["case"], r["measure"]): r for r in summarize_invocations(results)["measures"]}
+    assert rows[("small", "overhead_vs_threaded_round_trip")]["values"] == [3.0, 2.0, 5.0]
+    assert rows[("small", "overhead_vs_threaded_round_trip")]["median"] == 3.0
+    assert rows[("small", "cpu_us_per_request_both_processes")]["values"] == [700.0, 950.0, 700.0]
+    assert rows[("small", "cpu_us_per_request_both_processes")]["median"] == 700.0
+    agent = rows[("frag16k", "kvcore_vs_agent")]
+    assert agent["values"] == [0.90, 0.80] and agent["invocations"] == 2 and agent["median"] == pytest.approx(0.85)
+    summary = summarize_invocations(results)
+    assert summary["ok"] is False and [r["ok"] for r in summary["runs"]] == [True, True, False]
+    assert summarize_invocations(results[:2])["ok"] is True
+
+
+@pytest.mark.timeout(120)
+def test_cli_invocations_run_the_bench_again_and_report_the_medians() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcore", "bench", "--json", "--backend", "shm", *TINY, "--invocations", "2"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["ok"] is True and len(out["invocations"]) == 2 and out["summary"]["invocations"] == 2
+    for result in out["invocations"]:
+        _check_result(result, ["shm"])
+    rows = {(r["case"], r["measure"]): r for r in out["summary"]["measures"]}
+    # each median is recomputed from the invocations' own results, read here independently of the summarizer
+    ratios = [r["backends"]["shm"]["cases"]["frag16k"]["ratios"]["kvcore_vs_agent"] for r in out["invocations"]]
+    assert rows[("frag16k", "kvcore_vs_agent")]["median"] == pytest.approx(statistics.median(ratios))
+    floors = [
+        r["backends"]["shm"]["cases"]["small"]["latency"]["overhead_vs_threaded_round_trip"] for r in out["invocations"]
+    ]
+    assert rows[("small", "overhead_vs_threaded_round_trip")]["values"] == floors
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvcore", "bench", "--backend", "shm", "--invocations", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 1 and "--invocations must be 1..20, got 0" in bad.stderr

@@ -49,7 +49,8 @@ The package, one job a module (imports run downwards in this list):
 * ``run``: the orchestrator (:class:`BackendRun`), the case registry (:func:`register_case`), :func:`run_bench`;
 * ``cases``: the cases, registered on import (``transfer``, ``latency``, ``soak``, ``matrix``; shared result
   assembly in ``cases.common``);
-* ``report``, ``plot``: the tables and the PNG; ``command``: ``kvcore bench``'s options and exit status.
+* ``report``, ``plot``: the tables and the PNG; ``repeat``: ``--invocations``, the medians of several runs;
+  ``command``: ``kvcore bench``'s options and exit status.
 """
 
 from __future__ import annotations

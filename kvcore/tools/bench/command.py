@@ -80,6 +80,14 @@ def add_parser(sub: Any) -> None:
         help="run the small case twice with the same rank processes: without, then with CurveZMQ on both control "
         "planes (case small_auth; a fresh key pair per instance in a private temporary directory, removed after)",
     )
+    p.add_argument(
+        "--invocations",
+        type=int,
+        default=1,
+        help="run the whole bench this many times (1-20), each with fresh rank processes, and report the goal "
+        "measures (one-block overhead vs the threaded floor, CPU per request, kvcore/agent) per invocation and "
+        "their median",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     p.set_defaults(func=cmd_bench)
 
@@ -134,7 +142,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 setattr(spec, name, values)
         if args.plot and not args.plot.lower().endswith(".png"):
             raise BenchError(f"--plot: expected a .png file name, got {args.plot!r}")
+        if not 1 <= args.invocations <= 20:
+            raise BenchError(f"--invocations must be 1..20, got {args.invocations}")
+        if args.invocations > 1 and args.plot:
+            raise BenchError("--plot plots one invocation: leave out --invocations")
         quiet = args.json or not sys.stderr.isatty()
+        if args.invocations > 1:
+            return _repeat(spec, args.invocations, args.json, quiet)
         result = run_bench(spec, progress=None if quiet else BenchProgress())
         if args.plot:
             plot_result(result, args.plot)
@@ -149,3 +163,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         print_result(result)
     return 0 if result["ok"] else 1
+
+
+def _repeat(spec: BenchSpec, n: int, as_json: bool, quiet: bool) -> int:
+    """``--invocations n``: ``run_bench`` n times; the summary (and, as JSON, every invocation's result)."""
+    from kvcore.tools.bench.repeat import print_summary, summarize_invocations
+
+    results = []
+    for i in range(n):
+        if not quiet:
+            print(f"kvcore bench: invocation {i + 1} of {n}", file=sys.stderr)
+        results.append(run_bench(spec, progress=None if quiet else BenchProgress()))
+    summary = summarize_invocations(results)
+    if as_json:
+        print(json.dumps({"version": 1, "summary": summary, "invocations": results, "ok": summary["ok"]}, indent=2))
+    else:
+        print_summary(summary)
+    return 0 if summary["ok"] else 1
