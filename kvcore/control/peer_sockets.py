@@ -9,6 +9,7 @@ bounded number of times; with CURVE, a failed handshake is an authentication fai
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import zmq
@@ -57,6 +58,21 @@ def peer_socket_budget(nofile: int | None = None) -> int:
     return max(_MIN_PEER_SOCKETS, min(DEFAULT_MAX_PEER_SOCKETS, fds // FDS_PER_PEER_SOCKET))
 
 
+def _room_for_a_socket() -> bool:
+    """Whether one more DEALER fits under the soft RLIMIT_NOFILE with half of ``_RESERVED_FDS`` still left to the
+    rest of the process, counting the descriptors open now (``/proc/self/fd``; True where it cannot be read)."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return True
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return True
+    return used + FDS_PER_PEER_SOCKET <= int(soft) - _RESERVED_FDS // 2
+
+
 class PeerSockets(MessengerState):
     """Opening, evicting and dropping DEALERs, and reading their monitors (I/O thread only)."""
 
@@ -75,6 +91,12 @@ class PeerSockets(MessengerState):
         if d is None:
             if len(self._dealers) >= self._max_dealers:
                 self._evict_one()
+            if self.counters["peer_sockets_evicted"] and not _room_for_a_socket():
+                # At the bound (a flood of endpoints): the sockets closed a moment ago keep their descriptors until
+                # ZeroMQ's reaper thread gets to them. The message waits (as at a full queue) instead of this socket
+                # taking descriptors the rest of the process needs.
+                self.counters["peer_sockets_waited_for_fds"] += 1
+                raise zmq.Again()
             sock = self._ctx.socket(zmq.DEALER)
             try:
                 sock.setsockopt(zmq.LINGER, 0)
@@ -163,7 +185,10 @@ class PeerSockets(MessengerState):
                         self._handshake_retries.clear()
                     self._outbox.extendleft(reversed([("dealer", d.endpoint, f) for f in frames]))
                     if not frames:
-                        self._dealer(d.endpoint)
+                        try:
+                            self._dealer(d.endpoint)
+                        except zmq.Again:
+                            pass  # no descriptors to spare now: the next message to it makes the socket
                 else:
                     self.counters["send_failed"] += len(frames)
                     self._rlog(logging.WARNING, "handshake", "messenger %s: ZMTP handshake with %s failed %d times "
