@@ -183,8 +183,4 @@ class RecvPush(RecvBounce):
 
 def _single_bytes(ids: dict[str, np.ndarray]) -> bytes:
     """The only group's ids as little-endian int64 bytes (b"": several groups, or none)."""
-    if len(ids) != 1:
-        return b""
-    for v in ids.values():
-        return v.astype("<i8", copy=False).tobytes()
-    return b""  # pragma: no cover - a one-entry dict has a value
+    return next(iter(ids.values())).astype("<i8", copy=False).tobytes() if len(ids) == 1 else b""
