@@ -63,11 +63,13 @@ def make_rank(
     timeout: float = 30.0,
     config: dict[str, Any] | None = None,
     instance_name: str | None = None,
+    device: str = "cpu",
     **geo: Any,
 ) -> tuple[Any, Any, Any]:
     """A one-rank instance in this process: ``(agent, head-major KV cache, Transceiver)``.
 
-    ``config`` overrides TransceiverConfig fields (ports, lifecycle timeouts).
+    ``config`` overrides TransceiverConfig fields (ports, lifecycle timeouts); ``device`` is where the pools are
+    (``"cpu"`` or ``"cuda[:N]"``, allocated by the agent and registered as VRAM).
     """
     from kvcore.config import TransceiverConfig, create_agent
     from kvcore.layout.builders import allocate_kv_cache, build_page_table
@@ -78,11 +80,14 @@ def make_rank(
     topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geometry.num_layers)
     cfg = TransceiverConfig(backend=backend, request_timeout_s=timeout, **(config or {}))
     agent = create_agent(cfg, name)
-    cache = allocate_kv_cache(topo, geometry, num_blocks, allocator=agent.allocate_tensor)
+    cache = allocate_kv_cache(
+        topo, geometry, num_blocks, allocator=lambda shape, dtype: agent.allocate_tensor(shape, dtype, device)
+    )
     table = build_page_table("head_major_pool", cache, topology=topo, geometry=geometry)
     tx = Transceiver(
-        cfg, role=role, agent=agent, topology=topo, geometry=geometry, page_table=table, instance_name=instance_name
-    )
+        cfg, role=role, agent=agent, topology=topo, geometry=geometry, page_table=table,
+        instance_name=instance_name, device=device,
+    )  # fmt: skip
     return agent, cache, tx
 
 
@@ -102,6 +107,7 @@ class _Instance:
             timeout,
             opts.get("config"),
             opts.get("instance_name"),
+            opts.get("device", "cpu"),
             **geo,
         )
         self.flat = cache.view(num_blocks, -1).view(torch.uint8)
@@ -121,7 +127,8 @@ class _Instance:
         """``start_send`` of ``rid`` after filling its blocks; a refusal is answered, not raised (the test checks it)."""
         import torch
 
-        self.flat[blocks] = torch.from_numpy(fill_value(_pattern_id(rid), blocks, self.flat.shape[1]))
+        want = torch.from_numpy(fill_value(_pattern_id(rid), blocks, self.flat.shape[1]))
+        self.flat[blocks] = want.to(self.flat.device)
         try:
             params = self.tx.start_send(rid, blocks, ticket=ticket_for(rid), mode=mode, aux=aux)
         except Exception as exc:
@@ -150,8 +157,12 @@ class _Instance:
 
         return {"info": msgspec.msgpack.encode(self.tx.rank_info)}
 
+    def op_memory_kinds(self) -> dict[str, Any]:
+        """The memory kind of each of this rank's registrations with its agent (DRAM, VRAM)."""
+        return {"kinds": [r.region.kind.value for r in self.agent.registrations]}
+
     def op_read(self, blocks: list[int]) -> dict[str, Any]:
-        return {"bytes": self.flat[blocks].numpy().tobytes()}
+        return {"bytes": self.flat[blocks].cpu().numpy().tobytes()}
 
     def close(self) -> None:
         self.tx.close()
@@ -179,6 +190,7 @@ class ContextProcess(RankProcess):
     """Start a one-rank context instance; ``send``/``cancel``/``stats`` drive it; ``kill`` SIGKILLs it.
 
     ``agent_name``: its transfer agent's name (default ``ctx-<pid>``/``gen-<pid>``, unique per process).
+    ``device``: where its pools are (``"cpu"``, ``"cuda[:N]"``).
     """
 
     #: The role the child process plays (the generation subclass plays its own).
@@ -196,11 +208,12 @@ class ContextProcess(RankProcess):
         env: dict[str, str] | None = None,
         instance_name: str | None = None,
         agent_name: str | None = None,
+        device: str = "cpu",
         **geo: Any,
     ) -> None:
         self.geo = geometry_kwargs(**geo)
         self.num_blocks = num_blocks
-        opts = {"config": config, "instance_name": instance_name, "agent_name": agent_name}
+        opts = {"config": config, "instance_name": instance_name, "agent_name": agent_name, "device": device}
         super().__init__(
             self.target,
             name=f"{self.role} instance",

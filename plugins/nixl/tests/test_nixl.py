@@ -25,7 +25,7 @@ except PackageNotFoundError:  # only an absent plugin skips; a broken NIXL insta
     pytest.skip("kvcore-nixl is not installed (pip install './plugins/nixl[cu12]')", allow_module_level=True)
 
 import torch
-from kvcore_nixl.agent import NixlAgent, NixlOptions, decode_payload, load_nixl
+from kvcore_nixl.agent import NVIDIA_DRIVER_PROC, NixlAgent, NixlOptions, decode_payload, load_nixl, ucx_tls_hint
 
 from kvcore.errors import (
     ConfigError,
@@ -352,10 +352,30 @@ def test_dead_peer_is_peer_lost(agent: NixlAgent) -> None:
         assert time.monotonic() - t0 < 10.0
 
 
+@pytest.mark.parametrize(
+    ("tls", "gpu", "hinted"),
+    [("tcp", True, True), ("tcp,sm", True, True), ("tcp,cuda_copy", True, False), ("^ib", True, False),
+     ("all", True, False), (None, True, False), ("tcp", False, False)],
+)  # fmt: skip
+def test_a_ucx_tls_without_cuda_on_a_gpu_machine_is_named_in_the_error(
+    tls: str | None, gpu: bool, hinted: bool
+) -> None:
+    """NIXL refuses such a UCX_TLS with NIXL_ERR_BACKEND alone (its reason only in its log): the error says why."""
+    hint = ucx_tls_hint("UCX", tls, gpu)
+    assert bool(hint) is hinted
+    if hinted:
+        assert repr(tls) in hint and "cuda_copy" in hint
+    assert ucx_tls_hint("GDS", tls, gpu) == ""
+
+
 def test_stopped_peer_times_out_and_cannot_be_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
     """UCX over TCP (puts need the target): a SIGSTOPped target never completes a write; wait() bounds it,
     release() refuses, and the transfer completes once the peer runs again."""
-    monkeypatch.setenv("UCX_TLS", "tcp")  # read by UCX when the backend is created, here and in the spawned peer
+    # Read by UCX when the backend is created, here and in the spawned peer. NIXL refuses a UCX_TLS without a
+    # CUDA transport where the NVIDIA driver is loaded (seen on an H200 machine): cuda_copy there, for host
+    # memory it changes nothing.
+    gpu = os.path.exists(NVIDIA_DRIVER_PROC)
+    monkeypatch.setenv("UCX_TLS", "tcp,cuda_copy" if gpu else "tcp")
     opts = {"backend_params": {"ucx_error_handling_mode": "peer"}}
     a = NixlAgent("ctx", opts)
     try:

@@ -329,6 +329,27 @@ class _Peer:
     scope: str
 
 
+#: Present where the NVIDIA driver is loaded (a GPU machine), with or without CUDA in this process.
+NVIDIA_DRIVER_PROC = "/proc/driver/nvidia"
+
+
+def ucx_tls_hint(backend: str, ucx_tls: str | None, nvidia_present: bool) -> str:
+    """What to add to a failed UCX backend creation where ``UCX_TLS`` is its likely cause, else ``""``.
+
+    NIXL's UCX backend refuses a ``UCX_TLS`` that names no CUDA transport on a machine with NVIDIA GPUs, even
+    for host memory; its own reason goes to its log only, and the exception says ``NIXL_ERR_BACKEND``.
+    """
+    if backend != "UCX" or not ucx_tls or not nvidia_present:
+        return ""
+    names = {t.strip().lstrip("^") for t in ucx_tls.split(",")}
+    if ucx_tls.startswith("^") or any(t == "all" or t.startswith("cuda") for t in names):
+        return ""
+    return (
+        f". UCX_TLS={ucx_tls!r} is set in the environment and names no CUDA transport: on a machine with "
+        "NVIDIA GPUs NIXL refuses it; add cuda_copy to it (or unset it)"
+    )
+
+
 def _params(values: Mapping[str, ParamValue]) -> dict[str, str]:
     """Backend params as NIXL takes them: every value a string."""
     return {k: str(v) for k, v in values.items()}
@@ -417,6 +438,7 @@ class NixlAgent(TransferAgent):
             raise TransferFailedError(
                 f"nixl agent {self.name!r} could not create NIXL backend {self._nixl_backend!r} for "
                 f"{' and '.join(lane.scopes)} peers with params {lane.params}: {type(exc).__name__}: {exc}"
+                + ucx_tls_hint(self._nixl_backend, os.environ.get("UCX_TLS"), os.path.exists(NVIDIA_DRIVER_PROC))
             ) from exc
         lane.mem_types = set(lane.nixl.get_backend_mem_types(self._nixl_backend))
 
