@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -293,6 +294,28 @@ def test_invocations_summary_is_the_median_of_each_measure_as_each_result_states
     summary = summarize_invocations(results)
     assert summary["ok"] is False and [r["ok"] for r in summary["runs"]] == [True, True, False]
     assert summarize_invocations(results[:2])["ok"] is True
+
+
+@pytest.mark.timeout(120)
+def test_cli_into_a_log_reports_each_step_as_a_line() -> None:
+    """stderr not a terminal (CI, a remote machine's log): a line per step and per invocation, so a run stopped by a
+    time limit still shows how far it got; the summary on stdout as on a terminal."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcore", "bench", "--backend", "shm", *TINY, "--cases", "small", "--invocations", "2"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert [ln for ln in lines if "invocation" in ln] == [
+        "kvcore bench: invocation 1 of 2",
+        "kvcore bench: invocation 2 of 2",
+    ]
+    steps = [ln for ln in lines if re.fullmatch(r"kvcore bench \[ *\d+ s\]: .+", ln)]
+    assert sum("shm: starting rank processes" in ln for ln in steps) == 2, proc.stderr[-2000:]
+    assert any("shm small" in ln for ln in steps), proc.stderr[-2000:]
+    assert "median of 2 invocations" in proc.stdout
 
 
 @pytest.mark.timeout(120)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from kvcore.errors import KvcoreError
@@ -146,10 +147,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise BenchError(f"--invocations must be 1..20, got {args.invocations}")
         if args.invocations > 1 and args.plot:
             raise BenchError("--plot plots one invocation: leave out --invocations")
-        quiet = args.json or not sys.stderr.isatty()
         if args.invocations > 1:
-            return _repeat(spec, args.invocations, args.json, quiet)
-        result = run_bench(spec, progress=None if quiet else BenchProgress())
+            return _repeat(spec, args.invocations, args.json)
+        result = run_bench(spec, **_reporter(args.json))
         if args.plot:
             plot_result(result, args.plot)
     except (KvcoreError, ValueError) as exc:
@@ -165,15 +165,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-def _repeat(spec: BenchSpec, n: int, as_json: bool, quiet: bool) -> int:
+def _reporter(as_json: bool) -> dict[str, Any]:
+    """How ``run_bench`` reports its steps: nothing with ``--json``; a bar on a terminal; else a line per step.
+
+    A log (stderr to a file or a pipe, as on CI or a remote machine) gets each step with the seconds since the
+    bench started, so a run stopped by a time limit still shows how far it got.
+    """
+    if as_json:
+        return {}
+    if sys.stderr.isatty():
+        return {"progress": BenchProgress()}
+    t0 = time.monotonic()
+
+    def say(message: str) -> None:
+        print(f"kvcore bench [{time.monotonic() - t0:5.0f} s]: {message}", file=sys.stderr, flush=True)
+
+    return {"say": say}
+
+
+def _repeat(spec: BenchSpec, n: int, as_json: bool) -> int:
     """``--invocations n``: ``run_bench`` n times; the summary (and, as JSON, every invocation's result)."""
     from kvcore.tools.bench.repeat import print_summary, summarize_invocations
 
     results = []
     for i in range(n):
-        if not quiet:
-            print(f"kvcore bench: invocation {i + 1} of {n}", file=sys.stderr)
-        results.append(run_bench(spec, progress=None if quiet else BenchProgress()))
+        if not as_json:
+            print(f"kvcore bench: invocation {i + 1} of {n}", file=sys.stderr, flush=True)
+        results.append(run_bench(spec, **_reporter(as_json)))
     summary = summarize_invocations(results)
     if as_json:
         print(json.dumps({"version": 1, "summary": summary, "invocations": results, "ok": summary["ok"]}, indent=2))
