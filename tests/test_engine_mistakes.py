@@ -526,3 +526,60 @@ def test_a_rank_that_left_the_collective_is_a_typed_error_on_the_others() -> Non
             if p.is_alive():
                 p.kill()
     assert got[1] == "left" and got[0].startswith("CollectiveError: allgather among this instance's 2 ranks"), got
+
+
+# --- pools on a GPU with the wrong device named -------------------------------------------------------------
+
+GiB = 1 << 30
+#: Synthetic segments of torch's CUDA allocator: (address, bytes, device). The pools' ranges below are checked
+#: against them exactly as the Transceiver checks the real allocator's (tests/test_vram.py does that on a GPU).
+SEGMENTS = [(0x7F00_0000_0000, GiB, 0), (0x7F10_0000_0000, GiB, 1)]
+
+
+@pytest.mark.parametrize(
+    ("regions", "device", "said"),
+    [
+        ([(0x7F10_0000_1000, 4096)], "cpu", "on cuda:1 .*device='cpu'.*pass device='cuda:1'"),
+        ([(0x7F00_0000_0000, GiB)], "cpu", "on cuda:0 .*pass device='cuda:0'"),
+        ([(0x7F10_0000_1000, 4096)], "cuda:0", "is on cuda:1 .*not on the device named, 'cuda:0'"),
+        ([(0x7F00_0000_1000, 4096)], "cuda", None),  # "cuda" is cuda:0
+        ([(0x7F10_0000_1000, 4096)], "cuda:1", None),
+        ([(0x1000, 4096)], "cpu", None),  # host memory: nothing torch holds
+        ([(0x1000, 4096)], "cuda:0", None),  # another allocator's: taken as named
+        ([(0x7F00_0000_0000 + GiB - 4096, 2 * 4096)], "cpu", "on cuda:0 .*device='cpu'"),  # overlaps the end
+        ([(0x1000, 4096), (0x7F10_0000_0000, 4096)], "cuda:1", None),
+        ([(0x7F00_0000_0000, 0x10_0000_1000)], "cuda:0", "is on cuda:0 and cuda:1"),  # straddles both GPUs' memory
+    ],
+)
+def test_a_pool_on_another_device_than_named_is_found(regions: list[Any], device: str, said: str | None) -> None:
+    from kvcore.transport.devices import pool_device_mistake
+
+    mistake = pool_device_mistake(regions, device, SEGMENTS)
+    if said is None:
+        assert mistake is None
+    else:
+        assert mistake is not None and __import__("re").search(said, mistake), mistake
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:", "CPU", "cuda:0 ", ""])
+def test_a_device_kvcore_does_not_know_is_a_config_error_before_anything_is_registered(device: str) -> None:
+    from _instances import geometry_kwargs
+
+    from kvcore.config import TransceiverConfig, create_agent
+    from kvcore.layout.builders import allocate_kv_cache, build_page_table
+    from kvcore.layout.topology import AttentionGeometry, Topology
+    from kvcore.transceiver import Transceiver
+
+    cfg = TransceiverConfig(backend="shm")
+    geometry = AttentionGeometry(**geometry_kwargs())
+    topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geometry.num_layers)
+    agent = create_agent(cfg, f"gen-device-{len(device)}")
+    try:
+        cache = allocate_kv_cache(topo, geometry, 8, allocator=agent.allocate_tensor)
+        table = build_page_table("head_major_pool", cache, topology=topo, geometry=geometry)
+        with pytest.raises(E.ConfigError, match=r"device must be 'cpu' or 'cuda\[:N\]', got " + repr(device)):
+            Transceiver(cfg, role="generation", agent=agent, topology=topo, geometry=geometry, page_table=table,
+                        device=device)  # fmt: skip
+        assert agent.registrations == ()
+    finally:
+        agent.close()

@@ -142,3 +142,30 @@ def test_vram_device_index_is_kept_in_the_registration(closing: list[Any]) -> No
     assert cache.device.index == n
     regs = agent.registrations
     assert regs and all(r.region.kind is MemoryKind.VRAM and r.region.device_id == n for r in regs)
+
+
+@pytest.mark.parametrize("named", ["cpu", "cuda:{count}"])
+def test_vram_pools_under_another_device_name_are_refused_before_registering(named: str) -> None:
+    """Pools on cuda:0 with ``device="cpu"`` (the default) or a GPU they are not on: a ConfigError naming where
+    they are (torch's CUDA allocator holds them), and nothing registered with the agent."""
+    from _instances import geometry_kwargs
+
+    from kvcore.config import TransceiverConfig, create_agent
+    from kvcore.layout.builders import allocate_kv_cache, build_page_table
+    from kvcore.layout.topology import AttentionGeometry, Topology
+    from kvcore.transceiver import Transceiver
+
+    device = named.format(count=torch.cuda.device_count())
+    cfg = TransceiverConfig(backend="nixl")
+    geometry = AttentionGeometry(**geometry_kwargs())
+    topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geometry.num_layers)
+    agent = create_agent(cfg, f"gen-vram-named-{named[:4]}")
+    try:
+        cache = allocate_kv_cache(topo, geometry, 8, allocator=lambda s, d: torch.zeros(s, dtype=d, device="cuda:0"))
+        table = build_page_table("head_major_pool", cache, topology=topo, geometry=geometry)
+        with pytest.raises(E.ConfigError, match=r"is (GPU memory )?on cuda:0 "):
+            Transceiver(cfg, role="generation", agent=agent, topology=topo, geometry=geometry, page_table=table,
+                        device=device)  # fmt: skip
+        assert agent.registrations == ()
+    finally:
+        agent.close()

@@ -91,11 +91,13 @@ class Transceiver(Reporting):
         collective: the instance's collective over its ranks (``TorchCollective``, ...); None: one rank alone.
         instance_name: the instance's name as peers see it; rank 0's wins; None: a random ``<role>-<hex>``.
         pm: the plugin manager to take layout mappers from; None: the process-wide one.
-        device: where the pools are: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        device: where the pools are: ``"cpu"``, ``"cuda"`` (``"cuda:0"``) or ``"cuda:N"``; checked against torch's
+            CUDA allocator where it holds the pools.
         mamba: the geometry of the state pools of a hybrid (Mamba) model, if the page table holds any.
 
     Raises:
-        ConfigError: ``role`` or ``device`` is not one of the values above, or the control socket cannot bind
+        ConfigError: ``role`` or ``device`` is not one of the values above, or torch's CUDA allocator holds the
+            pools on another device than ``device`` names; or the control socket cannot bind
             (port taken, a non-loopback host without authentication and without ``allow_insecure_bind``, an
             ``advertise_host`` that makes no valid endpoint).
         RegistrationError: the agent refused a pool; or a context rank in pull mode whose pools the agent

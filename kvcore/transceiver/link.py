@@ -65,6 +65,7 @@ from kvcore.transport.agent import (
     TransferStatus,
     process_incarnation,
 )
+from kvcore.transport.devices import pool_memory
 
 if TYPE_CHECKING:
     from kvcore.extension.registry import LayoutMapperRegistry
@@ -148,12 +149,9 @@ class Link:
         self.on_connect: Callable[[str], None] = lambda endpoint: None
         self.on_bad_frame: Callable[[Source, E.KvcoreError], None] = lambda source, exc: None
         self.on_auth_failed: Callable[[str, str], None] = lambda endpoint, why: None
-        # Memory: the pools where the engine put them (``device``: "cpu", "cuda" or "cuda:N").
-        kind, dev_id = MemoryKind.DRAM, 0
-        if device.startswith("cuda"):
-            kind, dev_id = MemoryKind.VRAM, int(device.partition(":")[2] or 0)
-        elif device != "cpu":
-            raise E.ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        # Memory: the pools where the engine put them (``device``: "cpu", "cuda" or "cuda:N"), checked against
+        # torch's CUDA allocator where it holds them.
+        kind, dev_id = pool_memory(device, page_table.regions())
         self.memory_kind = kind
         self.registrations = [
             agent.register_memory(MemoryRegion(addr, length, kind, dev_id)) for addr, length in page_table.regions()
