@@ -55,7 +55,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_rank(
+def rank_parts(
     role: str,
     name: str,
     backend: str = "shm",
@@ -65,30 +65,44 @@ def make_rank(
     instance_name: str | None = None,
     device: str = "cpu",
     **geo: Any,
-) -> tuple[Any, Any, Any]:
-    """A one-rank instance in this process: ``(agent, head-major KV cache, Transceiver)``.
+) -> tuple[Any, Any, dict[str, Any]]:
+    """What a one-rank instance is built from: ``(agent, head-major KV cache, Transceiver keyword arguments)``.
 
     ``config`` overrides TransceiverConfig fields (ports, lifecycle timeouts); ``device`` is where the pools are
-    (``"cpu"`` or ``"cuda[:N]"``, allocated by the agent and registered as VRAM).
+    (``"cpu"`` or ``"cuda[:N]"``, allocated by the agent) and what the arguments name.
     """
     from kvcore.config import TransceiverConfig, create_agent
     from kvcore.layout.builders import allocate_kv_cache, build_page_table
     from kvcore.layout.topology import AttentionGeometry, Topology
-    from kvcore.transceiver import Transceiver
 
     geometry = AttentionGeometry(**geometry_kwargs(**geo))
     topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geometry.num_layers)
     cfg = TransceiverConfig(backend=backend, request_timeout_s=timeout, **(config or {}))
     agent = create_agent(cfg, name)
-    cache = allocate_kv_cache(
-        topo, geometry, num_blocks, allocator=lambda shape, dtype: agent.allocate_tensor(shape, dtype, device)
-    )
-    table = build_page_table("head_major_pool", cache, topology=topo, geometry=geometry)
-    tx = Transceiver(
-        cfg, role=role, agent=agent, topology=topo, geometry=geometry, page_table=table,
-        instance_name=instance_name, device=device,
-    )  # fmt: skip
-    return agent, cache, tx
+    try:
+        cache = allocate_kv_cache(
+            topo, geometry, num_blocks, allocator=lambda shape, dtype: agent.allocate_tensor(shape, dtype, device)
+        )
+        table = build_page_table("head_major_pool", cache, topology=topo, geometry=geometry)
+    except BaseException:
+        agent.close()
+        raise
+    kwargs = dict(config=cfg, role=role, agent=agent, topology=topo, geometry=geometry, page_table=table,
+                  instance_name=instance_name, device=device)  # fmt: skip
+    return agent, cache, kwargs
+
+
+def make_rank(role: str, name: str, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+    """A one-rank instance in this process: ``(agent, head-major KV cache, Transceiver)``; the arguments are
+    :func:`rank_parts`'s."""
+    from kvcore.transceiver import Transceiver
+
+    agent, cache, tx_kwargs = rank_parts(role, name, *args, **kwargs)
+    try:
+        return agent, cache, Transceiver(**tx_kwargs)
+    except BaseException:
+        agent.close()
+        raise
 
 
 class _Instance:

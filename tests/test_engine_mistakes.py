@@ -563,23 +563,14 @@ def test_a_pool_on_another_device_than_named_is_found(regions: list[Any], device
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:", "CPU", "cuda:0 ", ""])
 def test_a_device_kvcore_does_not_know_is_a_config_error_before_anything_is_registered(device: str) -> None:
-    from _instances import geometry_kwargs
+    from _instances import rank_parts
 
-    from kvcore.config import TransceiverConfig, create_agent
-    from kvcore.layout.builders import allocate_kv_cache, build_page_table
-    from kvcore.layout.topology import AttentionGeometry, Topology
     from kvcore.transceiver import Transceiver
 
-    cfg = TransceiverConfig(backend="shm")
-    geometry = AttentionGeometry(**geometry_kwargs())
-    topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geometry.num_layers)
-    agent = create_agent(cfg, f"gen-device-{len(device)}")
+    agent, _, kwargs = rank_parts("generation", f"gen-device-{len(device)}", "shm", 8)
     try:
-        cache = allocate_kv_cache(topo, geometry, 8, allocator=agent.allocate_tensor)
-        table = build_page_table("head_major_pool", cache, topology=topo, geometry=geometry)
         with pytest.raises(E.ConfigError, match=r"device must be 'cpu' or 'cuda\[:N\]', got " + repr(device)):
-            Transceiver(cfg, role="generation", agent=agent, topology=topo, geometry=geometry, page_table=table,
-                        device=device)  # fmt: skip
+            Transceiver(**{**kwargs, "device": device})
         assert agent.registrations == ()
     finally:
         agent.close()

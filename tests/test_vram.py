@@ -8,13 +8,12 @@ arrives matches ``fill_value``, computed without kvcore.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from _instances import ContextProcess, _pattern_id, fill_value, make_rank
+from _instances import ContextProcess, _pattern_id, fill_value, make_rank, rank_parts
 
 from kvcore import errors as E
 from kvcore.transceiver import SessionState, leaks
@@ -29,16 +28,6 @@ pytestmark = [
 VRAM_BACKENDS = ["nixl", "ucx"]
 #: (context pools, generation pools): both in VRAM, and each side alone in VRAM.
 PLACEMENTS = [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")]
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    items: list[Any] = []
-    try:
-        yield items
-    finally:
-        for it in reversed(items):
-            it.close()
 
 
 class _Gen:
@@ -148,24 +137,14 @@ def test_vram_device_index_is_kept_in_the_registration(closing: list[Any]) -> No
 def test_vram_pools_under_another_device_name_are_refused_before_registering(named: str) -> None:
     """Pools on cuda:0 with ``device="cpu"`` (the default) or a GPU they are not on: a ConfigError naming where
     they are (torch's CUDA allocator holds them), and nothing registered with the agent."""
-    from _instances import geometry_kwargs
-
-    from kvcore.config import TransceiverConfig, create_agent
-    from kvcore.layout.builders import allocate_kv_cache, build_page_table
-    from kvcore.layout.topology import AttentionGeometry, Topology
     from kvcore.transceiver import Transceiver
 
-    device = named.format(count=torch.cuda.device_count())
-    cfg = TransceiverConfig(backend="nixl")
-    geometry = AttentionGeometry(**geometry_kwargs())
-    topo = Topology.create(tp_size=1, pp_size=1, rank=0, num_layers=geometry.num_layers)
-    agent = create_agent(cfg, f"gen-vram-named-{named[:4]}")
+    agent, cache, kwargs = rank_parts("generation", f"gen-vram-named-{named[:4]}", "nixl", 8, device="cuda:0")
     try:
-        cache = allocate_kv_cache(topo, geometry, 8, allocator=lambda s, d: torch.zeros(s, dtype=d, device="cuda:0"))
-        table = build_page_table("head_major_pool", cache, topology=topo, geometry=geometry)
+        assert cache.device == torch.device("cuda:0")
+        device = named.format(count=torch.cuda.device_count())
         with pytest.raises(E.ConfigError, match=r"is (GPU memory )?on cuda:0 "):
-            Transceiver(cfg, role="generation", agent=agent, topology=topo, geometry=geometry, page_table=table,
-                        device=device)  # fmt: skip
+            Transceiver(**{**kwargs, "device": device})
         assert agent.registrations == ()
     finally:
         agent.close()
