@@ -574,3 +574,31 @@ def test_a_device_kvcore_does_not_know_is_a_config_error_before_anything_is_regi
         assert agent.registrations == ()
     finally:
         agent.close()
+
+
+def test_the_device_check_finds_what_a_plain_scan_of_every_segment_finds() -> None:
+    """The check bisects the allocator's segments; a plain scan of every segment gives the same devices."""
+    import random
+
+    from kvcore.transport.devices import pool_device_mistake
+
+    rng = random.Random(5)
+    for _ in range(2000):
+        segments, pos = [], rng.randrange(1000)
+        for _ in range(rng.randrange(8)):
+            size = rng.randrange(1, 200)
+            segments.append((pos, size, rng.randrange(3)))
+            pos += size + rng.randrange(50)
+        rng.shuffle(segments)
+        regions = [(rng.randrange(pos + 100), rng.randrange(1, 300)) for _ in range(rng.randrange(1, 4))]
+        device = rng.choice(["cpu", "cuda:0", "cuda:1", "cuda:2"])
+        want = None if device == "cpu" else int(device[5:])
+        expected = None
+        for addr, length in regions:
+            on = sorted({d for start, size, d in segments if start < addr + length and addr < start + size})
+            if on and on != [want]:
+                expected = "on " + " and ".join(f"cuda:{d}" for d in on) + " "
+                break
+        got = pool_device_mistake(regions, device, segments)
+        assert (got is None) == (expected is None), (regions, device, segments, got)
+        assert expected is None or expected in str(got), (regions, device, segments, got)

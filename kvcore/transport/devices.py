@@ -9,6 +9,7 @@ that torch does not hold (host memory, another allocator's) is taken as named.
 
 from __future__ import annotations
 
+import bisect
 import re
 import sys
 from collections.abc import Iterable, Sequence
@@ -53,8 +54,14 @@ def pool_device_mistake(regions: Iterable[tuple[int, int]], device: str, segment
         segments: ``(address, bytes, device index)`` of the CUDA memory torch holds (:func:`cuda_segments`).
     """
     want = None if device == "cpu" else int(device.partition(":")[2] or 0)
+    ordered = sorted(segments)
+    starts = [start for start, _, _ in ordered]
+    longest = max((size for _, size, _ in ordered), default=0)
     for addr, length in regions:
-        on = sorted({d for start, size, d in segments if start < addr + length and addr < start + size})
+        # Segments overlapping [addr, addr + length): they start before its end and no earlier than the longest
+        # segment could reach back from its start.
+        lo, hi = bisect.bisect_right(starts, addr - longest), bisect.bisect_left(starts, addr + length)
+        on = sorted({d for start, size, d in ordered[lo:hi] if addr < start + size})
         if not on or on == [want]:
             continue
         where = " and ".join(f"cuda:{d}" for d in on)
