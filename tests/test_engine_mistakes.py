@@ -552,13 +552,20 @@ SEGMENTS = [(0x7F00_0000_0000, GiB, 0), (0x7F10_0000_0000, GiB, 1)]
     ],
 )
 def test_a_pool_on_another_device_than_named_is_found(regions: list[Any], device: str, said: str | None) -> None:
-    from kvcore.transport.devices import pool_device_mistake
+    from kvcore.transport.agent_types import MemoryKind
+    from kvcore.transport.devices import pool_device_mistake, pool_memory
 
     mistake = pool_device_mistake(regions, device, SEGMENTS)
     if said is None:
         assert mistake is None
+        kind, index = pool_memory(device, regions, SEGMENTS)
+        assert kind is (MemoryKind.DRAM if device == "cpu" else MemoryKind.VRAM)
+        assert index == (0 if device in ("cpu", "cuda") else int(device[5:]))
     else:
         assert mistake is not None and __import__("re").search(said, mistake), mistake
+        with pytest.raises(E.ConfigError) as refused:  # what the Transceiver raises before registering anything
+            pool_memory(device, regions, SEGMENTS)
+        assert str(refused.value) == mistake
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:", "CPU", "cuda:0 ", ""])

@@ -77,8 +77,12 @@ def pool_device_mistake(regions: Iterable[tuple[int, int]], device: str, segment
     return None
 
 
-def pool_memory(device: str, regions: Sequence[tuple[int, int]]) -> tuple[MemoryKind, int]:
+def pool_memory(
+    device: str, regions: Sequence[tuple[int, int]], segments: Sequence[Segment] | None = None
+) -> tuple[MemoryKind, int]:
     """The memory kind and device index to register the pools with, from the engine's ``device``.
+
+    ``segments``: the CUDA memory torch holds; None: this process's (:func:`cuda_segments`).
 
     Raises:
         ConfigError: ``device`` is not ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; or torch's CUDA allocator holds a
@@ -87,7 +91,7 @@ def pool_memory(device: str, regions: Sequence[tuple[int, int]]) -> tuple[Memory
     m = _DEVICE.fullmatch(device) if isinstance(device, str) else None
     if m is None:
         raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
-    mistake = pool_device_mistake(regions, device, cuda_segments())
+    mistake = pool_device_mistake(regions, device, cuda_segments() if segments is None else segments)
     if mistake is not None:
         raise ConfigError(mistake)
     if device == "cpu":
