@@ -24,6 +24,13 @@ TINY += ["--small-requests", "40", "--latency-requests", "10", "--timeout", "60"
 TRANSPORTS = [b for b in ("shm", "nixl", "ucx") if b in installed_backends()]
 
 
+def _bench_cli(*args: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m kvcore bench ARGS`` in a process of its own, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvcore", "bench", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
 def _check_transfer_case(case: dict[str, Any], backend: str) -> None:
     modes = set(case["modes"])
     assert {"kvcore", "agent", "memcpy", "memcpy_scattered"} <= modes
@@ -105,12 +112,8 @@ def _check_result(result: dict[str, Any], backends: list[str]) -> None:
 
 @pytest.mark.timeout(120)
 def test_cli_json_every_case_on_every_installed_transport() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvcore", "bench", "--json", "--backend", ",".join(TRANSPORTS), *TINY],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    proc = _bench_cli(
+        "--json", "--backend", ",".join(TRANSPORTS), *TINY, timeout=110, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # stdout is JSON only: rank processes' native logs go to stderr
@@ -144,12 +147,7 @@ def test_spec_refuses_unknown_case_and_bad_sizes() -> None:
 
 
 def test_cli_reports_an_unknown_backend_as_a_failed_backend() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvcore", "bench", "--json", "--backend", "no-such-agent", "--cases", "small", *TINY],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _bench_cli("--json", "--backend", "no-such-agent", "--cases", "small", *TINY, timeout=60)
     assert proc.returncode == 1
     result = json.loads(proc.stdout)
     assert result["ok"] is False
@@ -300,12 +298,7 @@ def test_invocations_summary_is_the_median_of_each_measure_as_each_result_states
 def test_cli_into_a_log_reports_each_step_as_a_line() -> None:
     """stderr not a terminal (CI, a remote machine's log): a line per step and per invocation, so a run stopped by a
     time limit still shows how far it got; the summary on stdout as on a terminal."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvcore", "bench", "--backend", "shm", *TINY, "--cases", "small", "--invocations", "2"],
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+    proc = _bench_cli("--backend", "shm", *TINY, "--cases", "small", "--invocations", "2", timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     assert [ln for ln in lines if "invocation" in ln] == [
@@ -320,12 +313,7 @@ def test_cli_into_a_log_reports_each_step_as_a_line() -> None:
 
 @pytest.mark.timeout(120)
 def test_cli_invocations_run_the_bench_again_and_report_the_medians() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvcore", "bench", "--json", "--backend", "shm", *TINY, "--invocations", "2"],
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+    proc = _bench_cli("--json", "--backend", "shm", *TINY, "--invocations", "2", timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["ok"] is True and len(out["invocations"]) == 2 and out["summary"]["invocations"] == 2
@@ -339,10 +327,5 @@ def test_cli_invocations_run_the_bench_again_and_report_the_medians() -> None:
         r["backends"]["shm"]["cases"]["small"]["latency"]["overhead_vs_threaded_round_trip"] for r in out["invocations"]
     ]
     assert rows[("small", "overhead_vs_threaded_round_trip")]["values"] == floors
-    bad = subprocess.run(
-        [sys.executable, "-m", "kvcore", "bench", "--backend", "shm", "--invocations", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = _bench_cli("--backend", "shm", "--invocations", "0", timeout=60)
     assert bad.returncode == 1 and "--invocations must be 1..20, got 0" in bad.stderr

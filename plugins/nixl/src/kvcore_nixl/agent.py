@@ -339,10 +339,9 @@ def ucx_tls_hint(backend: str, ucx_tls: str | None, nvidia_present: bool) -> str
     NIXL's UCX backend refuses a ``UCX_TLS`` that names no CUDA transport on a machine with NVIDIA GPUs, even
     for host memory; its own reason goes to its log only, and the exception says ``NIXL_ERR_BACKEND``.
     """
-    if backend != "UCX" or not ucx_tls or not nvidia_present:
+    if backend != "UCX" or not ucx_tls or not nvidia_present or ucx_tls.startswith("^"):  # "^x": all but x
         return ""
-    names = {t.strip().lstrip("^") for t in ucx_tls.split(",")}
-    if ucx_tls.startswith("^") or any(t == "all" or t.startswith("cuda") for t in names):
+    if any(t.strip() == "all" or t.strip().startswith("cuda") for t in ucx_tls.split(",")):
         return ""
     return (
         f". UCX_TLS={ucx_tls!r} is set in the environment and names no CUDA transport: on a machine with "
