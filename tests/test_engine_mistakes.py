@@ -568,7 +568,7 @@ def test_a_pool_on_another_device_than_named_is_found(regions: list[Any], device
         assert str(refused.value) == mistake
 
 
-@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:", "CPU", "cuda:0 ", ""])
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:", "CPU", "cuda:0 ", "", "cuda:9999", "cuda:\u0663"])
 def test_a_device_kvcore_does_not_know_is_a_config_error_before_anything_is_registered(device: str) -> None:
     from _instances import rank_parts
 

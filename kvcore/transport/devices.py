@@ -19,7 +19,7 @@ from kvcore.transport.agent_types import MemoryKind
 
 __all__ = ["cuda_segments", "pool_device_mistake", "pool_memory"]
 
-_DEVICE = re.compile(r"cpu|cuda(?::(\d{1,3}))?")
+_DEVICE = re.compile(r"cpu|cuda(?::([0-9]{1,3}))?")  # ASCII digits only (\d takes any script's digits)
 
 #: One segment of torch's CUDA caching allocator: (address, bytes, device index).
 Segment = tuple[int, int, int]
