@@ -62,7 +62,7 @@ test: .installed lint
 # Break each guarantee on purpose (mutation/mutations.toml) and require the tests to catch it: caught means pytest's
 # summary counts a failed test named for the breakage. All of them (~10 min here): by hand, before a merge that
 # touches a guarantee. CI runs mutations-sample: the canary and MUTATION_SAMPLE breakages, the group at HEAD's
-# commit count (each commit takes the next group, so 15 commits in a row run all 44), with their baseline:
+# commit count (each commit takes the next group, so 15 commits in a row run all 45), with their baseline:
 # 1-2 min here (the slowest group 110 s), against a CI run of ~23 of its 45 minutes (CONTRIBUTING.md, Mutations).
 MUTATION_SAMPLE ?= 3
 

@@ -178,3 +178,101 @@ def test_a_context_rank_restarted_under_its_agent_name_is_loaded_again(
         assert set(gen_agent.remote_agents) <= {"ctx-a"}
     else:
         assert gen_agent.remote_agents == ("ctx-a",)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_restart_learnt_before_the_timer_unloaded_its_predecessor_is_loaded(
+    backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control connection can drop before the kernel marks the killed process dead: the instance is then only
+    SUSPECT, and the restart is learnt from the new incarnation's info; its ranks may accept this rank before the
+    timer unloaded the old incarnation's agent under the same name (a CI failure). Both made certain here: the
+    disconnect proves nothing, the timer unloads nothing; the registration itself must free the name."""
+    from kvcore.transceiver.receive import peers as recv_peers
+
+    gen_agent, cache, gen = make_rank("generation", f"gen-{os.getpid()}", backend)
+    closing.extend([gen_agent, gen])
+    flat = cache.view(cache.shape[0], -1).view(torch.uint8)
+    rx = gen._receiver
+    reap = rx._reap_instances
+
+    def late_timer(now: float) -> list[Any]:
+        unload = reap(now)  # (it replaces rx.retired)
+        rx.retired.extend(unload)  # what the timer would unload stays loaded
+        return []
+
+    port = free_port()
+    ctx = ContextProcess(backend, config={"port": port}, agent_name="ctx-a")
+    closing.append(ctx)
+    gen.start_receive(params=ctx.start_send(1, [1, 2], mode="pull"), block_ids=[3, 4])
+    assert gen.wait_all([1], 40)[1].state is SessionState.DONE
+    first = gen_agent.remote("ctx-a").incarnation
+    monkeypatch.setattr(recv_peers, "writer_fenced", lambda *a: (False, ""))
+    monkeypatch.setattr(rx, "_reap_instances", late_timer)
+    ctx.kill()
+    ctx2 = ContextProcess(backend, config={"port": port}, agent_name="ctx-a")
+    closing.append(ctx2)
+    gen.start_receive(params=ctx2.start_send(3, [7, 8], mode="pull"), block_ids=[9, 10])
+    out = gen.wait_all([3], 40)[3]
+    assert out.state is SessionState.DONE, out.error
+    assert np.array_equal(flat[[9, 10]].numpy(), fill_value(3, [7, 8], flat.shape[1]))
+    assert gen.stats()["peers_lost"] == 1  # the restart was learnt (the old incarnation lost), not missed
+    with gen._link.lock:
+        assert rx.retired == [] and rx.awaiting_name == []  # the old one unloaded by the registration itself
+    assert gen_agent.remote_agents == ("ctx-a",)
+    assert gen_agent.remote("ctx-a").incarnation != first
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_restarted_context_waits_for_its_predecessor_to_be_fenced_before_it_is_loaded(
+    backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, with a request still open on the old incarnation (asked, never answered): its writer may still
+    write until it is fenced, so its agent keeps the name, and the new incarnation's load waits (it is not
+    refused). Once the old writer is proven dead, the timer unloads it and the waiting load goes through."""
+    from kvcore.transceiver.receive import peers as recv_peers
+
+    gen_agent, cache, gen = make_rank("generation", f"gen-{os.getpid()}", backend)
+    closing.extend([gen_agent, gen])
+    flat = cache.view(cache.shape[0], -1).view(torch.uint8)
+    rx = gen._receiver
+    port = free_port()
+    ctx = ContextProcess(backend, config={"port": port}, agent_name="ctx-a")
+    closing.append(ctx)
+    ctx.send(1, [1, 2])
+    gen.start_receive(1, ctx.endpoint, [3, 4], ticket=ticket_for(1))
+    assert gen.wait_all([1], 40)[1].state is SessionState.DONE
+    # Transports where the writer needs nothing loaded on the reader's side in push mode (UCX, Mooncake) have no
+    # name to wait for: there the new incarnation is served at once.
+    loads = "ctx-a" in gen_agent.remote_agents
+    first = gen_agent.remote("ctx-a").incarnation if loads else ""
+    gen.start_receive(2, ctx.endpoint, [5, 6], ticket=ticket_for(2))  # asked, never sent
+    time.sleep(0.5)
+    monkeypatch.setattr(recv_peers, "writer_fenced", lambda *a: (False, ""))  # nothing proves the old one dead
+    ctx.kill()
+    ctx2 = ContextProcess(backend, config={"port": port}, agent_name="ctx-a")
+    closing.append(ctx2)
+    ctx2.send(3, [7, 8])
+    gen.start_receive(3, ctx2.endpoint, [9, 10], ticket=ticket_for(3))
+    if not loads:
+        outs = gen.wait_all([3], 40)
+        assert outs[3].state is SessionState.DONE, outs[3].error
+        assert np.array_equal(flat[[9, 10]].numpy(), fill_value(3, [7, 8], flat.shape[1]))
+        assert gen_agent.remote_agents == () and rx.awaiting_name == []
+        return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with gen._link.lock:
+            if rx.awaiting_name:
+                break
+        time.sleep(0.05)
+    with gen._link.lock:
+        assert rx.awaiting_name, "the new incarnation's load did not wait for its predecessor"
+    assert gen_agent.remote("ctx-a").incarnation == first  # the old agent keeps the name meanwhile
+    monkeypatch.undo()  # the old writer is now proven dead (its process is gone): fenced, unloaded
+    outs = gen.wait_all([3, 2], 40)
+    assert outs[3].state is SessionState.DONE, outs[3].error
+    assert np.array_equal(flat[[9, 10]].numpy(), fill_value(3, [7, 8], flat.shape[1]))
+    assert outs[2].state is not SessionState.DONE
+    assert gen.stats()["fenced_dead"] >= 1
+    assert gen_agent.remote("ctx-a").incarnation != first

@@ -500,5 +500,7 @@ class Link:
         self.registrations.clear()
 
     @staticmethod
-    def agent_name(info: wire.RankInfo) -> str:
-        return TransferAgent.decode_descriptor(info.agent_descriptor).name
+    def agent_name(info: wire.RankInfo | bytes) -> str:
+        """The agent name a peer's ``RankInfo`` (or agent descriptor) announces; ``RemoteAgentError`` if malformed."""
+        desc = info if isinstance(info, bytes) else info.agent_descriptor
+        return TransferAgent.decode_descriptor(desc).name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -298,6 +299,8 @@ class RecvPeers(RecvSettle):
         """
         link = self.link
         desc = inst.ranks[r].agent_descriptor
+        if desc and not self._free_agent_name(inst, desc, lambda: self._registered(inst, r)):
+            return  # a request still needs the predecessor's agent under that name: ``tick`` retries
         if desc:
             try:
                 name = link.agent.load_remote_agent(desc, expose=True)
@@ -316,6 +319,33 @@ class RecvPeers(RecvSettle):
                 link.metrics.first_contact(inst.name, time.monotonic() - inst.created)
                 self._resume(inst)
             self._kick_pulls(inst)
+
+    def _free_agent_name(self, inst: CtxInstance, desc: bytes, retry: Callable[[], None]) -> bool:
+        """Unload the retired instances holding the agent name ``desc`` announces, before a rank of ``inst`` is
+        loaded under it (worker).
+
+        A restart at the same endpoint is learnt from the new incarnation's info, and its ranks may answer before
+        ``tick`` unloaded the old incarnation; the agent refuses a second agent under a loaded name. An old
+        incarnation no request needs is unloaded here and now. While a request still needs one (a writer of it not
+        yet settled: answered, proven dead or fenced): False, and ``retry`` waits in ``awaiting_name`` for ``tick``
+        to call it once the timer unloaded the old one.
+        """
+        try:
+            name = self.link.agent_name(desc)
+        except E.KvcoreError:
+            return True  # an undecodable descriptor: the load refuses it
+        with self.link.lock:
+            held = [i for i in self.retired if name in i.agents.values()]
+            if not held:
+                return True
+            in_use = {id(s.instance) for s in self.rx.values() if s.instance is not None}
+            if any(id(i) in in_use for i in held):
+                self.awaiting_name.append((inst, retry))
+                return False
+            self.retired = [i for i in self.retired if all(i is not h for h in held)]
+        for old in held:
+            self._unload(old)
+        return True
 
     def _decline(self, inst: CtxInstance, requests: list[tuple[Any, int, bytes]]) -> None:
         """Tell the context ranks of requests we never asked for that we never will (lock held; with the ticket)."""

@@ -275,6 +275,8 @@ class RecvPull(RecvPeers):
     def _load_exposed(self, inst: CtxInstance, r: int, desc: bytes, nonce: bytes) -> None:
         """Worker: load context rank ``r``'s full descriptor (same agent as its identity: a refresh)."""
         link = self.link
+        if not self._free_agent_name(inst, desc, lambda: self._load_exposed(inst, r, desc, nonce)):
+            return  # a request still needs the predecessor's agent under that name: ``tick`` retries
         try:
             name = link.agent.load_remote_agent(desc, expose=True)
             if inst.agents.get(r, name) != name:

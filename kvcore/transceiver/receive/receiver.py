@@ -245,8 +245,12 @@ class Receiver(RecvPush):
                     self._fence(s, now)
                     self._note_quarantine(s)
             unload = self._reap_instances(now)
+            waiting, self.awaiting_name = self.awaiting_name, []
         for inst in unload:
             self._unload(inst)
+        for inst, retry in waiting:
+            if not inst.gone:
+                retry()  # its predecessor may be unloaded now (else it waits again)
 
     def stats(self) -> dict[str, int]:
         with self.link.lock:

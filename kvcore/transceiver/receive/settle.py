@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from kvcore import errors as E
@@ -47,6 +48,8 @@ class RecvSettle(Role):
         self.rx: SessionTable[RxSession] = SessionTable()
         self.instances: dict[str, CtxInstance] = {}  # current incarnation (or refusal) per context endpoint
         self.retired: list[CtxInstance] = []  # lost or replaced instances, unloaded once no request needs them
+        # Agent loads waiting for a retired instance to let go of their agent name: (instance, the load to retry).
+        self.awaiting_name: list[tuple[CtxInstance, Callable[[], None]]] = []
         self.quarantined: set[InternalId] = set()
         self.reasks: dict[InternalId, int] = {}
         # Requests cancelled before their instance was ready: (endpoint) -> [(request id, ctx dp rank)]; the
