@@ -541,7 +541,8 @@ SEGMENTS = [(0x7F00_0000_0000, GiB, 0), (0x7F10_0000_0000, GiB, 1)]
     [
         ([(0x7F10_0000_1000, 4096)], "cpu", "on cuda:1 .*device='cpu'.*pass device='cuda:1'"),
         ([(0x7F00_0000_0000, GiB)], "cpu", "on cuda:0 .*pass device='cuda:0'"),
-        ([(0x7F10_0000_1000, 4096)], "cuda:0", "is on cuda:1 .*not on the device named, 'cuda:0'"),
+        ([(0x7F10_0000_1000, 4096)], "cuda:0", "on cuda:1 .*not on the device named, 'cuda:0': pass device='cuda:1'"),
+        ([(0x7F10_0000_1000, 4096)], "cuda", r"not on the device named, 'cuda' \('cuda' means 'cuda:0'.*'cuda:1'"),
         ([(0x7F00_0000_1000, 4096)], "cuda", None),  # "cuda" is cuda:0
         ([(0x7F10_0000_1000, 4096)], "cuda:1", None),
         ([(0x1000, 4096)], "cpu", None),  # host memory: nothing torch holds

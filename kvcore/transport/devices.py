@@ -70,9 +70,10 @@ def pool_device_mistake(regions: Iterable[tuple[int, int]], device: str, segment
                 f"the KV pool at {addr:#x} ({length} bytes) is GPU memory on {where} (torch's CUDA allocator holds "
                 f"it), but device='cpu' would register it as host memory: pass device='cuda:{on[0]}'"
             )
+        hint = " ('cuda' means 'cuda:0' to kvcore, not torch's current device)" if device == "cuda" else ""
         return (
             f"the KV pool at {addr:#x} ({length} bytes) is on {where} (torch's CUDA allocator holds it), "
-            f"not on the device named, {device!r}"
+            f"not on the device named, {device!r}{hint}: pass device='cuda:{on[0]}'"
         )
     return None
 
