@@ -21,6 +21,7 @@ from _name_attacker import Impersonator
 
 from kvcore.testing.harness import stop_process
 from kvcore.transceiver import SessionState
+from kvcore.transceiver.sessions import WriterState
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -247,7 +248,15 @@ def test_a_restarted_context_waits_for_its_predecessor_to_be_fenced_before_it_is
     loads = "ctx-a" in gen_agent.remote_agents
     first = gen_agent.remote("ctx-a").incarnation if loads else ""
     gen.start_receive(2, ctx.endpoint, [5, 6], ticket=ticket_for(2))  # asked, never sent
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # its RequestData went out: the old writer may write into it from now on
+        with gen._link.lock:
+            s2 = rx.rx.get(2)
+            if s2 is not None and WriterState.ASKED in s2.writers.values():
+                break
+        time.sleep(0.02)
+    else:
+        pytest.fail("request 2 was never asked of the context")
     monkeypatch.setattr(recv_peers, "writer_fenced", lambda *a: (False, ""))  # nothing proves the old one dead
     ctx.kill()
     ctx2 = ContextProcess(backend, config={"port": port}, agent_name="ctx-a")
