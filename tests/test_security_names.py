@@ -7,6 +7,7 @@ request to the victim whose bytes are checked against the context's pattern.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -19,6 +20,7 @@ import torch
 from _instances import ContextProcess, GenerationProcess, backend_params, fill_value, free_port, make_rank, ticket_for
 from _name_attacker import Impersonator
 
+from kvcore.errors import PeerLostError
 from kvcore.testing.harness import stop_process
 from kvcore.transceiver import SessionState
 from kvcore.transceiver.sessions import WriterState
@@ -224,16 +226,16 @@ def test_a_restart_learnt_before_the_timer_unloaded_its_predecessor_is_loaded(
     assert gen_agent.remote("ctx-a").incarnation != first
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_restarted_context_waits_for_its_predecessor_to_be_fenced_before_it_is_loaded(
-    backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """As above, with a request still open on the old incarnation (asked, never answered): its writer may still
-    write until it is fenced, so its agent keeps the name, and the new incarnation's load waits (it is not
-    refused). Once the old writer is proven dead, the timer unloads it and the waiting load goes through."""
+def _restart_with_a_request_open(
+    backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch, config: dict[str, Any] | None = None
+) -> tuple[Any, Any, Any, Any, str]:
+    """A generation rank here and context "ctx-a" killed with request 2 asked of it and unanswered, then restarted
+    at the same endpoint, with nothing proving the old one dead (``writer_fenced`` patched until ``undo``); request 3
+    is sent by the new one and asked. Returns ``(gen agent, gen, its pool as bytes per block, the new context,
+    the old incarnation)``, the incarnation "" where the transport loads no context agent in push mode."""
     from kvcore.transceiver.receive import peers as recv_peers
 
-    gen_agent, cache, gen = make_rank("generation", f"gen-{os.getpid()}", backend)
+    gen_agent, cache, gen = make_rank("generation", f"gen-{os.getpid()}", backend, config=config)
     closing.extend([gen_agent, gen])
     flat = cache.view(cache.shape[0], -1).view(torch.uint8)
     rx = gen._receiver
@@ -245,8 +247,7 @@ def test_a_restarted_context_waits_for_its_predecessor_to_be_fenced_before_it_is
     assert gen.wait_all([1], 40)[1].state is SessionState.DONE
     # Transports where the writer needs nothing loaded on the reader's side in push mode (UCX, Mooncake) have no
     # name to wait for: there the new incarnation is served at once.
-    loads = "ctx-a" in gen_agent.remote_agents
-    first = gen_agent.remote("ctx-a").incarnation if loads else ""
+    first = gen_agent.remote("ctx-a").incarnation if "ctx-a" in gen_agent.remote_agents else ""
     gen.start_receive(2, ctx.endpoint, [5, 6], ticket=ticket_for(2))  # asked, never sent
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # its RequestData went out: the old writer may write into it from now on
@@ -263,6 +264,19 @@ def test_a_restarted_context_waits_for_its_predecessor_to_be_fenced_before_it_is
     closing.append(ctx2)
     ctx2.send(3, [7, 8])
     gen.start_receive(3, ctx2.endpoint, [9, 10], ticket=ticket_for(3))
+    return gen_agent, gen, flat, ctx2, first
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_restarted_context_waits_for_its_predecessor_to_be_fenced_before_it_is_loaded(
+    backend: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, with a request still open on the old incarnation (asked, never answered): its writer may still
+    write until it is fenced, so its agent keeps the name, and the new incarnation's load waits (it is not
+    refused). Once the old writer is proven dead, the timer unloads it and the waiting load goes through."""
+    gen_agent, gen, flat, _, first = _restart_with_a_request_open(backend, closing, monkeypatch)
+    rx = gen._receiver
+    loads = bool(first)
     if not loads:
         outs = gen.wait_all([3], 40)
         assert outs[3].state is SessionState.DONE, outs[3].error
@@ -284,4 +298,32 @@ def test_a_restarted_context_waits_for_its_predecessor_to_be_fenced_before_it_is
     assert np.array_equal(flat[[9, 10]].numpy(), fill_value(3, [7, 8], flat.shape[1]))
     assert outs[2].state is not SessionState.DONE
     assert gen.stats()["fenced_dead"] >= 1
+    assert gen_agent.remote("ctx-a").incarnation != first
+
+
+def test_a_restarted_context_not_loaded_in_time_says_its_predecessor_holds_the_name(
+    closing: list[Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While the old writer is not settled, the new incarnation cannot be loaded; past the first-contact timeout
+    its requests fail saying so (not "no answer", which would blame the new context). shm: the transport whose
+    generation rank loads the context's agent in push mode. Once the old writer is proven dead, the next request
+    is served."""
+    caplog.set_level(logging.INFO, logger="kvcore.transceiver")
+    gen_agent, gen, flat, ctx2, first = _restart_with_a_request_open(
+        "shm", closing, monkeypatch, config={"first_contact_timeout_s": 3.0}
+    )
+    out = gen.wait_all([3], 40)[3]
+    assert out.state is SessionState.FAILED
+    assert isinstance(out.error, PeerLostError)
+    assert re.search(
+        r"restarted and could not be loaded within 3\.0s: its agent name 'ctx-a' is still held", str(out.error)
+    )
+    assert any("is loaded once the previous incarnation's writers are settled" in r.message for r in caplog.records)
+    assert gen_agent.remote("ctx-a").incarnation == first
+    monkeypatch.undo()  # the old writer is now proven dead: fenced, unloaded; the next request loads the new one
+    ctx2.send(4, [11, 12])
+    gen.start_receive(4, ctx2.endpoint, [13, 14], ticket=ticket_for(4))
+    out = gen.wait_all([4], 40)[4]
+    assert out.state is SessionState.DONE, out.error
+    assert np.array_equal(flat[[13, 14]].numpy(), fill_value(4, [11, 12], flat.shape[1]))
     assert gen_agent.remote("ctx-a").incarnation != first

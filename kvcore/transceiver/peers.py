@@ -109,6 +109,8 @@ class CtxInstance(Peer):
     refusal_ranks: list[wire.RankInfo] = field(default_factory=list)
     lost_at: float | None = None
     goodbye: set[int] = field(default_factory=set)  # ctx ranks that said they are closing (wire.Goodbye)
+    #: The agent name a load of this instance waits for (its previous incarnation still holds it); "" when none.
+    name_held: str = ""
 
     @property
     def incarnation(self) -> str:

@@ -337,11 +337,21 @@ class RecvPeers(RecvSettle):
         with self.link.lock:
             held = [i for i in self.retired if name in i.agents.values()]
             if not held:
+                inst.name_held = ""
                 return True
             in_use = {id(s.instance) for s in self.rx.values() if s.instance is not None}
             if any(id(i) in in_use for i in held):
                 self.awaiting_name.append((inst, retry))
+                if not inst.name_held:
+                    log.info(
+                        "%s restarted: its agent %r is loaded once the previous incarnation's writers are settled "
+                        "(a request of it is still open; fenced at once if its process is gone on this host, else "
+                        "after fencing_grace_s=%ss)",
+                        inst, name, self.config.fencing_grace_s,
+                    )  # fmt: skip
+                inst.name_held = name
                 return False
+            inst.name_held = ""
             self.retired = [i for i in self.retired if all(i is not h for h in held)]
         for old in held:
             self._unload(old)
@@ -426,7 +436,17 @@ class RecvPeers(RecvSettle):
         for endpoint, inst in list(self.instances.items()):
             if inst.deadline is None or now <= inst.deadline:
                 continue
-            if inst.state is PeerState.CONNECTING:
+            if inst.state is PeerState.CONNECTING and inst.name_held:
+                self._lose(
+                    inst,
+                    E.PeerLostError(
+                        f"{inst} restarted and could not be loaded within {cfg.first_contact_timeout_s}s: its agent "
+                        f"name {inst.name_held!r} is still held by the previous incarnation, whose writers are not "
+                        f"settled yet (a request of it is still open; fenced at once if its process is gone on this "
+                        f"host, else after fencing_grace_s={cfg.fencing_grace_s}s)"
+                    ),
+                )
+            elif inst.state is PeerState.CONNECTING:
                 self._lose(inst, E.PeerLostError(f"no answer from {inst} within {cfg.first_contact_timeout_s}s"))
             elif inst.state is PeerState.SUSPECT:
                 self._lose(inst, E.PeerLostError(f"{inst} unreachable for {cfg.peer_lost_timeout_s}s"))

@@ -197,7 +197,9 @@ class SendPeers(SendSettle):
             old = self.peers.get(key)
             if old is not None and old.incarnation == info.incarnation and not old.gone:
                 if old.state is PeerState.READY:
-                    link.post(self._confirm, old)  # it asks again: it may have missed our confirmation
+                    # It asks again: it may have missed our confirmation, or reconnected (a new connection, after
+                    # it dropped ours with an instance of ours it lost): answer on the connection it asks on.
+                    link.post(self._confirm, old, source)
                 return  # duplicate registration
             replaced = old if old is not None and not old.gone else None
             if not self._make_room(replaced):
@@ -354,12 +356,16 @@ class SendPeers(SendSettle):
         for rid in rids:
             self._drive(rid)
 
-    def _confirm(self, peer: GenPeer) -> None:
-        """Tell a generation rank its agent is loaded here: from now on it may READ from this rank (pull mode)."""
-        if peer.identity is not None and not peer.gone:
-            # Over the connection it registered on: it arrives on that rank's own link to us, so it cannot be forged.
+    def _confirm(self, peer: GenPeer, to: Source | None = None) -> None:
+        """Tell a generation rank its agent is loaded here: from now on it may READ from this rank (pull mode).
+
+        Over the connection it registered on, or ``to``: the one a repeated registration of it came on.
+        """
+        identity = to.identity if to is not None and to.identity is not None else peer.identity
+        if identity is not None and not peer.gone:
+            # Over a connection it registered on: it arrives on that rank's own link to us, so it cannot be forged.
             self.link.reply(
-                Source(identity=peer.identity),
+                Source(identity=identity),
                 wire.RegisterResult(
                     v=wire.PROTOCOL_VERSION, ctx_rank=self.link.topology.rank, ok=True, info=self.link.accepted_info
                 ),
