@@ -328,8 +328,11 @@ class RecvPeers(RecvSettle):
         ``tick`` unloaded the old incarnation; the agent refuses a second agent under a loaded name. An old
         incarnation no request needs is unloaded here and now. While a request still needs one (a writer of it not
         yet settled: answered, proven dead or fenced): False, and ``retry`` waits in ``awaiting_name`` for ``tick``
-        to call it once the timer unloaded the old one.
+        to call it once no retired instance holds the name.
         """
+        if not self.retired:
+            inst.name_held = ""
+            return True  # nothing retired (the common case): no descriptor to decode twice
         try:
             name = self.link.agent_name(desc)
         except E.KvcoreError:
@@ -341,14 +344,9 @@ class RecvPeers(RecvSettle):
                 return True
             in_use = {id(s.instance) for s in self.rx.values() if s.instance is not None}
             if any(id(i) in in_use for i in held):
-                self.awaiting_name.append((inst, retry))
+                self.awaiting_name.append((inst, name, retry))
                 if not inst.name_held:
-                    log.info(
-                        "%s restarted: its agent %r is loaded once the previous incarnation's writers are settled "
-                        "(a request of it is still open; fenced at once if its process is gone on this host, else "
-                        "after fencing_grace_s=%ss)",
-                        inst, name, self.config.fencing_grace_s,
-                    )  # fmt: skip
+                    log.info("%s restarted: its agent %r is loaded once %s", inst, name, self._held_because())
                 inst.name_held = name
                 return False
             inst.name_held = ""
@@ -356,6 +354,13 @@ class RecvPeers(RecvSettle):
         for old in held:
             self._unload(old)
         return True
+
+    def _held_because(self) -> str:
+        """Why a restarted instance's agent name is still held by its predecessor, for logs and errors."""
+        return (
+            "the previous incarnation's writers are settled (a request of it is still open; fenced at once if its "
+            f"process is gone on this host, else after fencing_grace_s={self.config.fencing_grace_s}s)"
+        )
 
     def _decline(self, inst: CtxInstance, requests: list[tuple[Any, int, bytes]]) -> None:
         """Tell the context ranks of requests we never asked for that we never will (lock held; with the ticket)."""
@@ -441,9 +446,7 @@ class RecvPeers(RecvSettle):
                     inst,
                     E.PeerLostError(
                         f"{inst} restarted and could not be loaded within {cfg.first_contact_timeout_s}s: its agent "
-                        f"name {inst.name_held!r} is still held by the previous incarnation, whose writers are not "
-                        f"settled yet (a request of it is still open; fenced at once if its process is gone on this "
-                        f"host, else after fencing_grace_s={cfg.fencing_grace_s}s)"
+                        f"name {inst.name_held!r} is still held until {self._held_because()}"
                     ),
                 )
             elif inst.state is PeerState.CONNECTING:

@@ -12,7 +12,7 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -245,12 +245,19 @@ class Receiver(RecvPush):
                     self._fence(s, now)
                     self._note_quarantine(s)
             unload = self._reap_instances(now)
-            waiting, self.awaiting_name = self.awaiting_name, []
+            ready: list[Callable[[], None]] = []
+            if self.awaiting_name:  # loads whose name no retired instance holds now (no scan of the sessions)
+                held = {n for i in self.retired for n in i.agents.values()}
+                waits, self.awaiting_name = self.awaiting_name, []
+                for inst, name, retry in waits:
+                    if name in held and not inst.gone:
+                        self.awaiting_name.append((inst, name, retry))
+                    elif not inst.gone:
+                        ready.append(retry)
         for inst in unload:
             self._unload(inst)
-        for inst, retry in waiting:
-            if not inst.gone:
-                retry()  # its predecessor may be unloaded now (else it waits again)
+        for retry in ready:
+            retry()  # after the unloads above: the name is free (else it waits again)
 
     def stats(self) -> dict[str, int]:
         with self.link.lock:

@@ -48,8 +48,9 @@ class RecvSettle(Role):
         self.rx: SessionTable[RxSession] = SessionTable()
         self.instances: dict[str, CtxInstance] = {}  # current incarnation (or refusal) per context endpoint
         self.retired: list[CtxInstance] = []  # lost or replaced instances, unloaded once no request needs them
-        # Agent loads waiting for a retired instance to let go of their agent name: (instance, the load to retry).
-        self.awaiting_name: list[tuple[CtxInstance, Callable[[], None]]] = []
+        # Agent loads waiting for a retired instance to let go of their agent name: (instance, name, the load to
+        # retry); retried once no retired instance holds the name any more.
+        self.awaiting_name: list[tuple[CtxInstance, str, Callable[[], None]]] = []
         self.quarantined: set[InternalId] = set()
         self.reasks: dict[InternalId, int] = {}
         # Requests cancelled before their instance was ready: (endpoint) -> [(request id, ctx dp rank)]; the
