@@ -143,6 +143,46 @@ def test_a_generation_rank_restarted_under_its_agent_name_is_loaded_again(
     gp.kill()
 
 
+def test_a_repeated_registration_from_another_connection_is_answered_there_and_changes_nothing(
+    closing: list[Any],
+) -> None:
+    """A registration repeated with a registered rank's exact info (its incarnation included) is answered on the
+    connection it came on, as a rank that reconnected needs; whoever sent it gets the answer and nothing else: the
+    rank keeps its connection (its goodbye and declines are still its own) and its next request is served."""
+    import zmq
+
+    from kvcore.control import wire
+
+    ctx = _Ctx("shm", closing)
+    victim = GenerationProcess("shm", agent_name=f"gen-{uuid.uuid4().hex[:6]}")
+    closing.append(victim)
+    ctx.send(1, [1, 2])
+    ctx.expect(victim, 1, [1, 2], [3, 4])
+    sender = ctx.tx._sender
+    with ctx.tx._link.lock:
+        (peer,) = [p for p in sender.peers.values() if not p.gone]
+        info, identity = peer.info, peer.identity
+    auth = ctx.tx._link.auth  # this uid's local key pair, as any process of this user has it (docs/security.md)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if auth is not None:
+        sock.setsockopt(zmq.CURVE_SECRETKEY, auth.secret_key)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, auth.public_key)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, auth.server_key)
+    try:
+        sock.connect(ctx.tx.info_endpoint)
+        sock.send(wire.encode(wire.RegisterRankInfo(v=wire.PROTOCOL_VERSION, info=info)))
+        assert sock.poll(10_000), "no answer to the repeated registration on its own connection"
+        answer = wire.decode(sock.recv())
+    finally:
+        sock.close()
+    assert isinstance(answer, wire.RegisterResult) and answer.ok
+    with ctx.tx._link.lock:
+        assert sender.peers[peer.key] is peer and peer.identity == identity and not peer.gone
+    ctx.send(2, [5, 6])
+    ctx.expect(victim, 2, [5, 6], [7, 8])
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_context_rank_restarted_under_its_agent_name_is_loaded_again(
