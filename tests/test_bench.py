@@ -73,6 +73,13 @@ def _check_small_case(case: dict[str, Any], spec: dict[str, Any]) -> None:
     assert lat["overhead_vs_threaded_round_trip"] == pytest.approx(
         lat["overhead_ms_p50"] / lat["threaded_round_trip_ms_p50"], rel=1e-9
     )
+    # the lean floor: the threaded floor plus the least work of a request (kvcore's messages, the bare agent's write)
+    assert 0 < lat["lean_round_trip_ms_p50"] <= lat["lean_round_trip_ms_p99"]
+    assert lat["lean_overhead_vs_threaded_round_trip"] == pytest.approx(
+        (lat["lean_round_trip_ms_p50"] - lat["agent_ms_p50"]) / lat["threaded_round_trip_ms_p50"], rel=1e-9
+    )
+    assert set(case["lean_cpu_us_per_request"]) == {"context", "generation"}
+    assert all(v > 0 for v in case["lean_cpu_us_per_request"].values())
     assert thr["requests"] == spec["small_requests"] and thr["seconds"] > 0
     assert thr["requests_per_s"] == pytest.approx(thr["requests"] / thr["seconds"], rel=1e-6)
     assert case["not_done"] == [] and case["leaks"] == {} and case["verified"] is True
@@ -228,6 +235,51 @@ def test_threaded_floor_measures_an_echo_and_ends_typed_without_one() -> None:
     assert ping_threads() == 0
     with pytest.raises(BenchError, match="loopback"):
         modes.op_ping_threaded("tcp://10.0.0.1:5555", 1, 0.3)
+
+
+def test_lean_floor_answers_are_checked_and_its_failures_are_told() -> None:
+    """The lean floor's messages are kvcore's own: an answer that is not an ok TransferResult with the request's
+    nonce stops the ping at once (BenchError, not the deadline); an echo whose work fails says why when closed; the
+    lean echo cannot start without the bare agent prepared."""
+    import time
+
+    from kvcore.control import wire
+    from kvcore.tools.bench.floor import _LEAN_NONCE, _Echo, _FloorModes, _lean_check, _lean_request
+    from kvcore.tools.bench.spec import BenchError, BenchTimeoutError
+
+    def result(**kw: Any) -> bytes:
+        base = dict(v=wire.PROTOCOL_VERSION, request_id=1, ctx_rank=0, ctx_incarnation="c", status="ok")
+        return wire.encode(wire.TransferResult(**{**base, "nonce": _LEAN_NONCE, **kw}))
+
+    _lean_check(result())
+    for bad in (result(status="failed"), result(nonce=b"another-nonce-16"), _lean_request(1)):
+        with pytest.raises(BenchError, match="not an ok TransferResult"):
+            _lean_check(bad)
+    request = wire.decode(_lean_request(3))
+    assert isinstance(request, wire.RequestData) and request.nonce == _LEAN_NONCE
+    assert request.block_ids == (3).to_bytes(8, "little")
+
+    modes = _FloorModes()
+    echo = _Echo()  # a plain echo answers a RequestData with itself: the I/O thread's check refuses it
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BenchError, match="not an ok TransferResult"):
+            modes.op_ping_threaded(echo.endpoint, 1, 30.0, lean=True)
+        assert time.monotonic() - t0 < 20
+    finally:
+        echo.close()
+
+    def broken(frame: bytes) -> bytes:
+        raise OSError("injected: the write failed")
+
+    echo = _Echo(broken)
+    with pytest.raises(BenchTimeoutError, match="no echo"):
+        modes.op_ping_threaded(echo.endpoint, 1, 0.5, lean=True)
+    with pytest.raises(BenchError, match="injected: the write failed"):
+        echo.close()
+    modes.bare = {}
+    with pytest.raises(BenchError, match="'agent' mode prepared"):
+        modes.op_echo_start(lean=True)
 
 
 def test_threaded_floor_io_thread_failure_is_raised_at_once(monkeypatch: pytest.MonkeyPatch) -> None:

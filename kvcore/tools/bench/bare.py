@@ -129,31 +129,7 @@ class _BareModes:
         return {"seconds": times, "submit_seconds": submits}
 
     def _once_agent(self, st: dict[str, Any]) -> tuple[float, float]:
-        from kvcore.transport.agent import TransferOp, TransferStatus
-
-        ag, plan = st["agent"], st["plan"]
-        # An agent that copies on its own threads announces the end: wait for that instead of spinning on
-        # poll, which would take a core from its copy threads (this bare agent is the bench's own).
-        ended = threading.Event()
-        announced = ag.capabilities.async_submit
-        if announced:
-            ag.set_completion_listener(lambda _hid: ended.set())
-        t0 = time.perf_counter()
-        h = ag.submit(TransferOp.WRITE, st["peer"], plan.src, plan.dst, plan.sizes)
-        t1 = time.perf_counter()
-        deadline = t0 + self.spec.timeout_s
-        while ag.poll(h) is TransferStatus.PENDING:  # no back-off: the transport's own speed
-            if announced:
-                ended.wait(0.05)
-                ended.clear()
-            if time.perf_counter() > deadline:
-                raise BenchTimeoutError(f"{self.backend} agent transfer still pending after {self.spec.timeout_s}s")
-        t2 = time.perf_counter()
-        err = h.error
-        ag.release(h)
-        if err is not None:
-            raise err
-        return t2 - t0, t1 - t0
+        return agent_once(st, self.backend, self.spec.timeout_s)
 
     def _once_memcpy(self, st: dict[str, Any]) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -201,6 +177,35 @@ class _BareModes:
         return {}
 
     # --- generation ----------------------------------------------------------------------------
+
+
+def agent_once(st: dict[str, Any], backend: str, timeout_s: float) -> tuple[float, float]:
+    """One write of the prepared ``agent`` mode's plan (``st``), polled to its end; seconds in all and in ``submit``."""
+    from kvcore.transport.agent import TransferOp, TransferStatus
+
+    ag, plan = st["agent"], st["plan"]
+    # An agent that copies on its own threads announces the end: wait for that instead of spinning on
+    # poll, which would take a core from its copy threads (this bare agent is the bench's own).
+    ended = threading.Event()
+    announced = ag.capabilities.async_submit
+    if announced:
+        ag.set_completion_listener(lambda _hid: ended.set())
+    t0 = time.perf_counter()
+    h = ag.submit(TransferOp.WRITE, st["peer"], plan.src, plan.dst, plan.sizes)
+    t1 = time.perf_counter()
+    deadline = t0 + timeout_s
+    while ag.poll(h) is TransferStatus.PENDING:  # no back-off: the transport's own speed
+        if announced:
+            ended.wait(0.05)
+            ended.clear()
+        if time.perf_counter() > deadline:
+            raise BenchTimeoutError(f"{backend} agent transfer still pending after {timeout_s}s")
+    t2 = time.perf_counter()
+    err = h.error
+    ag.release(h)
+    if err is not None:
+        raise err
+    return t2 - t0, t1 - t0
 
 
 def _baselines() -> BenchBaselineRegistry:

@@ -17,19 +17,31 @@ I/O loop in its poll). On a shared virtual machine such a thread often runs on a
 tenant used meanwhile: the same code then takes several times longer than in a tight loop. ``op_warmth`` times
 one fixed piece of kvcore's per-request work (planning a one-block request with the rank's real page table)
 back to back, and again after sleeps of 0.2, 1 and 5 ms, so a run can tell how much of its fixed cost is this.
+
+The *lean* floor is the threaded floor plus the least work a one-block request needs, in Python, with kvcore's
+own messages and agent but none of its bookkeeping: the engine thread encodes a real ``RequestData``; the echo
+decodes (and validates) it, writes the one-block plan with the bench's bare agent, polls the write to its end
+and answers with a real ``TransferResult``, which the I/O thread decodes and checks before it wakes the engine.
+Its latency and CPU per request say what a Python per-request path of kvcore's shape can reach on the box at hand:
+what kvcore spends beyond it is its own bookkeeping, not the language or the threads.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
 
-from kvcore.tools.bench.spec import BenchError, BenchTimeoutError, _pct
+from kvcore.control import wire
+from kvcore.tools.bench.bare import agent_once
+from kvcore.tools.bench.spec import BenchError, BenchSpec, BenchTimeoutError, _pct
 
 #: Bytes per ping: about a one-block RequestData.
 PING_BYTES = 256
@@ -42,9 +54,14 @@ def _check_loopback(endpoint: str) -> None:
 
 
 class _Echo:
-    """A ROUTER on loopback, served by its own thread, that answers every frame with itself."""
+    """A ROUTER on loopback, served by its own thread, that answers every frame with itself, or with ``work(frame)``.
 
-    def __init__(self) -> None:
+    A ``work`` that raises stops the answers; ``close`` raises it.
+    """
+
+    def __init__(self, work: Callable[[bytes], bytes] | None = None) -> None:
+        self.work = work
+        self.error: Exception | None = None
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -66,19 +83,32 @@ class _Echo:
                     parts = self.sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if len(parts) == 2:
-                    self.sock.send_multipart(parts, zmq.NOBLOCK)
+                if len(parts) != 2:
+                    continue
+                if self.work is not None:
+                    try:
+                        parts[1] = self.work(parts[1])
+                    except Exception as exc:  # the pinging side times out; close() says why
+                        self.error = exc
+                        return
+                self.sock.send_multipart(parts, zmq.NOBLOCK)
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(5)
         self.sock.close(0)
+        if self.error is not None:
+            raise BenchError(f"echo: the lean floor's work failed: {self.error!r}") from self.error
 
 
 class _ThreadedPing:
-    """The generation side of the threaded floor: an I/O thread that owns a DEALER, woken by an inproc PAIR."""
+    """The generation side of the threaded floor: an I/O thread that owns a DEALER, woken by an inproc PAIR.
 
-    def __init__(self, endpoint: str) -> None:
+    ``check`` (the lean floor) runs on the I/O thread on every answer before the engine thread is woken.
+    """
+
+    def __init__(self, endpoint: str, check: Callable[[bytes], None] | None = None) -> None:
+        self.check = check
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -98,9 +128,9 @@ class _ThreadedPing:
         self.thread = threading.Thread(target=self._run, name="bench-ping-io", daemon=True)
         self.thread.start()
 
-    def send(self) -> None:
+    def send(self, frame: bytes | None = None) -> None:
         """Engine thread: queue one frame and wake the I/O thread (as ``Messenger.send`` does)."""
-        self.outbox.append(self.frame)
+        self.outbox.append(self.frame if frame is None else frame)
         with self.wake_lock:
             try:
                 self.wake_tx.send(b"", zmq.NOBLOCK)
@@ -150,9 +180,11 @@ class _ThreadedPing:
                 got = 0
                 for _ in range(1000):
                     try:
-                        self.sock.recv(zmq.NOBLOCK)
+                        answer = self.sock.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    if self.check is not None:
+                        self.check(answer)
                     got += 1
                 if got:
                     with self.news:
@@ -172,17 +204,50 @@ class _FloorModes:
     """Rank commands of the floor measurement (a mixin of :class:`kvcore.tools.bench.rank._Rank`)."""
 
     _echo: _Echo | None = None
+    backend: str
+    spec: BenchSpec
+    bare: dict[str, Any]
 
-    def op_echo_start(self) -> dict[str, Any]:
-        """Context: start the echo thread; returns the endpoint to ping."""
+    def op_echo_start(self, lean: bool = False) -> dict[str, Any]:
+        """Context: start the echo thread; returns the endpoint to ping.
+
+        ``lean``: the lean floor's echo, which writes the prepared ``agent`` mode's plan for every RequestData.
+        """
         self.op_echo_stop()
-        self._echo = _Echo()
+        self._echo = _Echo(self._lean_work() if lean else None)
         return {"endpoint": self._echo.endpoint}
 
+    def _lean_work(self) -> Callable[[bytes], bytes]:
+        st = self.bare.get("agent")
+        if st is None:
+            raise BenchError("echo: the lean floor needs the 'agent' mode prepared first")
+        backend, timeout_s = self.backend, self.spec.timeout_s
+        plan = st["plan"]
+
+        def work(frame: bytes) -> bytes:
+            msg = wire.decode(frame)
+            if not isinstance(msg, wire.RequestData):
+                raise BenchError(f"echo: expected a RequestData, got {type(msg).__name__}")
+            agent_once(st, backend, timeout_s)
+            return wire.encode(
+                wire.TransferResult(
+                    v=wire.PROTOCOL_VERSION,
+                    request_id=msg.request_id,
+                    ctx_rank=0,
+                    ctx_incarnation="lean",
+                    status="ok",
+                    nbytes=int(plan.nbytes),
+                    fragments=int(plan.count),
+                    nonce=msg.nonce,
+                )
+            )
+
+        return work
+
     def op_echo_stop(self) -> dict[str, Any]:
-        if self._echo is not None:
-            self._echo.close()
-            self._echo = None
+        echo, self._echo = self._echo, None
+        if echo is not None:
+            echo.close()
         return {}
 
     def op_ping(self, endpoint: str, n: int, timeout_s: float) -> dict[str, Any]:
@@ -207,18 +272,20 @@ class _FloorModes:
             sock.close(0)
         return {"seconds": seconds}
 
-    def op_ping_threaded(self, endpoint: str, n: int, timeout_s: float) -> dict[str, Any]:
+    def op_ping_threaded(self, endpoint: str, n: int, timeout_s: float, lean: bool = False) -> dict[str, Any]:
         """Generation: ``n`` round trips to the echo through an I/O thread, one at a time; seconds each.
 
         The calling thread plays the engine: it queues the frame, wakes the I/O thread and waits on a condition.
+        ``lean``: every frame is a fresh RequestData (encoded by the engine thread) and every answer must decode
+        to a ``TransferResult`` with status ``ok`` and the request's nonce.
         """
         _check_loopback(endpoint)
-        io = _ThreadedPing(endpoint)
+        io = _ThreadedPing(endpoint, _lean_check if lean else None)
         seconds: list[float] = []
         try:
             for i in range(n):
                 t0 = time.perf_counter()
-                io.send()
+                io.send(_lean_request(i) if lean else None)
                 if not io.wait_for(i + 1, timeout_s):
                     raise BenchTimeoutError(f"ping: no echo from {endpoint} within {timeout_s}s (threaded)")
                 seconds.append(time.perf_counter() - t0)
@@ -253,6 +320,34 @@ class _FloorModes:
             out[f"after_sleep_{gap_ms:g}ms_us_p50"] = timed(gap_ms / 1e3)
         out["after_sleep_1ms_vs_hot"] = out["after_sleep_1ms_us_p50"] / out["hot_us_p50"]
         return out
+
+
+#: The lean floor's receiver: its RequestData names it, and one block id; its nonce is checked in every answer.
+_LEAN_GEN = "bench-lean"
+_LEAN_NONCE = b"lean-floor-nonce"
+
+
+def _lean_request(i: int) -> bytes:
+    """The engine thread's part of a lean request: a RequestData for one block, encoded."""
+    return wire.encode(
+        wire.RequestData(
+            v=wire.PROTOCOL_VERSION,
+            request_id=i,
+            gen_instance=_LEAN_GEN,
+            gen_rank=0,
+            gen_incarnation=f"lean-{os.getpid()}",
+            block_ids=np.array([i % 8], dtype="<i8").tobytes(),
+            prompt_len=32,
+            nonce=_LEAN_NONCE,
+        )
+    )
+
+
+def _lean_check(frame: bytes) -> None:
+    """The I/O thread's part of a lean answer: it decodes to a TransferResult that says ``ok`` with our nonce."""
+    msg = wire.decode(frame)
+    if not isinstance(msg, wire.TransferResult) or msg.status != "ok" or msg.nonce != _LEAN_NONCE:
+        raise BenchError(f"ping: the lean floor's answer is not an ok TransferResult: {msg!r}")
 
 
 def floor_summary(seconds: list[float], warm: int) -> dict[str, float]:

@@ -22,6 +22,13 @@ def _cpu_both(case: dict[str, Any]) -> float | None:
     return float(cpu["context.process"] + cpu["generation.process"])
 
 
+def _lean_cpu_both(case: dict[str, Any]) -> float | None:
+    cpu = case.get("lean_cpu_us_per_request") or {}
+    if "context" not in cpu or "generation" not in cpu:
+        return None
+    return float(cpu["context"] + cpu["generation"])
+
+
 def _latency(key: str) -> Callable[[dict[str, Any]], float | None]:
     return lambda case: case.get("latency", {}).get(key)
 
@@ -36,6 +43,9 @@ MEASURES: tuple[tuple[str, str, Callable[[dict[str, Any]], float | None]], ...] 
     ("small", "overhead_ms_p50", _latency("overhead_ms_p50")),
     ("small", "threaded_round_trip_ms_p50", _latency("threaded_round_trip_ms_p50")),
     ("small", "cpu_us_per_request_both_processes", _cpu_both),
+    # the lean floor (kvcore.tools.bench.floor): what a Python path of kvcore's shape reaches with no bookkeeping
+    ("small", "lean_overhead_vs_threaded_round_trip", _latency("lean_overhead_vs_threaded_round_trip")),
+    ("small", "lean_cpu_us_per_request_both_processes", _lean_cpu_both),
     ("transfer", "kvcore_vs_agent", _ratio("kvcore_vs_agent")),
     ("transfer", "kvcore_vs_bare", _ratio("kvcore_vs_bare")),
 )

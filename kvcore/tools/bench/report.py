@@ -33,9 +33,9 @@ def print_result(result: dict[str, Any]) -> None:
         "p99 ms",
         "agent p50 ms",
         "overhead p50",
-        "zmq round trip p50 / threaded",
+        "zmq round trip p50 / threaded / lean",
         "plan hot / after 1 ms sleep us",
-        "CPU us/req ctx / gen",
+        "CPU us/req ctx / gen (lean)",
         "req/s in flight",
         "first contact ms",
         "verified",
@@ -104,9 +104,10 @@ def print_result(result: dict[str, Any]) -> None:
                     f"{lat['kvcore_ms_p99']:.3f}",
                     f"{lat['agent_ms_p50']:.3f}",
                     f"{lat['overhead_ms_p50']:.3f}",
-                    f"{lat['zmq_round_trip_ms_p50']:.3f} / {lat['threaded_round_trip_ms_p50']:.3f}",
+                    f"{lat['zmq_round_trip_ms_p50']:.3f} / {lat['threaded_round_trip_ms_p50']:.3f}"
+                    + (f" / {lat['lean_round_trip_ms_p50']:.3f}" if "lean_round_trip_ms_p50" in lat else ""),
                     _warmth(c.get("warmth")),
-                    _cpu(c.get("cpu_us_per_request")),
+                    _cpu(c.get("cpu_us_per_request"), c.get("lean_cpu_us_per_request")),
                     f"{thr['requests_per_s']:.0f} ({thr['requests']})",
                     f"{c['first_contact_ms']:.1f}",
                     "[green]yes[/]" if c["verified"] else "[red]NO[/]",
@@ -129,14 +130,16 @@ def _warmth(w: dict[str, float] | None) -> str:
     return f"{w['hot_us_p50']:.0f} / {w['after_sleep_1ms_us_p50']:.0f} ({w['after_sleep_1ms_vs_hot']:.1f}x)"
 
 
-def _cpu(cpu: dict[str, float] | None) -> str:
-    """CPU microseconds per one-at-a-time request, each side's whole process (its I/O thread in brackets)."""
+def _cpu(cpu: dict[str, float] | None, lean: dict[str, float] | None = None) -> str:
+    """CPU microseconds per one-at-a-time request, each side's whole process (its I/O thread in brackets), and
+    the lean floor's (both processes) after it."""
     if not cpu:
         return ""
-    return (
+    out = (
         f"{cpu['context.process']:.0f} ({cpu['context.io']:.0f}) / "
         f"{cpu['generation.process']:.0f} ({cpu['generation.io']:.0f})"
     )
+    return out + (f" ({lean['context'] + lean['generation']:.0f})" if lean else "")
 
 
 def _lags(lag: dict[str, float] | None) -> str:

@@ -57,6 +57,16 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         admitted = run.gen.call("admit", descriptor=bare["descriptor"])["name"]
         try:
             a = run.ctx.call("xfer", mode="agent", repeat=spec.latency_requests + warm)
+            # the lean floor: the threaded floor plus the least work a request needs (kvcore's messages, this agent)
+            echo = run.ctx.call("echo_start", lean=True)["endpoint"]
+            try:
+                lean_cpu0 = {"context": run.ctx.call("cpu"), "generation": run.gen.call("cpu")}
+                pl = run.gen.call(
+                    "ping_threaded", endpoint=echo, n=spec.latency_requests + warm, timeout_s=spec.timeout_s, lean=True
+                )
+                lean_cpu1 = {"context": run.ctx.call("cpu"), "generation": run.gen.call("cpu")}
+            finally:
+                run.ctx.call("echo_stop")
         finally:
             run.ctx.call("unprepare", mode="agent")
             run.gen.call("dismiss", name=admitted)
@@ -70,6 +80,7 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
             run.ctx.call("echo_stop")
         floor = floor_summary(p["seconds"], warm)
         threaded = floor_summary(pt["seconds"], warm)
+        lean = floor_summary(pl["seconds"], warm)
         warmth = run.ctx.call("warmth", n=100)
         # throughput: every request in flight together
         run.say(f"{run.backend} small: {spec.small_requests} requests in flight")
@@ -98,6 +109,10 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         "threaded_round_trip_ms_p50": threaded["ms_p50"],
         "threaded_round_trip_ms_p99": threaded["ms_p99"],
         "overhead_vs_threaded_round_trip": overhead / threaded["ms_p50"],
+        # the threaded floor plus the least work a request needs, in Python (kvcore.tools.bench.floor)
+        "lean_round_trip_ms_p50": lean["ms_p50"],
+        "lean_round_trip_ms_p99": lean["ms_p99"],
+        "lean_overhead_vs_threaded_round_trip": (lean["ms_p50"] - _pct(agent_ms, 50)) / threaded["ms_p50"],
         "requests_per_s_one_at_a_time": len(lat_ms) / r["elapsed_s"],
     }
     # The same Python work hot and right after a sleep (kvcore.tools.bench.floor): on a shared VM the steps of
@@ -118,6 +133,12 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         f"{side}.{what}": (cpu1[side][what] - cpu0[side][what]) / n_lat * 1e6
         for side in ("context", "generation")
         for what in ("io", "engine", "process")
+    }
+    # ... the same for the lean floor's round trips (both processes; the context's engine poll is idle meanwhile)
+    n_lean = spec.latency_requests + warm
+    out["lean_cpu_us_per_request"] = {
+        side: (lean_cpu1[side]["process"] - lean_cpu0[side]["process"]) / n_lean * 1e6
+        for side in ("context", "generation")
     }
     # ... and the time each I/O thread was ready to run per request but waited (the GIL, a core, a lock).
     out["io_stall_us_per_request"] = {
