@@ -274,6 +274,34 @@ def test_cancel_of_a_pull_request_lets_the_context_go_at_once(closing: list[Any]
     assert ctx.wait_released(7, 20)["state"] == "CANCELLED"  # long before its 60 s lease
 
 
+def test_an_empty_poll_does_not_wait_for_the_io_thread(closing: list[Any]) -> None:
+    """With nothing ended, ``poll`` and ``poll_local`` of a one-rank instance return at once without the lock the
+    I/O thread holds while it works (the engine polls every step); a request that ends is still reported."""
+    agent, _, tx = make_rank("context", "ctx-empty-poll", "shm")
+    closing.extend([agent, tx])
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with tx._link.lock:
+            held.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert held.wait(5)
+        t0 = time.monotonic()
+        assert tx.poll().outcomes == [] and tx.poll_local().released == []
+        assert time.monotonic() - t0 < 2  # the holder keeps the lock for 10 s
+    finally:
+        done.set()
+        holder.join(10)
+    tx.start_send(1, [0], ticket=ticket_for(1))
+    assert tx.cancel(1)
+    out = tx.wait_all([1], 20)[1]
+    assert out.state is SessionState.CANCELLED
+
+
 def test_layerwise_pull_is_refused_clearly(closing: list[Any]) -> None:
     agent, _, tx = make_rank("context", "ctx-lw", "shm")
     closing.extend([agent, tx])

@@ -160,6 +160,8 @@ class Reporting:
             may now be reused. Raises nothing.
         """
         with self._poll_lock:
+            if not self._role.sessions.ended:
+                return PollResult()  # nothing ended: see _poll
             terminal, quiescent = self._local_view()
             return self._report(terminal, set(quiescent))
 
@@ -177,6 +179,11 @@ class Reporting:
         return terminal, quiescent
 
     def _poll(self) -> PollResult:
+        if self._alone and not self._role.sessions.ended:
+            # Nothing ended on this rank (the engine's poll between requests, most polls): no lock, nothing to
+            # look at. The read is one atomic length test; a session that ends meanwhile is seen by the next
+            # poll, as if this one had come a moment earlier. Several ranks still exchange their (empty) views.
+            return PollResult()
         terminal, quiescent = self._local_view()
         if self._alone:
             # One rank agrees with itself: no payload to encode, gather and decode (the engine polls every step).
