@@ -281,6 +281,25 @@ def test_lean_floor_answers_are_checked_and_its_failures_are_told() -> None:
     with pytest.raises(BenchError, match="'agent' mode prepared"):
         modes.op_echo_start(lean=True)
 
+    import threading
+
+    release = threading.Event()
+
+    def stuck(frame: bytes) -> bytes:
+        release.wait(30)  # a write that does not end
+        return frame
+
+    echo = _Echo(stuck)
+    with pytest.raises(BenchTimeoutError, match="no echo"):
+        modes.op_ping_threaded(echo.endpoint, 1, 0.5, lean=True)
+    with pytest.raises(BenchError, match="did not end within 5 s"):
+        echo.close()  # told, and the socket is left to the thread still in its work
+    assert not echo.sock.closed
+    release.set()
+    echo.thread.join(10)
+    assert not echo.thread.is_alive()
+    echo.sock.close(0)
+
 
 def test_threaded_floor_io_thread_failure_is_raised_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import time

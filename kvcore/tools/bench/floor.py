@@ -96,6 +96,9 @@ class _Echo:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(5)
+        if self.thread.is_alive():  # its work is still in a write (bounded by the spec's timeout)
+            # never close a socket under a thread that may still use it (the rank process ends soon)
+            raise BenchError("echo: the lean floor's work did not end within 5 s of the stop (a write still pending)")
         self.sock.close(0)
         if self.error is not None:
             raise BenchError(f"echo: the lean floor's work failed: {self.error!r}") from self.error
