@@ -79,6 +79,11 @@ def _check_small_case(case: dict[str, Any], spec: dict[str, Any]) -> None:
         (lat["lean_round_trip_ms_p50"] - lat["agent_ms_p50"]) / lat["threaded_round_trip_ms_p50"], rel=1e-9
     )
     assert set(case["lean_cpu_us_per_request"]) == {"context", "generation"}
+    # the threaded floor in C (kvcore-native, installed with the plugins)
+    assert "native_floor" not in case, case.get("native_floor")
+    assert 0 < lat["native_round_trip_ms_p50"] <= lat["native_round_trip_ms_p99"]
+    assert set(case["native_cpu_us_per_request"]) == {"context", "generation"}
+    assert all(v > 0 for v in case["native_cpu_us_per_request"].values())
     assert all(v > 0 for v in case["lean_cpu_us_per_request"].values())
     assert thr["requests"] == spec["small_requests"] and thr["seconds"] > 0
     assert thr["requests_per_s"] == pytest.approx(thr["requests"] / thr["seconds"], rel=1e-6)

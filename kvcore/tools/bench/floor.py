@@ -24,6 +24,9 @@ decodes (and validates) it, writes the one-block plan with the bench's bare agen
 and answers with a real ``TransferResult``, which the I/O thread decodes and checks before it wakes the engine.
 Its latency and CPU per request say what a Python per-request path of kvcore's shape can reach on the box at hand:
 what kvcore spends beyond it is its own bookkeeping, not the language or the threads.
+
+The *native* floor is the threaded floor in C (``kvcore_native``, plugins/native): the same threads, wake-ups and
+sockets with no Python on the hops. It is where a native per-request path would start from.
 """
 
 from __future__ import annotations
@@ -207,6 +210,7 @@ class _FloorModes:
     """Rank commands of the floor measurement (a mixin of :class:`kvcore.tools.bench.rank._Rank`)."""
 
     _echo: _Echo | None = None
+    _native_echo: Any = None
     backend: str
     spec: BenchSpec
     bare: dict[str, Any]
@@ -252,6 +256,34 @@ class _FloorModes:
         if echo is not None:
             echo.close()
         return {}
+
+    def op_native_echo_start(self) -> dict[str, Any]:
+        """Context: start the native floor's echo; ``{"endpoint": None, "missing": why}`` without kvcore-native."""
+        self.op_native_echo_stop()
+        native, why = _native()
+        if native is None:
+            return {"endpoint": None, "missing": why}
+        self._native_echo, endpoint = native.echo_start()
+        return {"endpoint": endpoint}
+
+    def op_native_echo_stop(self) -> dict[str, Any]:
+        echo, self._native_echo = self._native_echo, None
+        if echo is not None:
+            native, _ = _native()
+            assert native is not None  # it made the echo
+            native.echo_stop(echo)
+        return {}
+
+    def op_ping_native(self, endpoint: str, n: int, timeout_s: float) -> dict[str, Any]:
+        """Generation: ``n`` round trips to the native echo through a C I/O thread, one at a time; seconds each."""
+        _check_loopback(endpoint)
+        native, why = _native()
+        if native is None:
+            raise BenchError(f"ping: the native floor needs {why}")
+        try:
+            return {"seconds": native.ping_threaded(endpoint, n, timeout_s)}
+        except TimeoutError as exc:
+            raise BenchTimeoutError(f"ping: {exc}") from exc
 
     def op_ping(self, endpoint: str, n: int, timeout_s: float) -> dict[str, Any]:
         """Generation: ``n`` round trips to the echo, one at a time; seconds each."""
@@ -323,6 +355,15 @@ class _FloorModes:
             out[f"after_sleep_{gap_ms:g}ms_us_p50"] = timed(gap_ms / 1e3)
         out["after_sleep_1ms_vs_hot"] = out["after_sleep_1ms_us_p50"] / out["hot_us_p50"]
         return out
+
+
+def _native() -> tuple[Any, str]:
+    """``(kvcore_native, "")``, or ``(None, why)`` where it is not installed."""
+    try:
+        import kvcore_native
+    except ImportError as exc:
+        return None, f"kvcore-native (pip install -e plugins/native; make install does): {exc}"
+    return kvcore_native, ""
 
 
 #: The lean floor's receiver: its RequestData names it, and one block id; its nonce is checked in every answer.

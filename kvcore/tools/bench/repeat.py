@@ -46,6 +46,7 @@ MEASURES: tuple[tuple[str, str, Callable[[dict[str, Any]], float | None]], ...] 
     # the lean floor (kvcore.tools.bench.floor): what a Python path of kvcore's shape reaches with no bookkeeping
     ("small", "lean_overhead_vs_threaded_round_trip", _latency("lean_overhead_vs_threaded_round_trip")),
     ("small", "lean_cpu_us_per_request_both_processes", _lean_cpu_both),
+    ("small", "native_round_trip_ms_p50", _latency("native_round_trip_ms_p50")),
     ("transfer", "kvcore_vs_agent", _ratio("kvcore_vs_agent")),
     ("transfer", "kvcore_vs_bare", _ratio("kvcore_vs_bare")),
 )

@@ -33,7 +33,7 @@ def print_result(result: dict[str, Any]) -> None:
         "p99 ms",
         "agent p50 ms",
         "overhead p50",
-        "zmq round trip p50 / threaded / lean",
+        "zmq round trip p50 / threaded / lean / native",
         "plan hot / after 1 ms sleep us",
         "CPU us/req ctx / gen (lean)",
         "req/s in flight",
@@ -105,7 +105,8 @@ def print_result(result: dict[str, Any]) -> None:
                     f"{lat['agent_ms_p50']:.3f}",
                     f"{lat['overhead_ms_p50']:.3f}",
                     f"{lat['zmq_round_trip_ms_p50']:.3f} / {lat['threaded_round_trip_ms_p50']:.3f}"
-                    + (f" / {lat['lean_round_trip_ms_p50']:.3f}" if "lean_round_trip_ms_p50" in lat else ""),
+                    + (f" / {lat['lean_round_trip_ms_p50']:.3f}" if "lean_round_trip_ms_p50" in lat else "")
+                    + (f" / {lat['native_round_trip_ms_p50']:.3f}" if lat.get("native_round_trip_ms_p50") else ""),
                     _warmth(c.get("warmth")),
                     _cpu(c.get("cpu_us_per_request"), c.get("lean_cpu_us_per_request")),
                     f"{thr['requests_per_s']:.0f} ({thr['requests']})",

@@ -81,6 +81,26 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         floor = floor_summary(p["seconds"], warm)
         threaded = floor_summary(pt["seconds"], warm)
         lean = floor_summary(pl["seconds"], warm)
+        # the threaded floor in C (kvcore-native): the same hops with no Python on them
+        native_echo = run.ctx.call("native_echo_start")
+        native: dict[str, Any] = {"missing": native_echo.get("missing")}
+        if native_echo["endpoint"] is not None:
+            try:
+                native_cpu0 = {"context": run.ctx.call("cpu"), "generation": run.gen.call("cpu")}
+                pn = run.gen.call(
+                    "ping_native",
+                    endpoint=native_echo["endpoint"],
+                    n=spec.latency_requests + warm,
+                    timeout_s=spec.timeout_s,
+                )
+                native_cpu1 = {"context": run.ctx.call("cpu"), "generation": run.gen.call("cpu")}
+            finally:
+                run.ctx.call("native_echo_stop")
+            native = dict(floor_summary(pn["seconds"], warm))
+            native["cpu_us_per_request"] = {
+                side: (native_cpu1[side]["process"] - native_cpu0[side]["process"]) / len(pn["seconds"]) * 1e6
+                for side in ("context", "generation")
+            }
         warmth = run.ctx.call("warmth", n=100)
         # throughput: every request in flight together
         run.say(f"{run.backend} small: {spec.small_requests} requests in flight")
@@ -113,6 +133,9 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         "lean_round_trip_ms_p50": lean["ms_p50"],
         "lean_round_trip_ms_p99": lean["ms_p99"],
         "lean_overhead_vs_threaded_round_trip": (lean["ms_p50"] - _pct(agent_ms, 50)) / threaded["ms_p50"],
+        # the threaded floor in C (kvcore-native); None where that package is not installed (native_floor says why)
+        "native_round_trip_ms_p50": native.get("ms_p50"),
+        "native_round_trip_ms_p99": native.get("ms_p99"),
         "requests_per_s_one_at_a_time": len(lat_ms) / r["elapsed_s"],
     }
     # The same Python work hot and right after a sleep (kvcore.tools.bench.floor): on a shared VM the steps of
@@ -140,6 +163,10 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         side: (lean_cpu1[side]["process"] - lean_cpu0[side]["process"]) / n_lean * 1e6
         for side in ("context", "generation")
     }
+    if native.get("missing"):
+        out["native_floor"] = f"not measured: needs {native['missing']}"
+    else:
+        out["native_cpu_us_per_request"] = native["cpu_us_per_request"]
     # ... and the time each I/O thread was ready to run per request but waited (the GIL, a core, a lock).
     out["io_stall_us_per_request"] = {
         side: (cpu1[side]["io_stall"] - cpu0[side]["io_stall"]) / n_lat * 1e6 for side in ("context", "generation")
