@@ -142,13 +142,20 @@ PLUGIN_BACKENDS = {"nixl", "ucx"}  # the names the core once hard-coded; a plugi
 
 
 def test_core_names_no_plugin() -> None:
-    """Library code imports no plugin and names none of their backends: plugins contribute, the core lists."""
+    """Library code imports no plugin and names none of their backends: plugins contribute, the core lists.
+    kvcore-native (the core's compiled helpers, no plugin) only inside a function."""
     offences = []
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                offences += [f"{name}: imports {m}" for m in mods if m.startswith("kvcore_")]
+                # kvcore-native is no plugin but the core's compiled helpers: imported only inside the function
+                # that needs it (indented), so the core runs without the package
+                offences += [
+                    f"{name}: imports {m}"
+                    for m in mods
+                    if m.startswith("kvcore_") and not (m.split(".")[0] == "kvcore_native" and node.col_offset > 0)
+                ]
             elif isinstance(node, ast.Name) and any(b in node.id.lower() for b in PLUGIN_BACKENDS):
                 offences.append(f"{name}: name {node.id}")
             elif isinstance(node, ast.Attribute) and any(b in node.attr.lower() for b in PLUGIN_BACKENDS):

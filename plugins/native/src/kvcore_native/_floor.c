@@ -219,11 +219,9 @@ static PyObject *ping_threaded(PyObject *self, PyObject *args) {
     pthread_t io;
     int started = 0, timed_out = 0, failed = 0;
     Py_ssize_t done = 0;
-    if (!bad) {
-        int rc = pthread_create(&io, NULL, ping_io, &p);
-        if (rc) bad = "pthread_create"; else started = 1;
-    }
-    if (!bad) {
+    int thread_rc = 0;
+    if (!bad && (thread_rc = pthread_create(&io, NULL, ping_io, &p)) == 0) started = 1;
+    if (started) {
         Py_BEGIN_ALLOW_THREADS
         for (; done < n; done++) {
             double t0 = mono(), deadline = t0 + timeout_s;
@@ -258,7 +256,8 @@ static PyObject *ping_threaded(PyObject *self, PyObject *args) {
         pthread_join(io, NULL);  /* its poll waits 20 ms at most */
         Py_END_ALLOW_THREADS
     }
-    if (bad) zerr(bad);
+    if (thread_rc) { errno = thread_rc; PyErr_SetFromErrno(PyExc_OSError); }
+    else if (bad) zerr(bad);
     else if (failed) PyErr_Format(PyExc_OSError, "kvcore_native: the ping's I/O thread failed: %s", Z.strerror(failed));
     else if (timed_out) {
         char msg[512];  /* PyErr_Format has no float conversion */
