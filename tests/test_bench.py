@@ -306,6 +306,36 @@ def test_lean_floor_answers_are_checked_and_its_failures_are_told() -> None:
     echo.sock.close(0)
 
 
+def test_native_floor_without_its_package_is_told_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native floor's echo says why it did not start where kvcore-native is missing or fails (the small case
+    reports it and measures the rest); its ping refuses, naming why; with the package both run."""
+    from kvcore.tools.bench import floor
+    from kvcore.tools.bench.spec import BenchError
+
+    modes = floor._FloorModes()
+    started = modes.op_native_echo_start()
+    try:
+        assert started["endpoint"] is not None
+        assert len(modes.op_ping_native(started["endpoint"], 5, 5.0)["seconds"]) == 5
+    finally:
+        modes.op_native_echo_stop()
+
+    import kvcore_native
+
+    def broken() -> Any:
+        raise kvcore_native.NativeFloorError("injected: no libzmq")
+
+    monkeypatch.setattr(kvcore_native, "echo_start", broken)
+    assert modes.op_native_echo_start() == {
+        "endpoint": None,
+        "missing": "kvcore-native could not start its echo: injected: no libzmq",
+    }
+    monkeypatch.setattr(floor, "_native", lambda: (None, "kvcore-native is not installed"))
+    assert modes.op_native_echo_start() == {"endpoint": None, "missing": "kvcore-native is not installed"}
+    with pytest.raises(BenchError, match="cannot run: kvcore-native is not installed"):
+        modes.op_ping_native("tcp://127.0.0.1:1", 1, 1.0)
+
+
 def test_threaded_floor_io_thread_failure_is_raised_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 

@@ -258,12 +258,16 @@ class _FloorModes:
         return {}
 
     def op_native_echo_start(self) -> dict[str, Any]:
-        """Context: start the native floor's echo; ``{"endpoint": None, "missing": why}`` without kvcore-native."""
+        """Context: start the native floor's echo; ``{"endpoint": None, "missing": why}`` where kvcore-native is not
+        installed or cannot start (the rest of the case is measured all the same)."""
         self.op_native_echo_stop()
         native, why = _native()
         if native is None:
             return {"endpoint": None, "missing": why}
-        self._native_echo, endpoint = native.echo_start()
+        try:
+            self._native_echo, endpoint = native.echo_start()
+        except native.NativeFloorError as exc:
+            return {"endpoint": None, "missing": f"kvcore-native could not start its echo: {exc}"}
         return {"endpoint": endpoint}
 
     def op_native_echo_stop(self) -> dict[str, Any]:
@@ -279,7 +283,7 @@ class _FloorModes:
         _check_loopback(endpoint)
         native, why = _native()
         if native is None:
-            raise BenchError(f"ping: the native floor needs {why}")
+            raise BenchError(f"ping: the native floor cannot run: {why}")
         try:
             return {"seconds": native.ping_threaded(endpoint, n, timeout_s)}
         except TimeoutError as exc:
@@ -362,7 +366,7 @@ def _native() -> tuple[Any, str]:
     try:
         import kvcore_native
     except ImportError as exc:
-        return None, f"kvcore-native (pip install -e plugins/native; make install does): {exc}"
+        return None, f"kvcore-native is not installed (pip install -e plugins/native; make install does): {exc}"
     return kvcore_native, ""
 
 

@@ -164,7 +164,7 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         for side in ("context", "generation")
     }
     if native.get("missing"):
-        out["native_floor"] = f"not measured: needs {native['missing']}"
+        out["native_floor"] = f"not measured: {native['missing']}"
     else:
         out["native_cpu_us_per_request"] = native["cpu_us_per_request"]
     # ... and the time each I/O thread was ready to run per request but waited (the GIL, a core, a lock).
