@@ -265,16 +265,16 @@ class _FloorModes:
         if native is None:
             return {"endpoint": None, "missing": why}
         try:
-            self._native_echo, endpoint = native.echo_start()
+            echo, endpoint = native.echo_start()
         except native.NativeFloorError as exc:
             return {"endpoint": None, "missing": f"kvcore-native could not start its echo: {exc}"}
+        self._native_echo = (native, echo)
         return {"endpoint": endpoint}
 
     def op_native_echo_stop(self) -> dict[str, Any]:
-        echo, self._native_echo = self._native_echo, None
-        if echo is not None:
-            native, _ = _native()
-            assert native is not None  # it made the echo
+        held, self._native_echo = self._native_echo, None
+        if held is not None:
+            native, echo = held
             native.echo_stop(echo)
         return {}
 

@@ -15,18 +15,16 @@ from typing import Any
 __all__ = ["MEASURES", "goal_measures", "summarize_invocations", "print_summary"]
 
 
-def _cpu_both(case: dict[str, Any]) -> float | None:
-    cpu = case.get("cpu_us_per_request") or {}
-    if "context.process" not in cpu or "generation.process" not in cpu:
-        return None
-    return float(cpu["context.process"] + cpu["generation.process"])
+def _cpu_both(key: str, context: str, generation: str) -> Callable[[dict[str, Any]], float | None]:
+    """The sum of a case's two sides of CPU per request (``key``: its dict; ``context``/``generation``: their keys)."""
 
+    def read(case: dict[str, Any]) -> float | None:
+        cpu = case.get(key) or {}
+        if context not in cpu or generation not in cpu:
+            return None
+        return float(cpu[context] + cpu[generation])
 
-def _lean_cpu_both(case: dict[str, Any]) -> float | None:
-    cpu = case.get("lean_cpu_us_per_request") or {}
-    if "context" not in cpu or "generation" not in cpu:
-        return None
-    return float(cpu["context"] + cpu["generation"])
+    return read
 
 
 def _latency(key: str) -> Callable[[dict[str, Any]], float | None]:
@@ -42,10 +40,14 @@ MEASURES: tuple[tuple[str, str, Callable[[dict[str, Any]], float | None]], ...] 
     ("small", "overhead_vs_threaded_round_trip", _latency("overhead_vs_threaded_round_trip")),
     ("small", "overhead_ms_p50", _latency("overhead_ms_p50")),
     ("small", "threaded_round_trip_ms_p50", _latency("threaded_round_trip_ms_p50")),
-    ("small", "cpu_us_per_request_both_processes", _cpu_both),
+    (
+        "small",
+        "cpu_us_per_request_both_processes",
+        _cpu_both("cpu_us_per_request", "context.process", "generation.process"),
+    ),
     # the lean floor (kvcore.tools.bench.floor): what a Python path of kvcore's shape reaches with no bookkeeping
     ("small", "lean_overhead_vs_threaded_round_trip", _latency("lean_overhead_vs_threaded_round_trip")),
-    ("small", "lean_cpu_us_per_request_both_processes", _lean_cpu_both),
+    ("small", "lean_cpu_us_per_request_both_processes", _cpu_both("lean_cpu_us_per_request", "context", "generation")),
     ("small", "native_round_trip_ms_p50", _latency("native_round_trip_ms_p50")),
     ("transfer", "kvcore_vs_agent", _ratio("kvcore_vs_agent")),
     ("transfer", "kvcore_vs_bare", _ratio("kvcore_vs_bare")),

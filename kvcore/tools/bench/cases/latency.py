@@ -15,6 +15,13 @@ from kvcore.tools.bench.run import BackendRun, register_case
 from kvcore.tools.bench.spec import _GB, _pct
 
 
+def _process_cpu_us(cpu0: dict[str, Any], cpu1: dict[str, Any], n: int) -> dict[str, float]:
+    """CPU microseconds per round trip of each side's whole process between two ``cpu`` probes of ``n`` trips."""
+    return {
+        side: (cpu1[side]["process"] - cpu0[side]["process"]) / max(1, n) * 1e6 for side in ("context", "generation")
+    }
+
+
 @register_case("small")
 def case_small(run: BackendRun) -> dict[str, Any]:
     """One-block (16 KiB) requests: per-request latency vs the agent alone, and requests/s with many in flight."""
@@ -97,10 +104,7 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
             finally:
                 run.ctx.call("native_echo_stop")
             native = dict(floor_summary(pn["seconds"], warm))
-            native["cpu_us_per_request"] = {
-                side: (native_cpu1[side]["process"] - native_cpu0[side]["process"]) / len(pn["seconds"]) * 1e6
-                for side in ("context", "generation")
-            }
+            native["cpu_us_per_request"] = _process_cpu_us(native_cpu0, native_cpu1, len(pn["seconds"]))
         warmth = run.ctx.call("warmth", n=100)
         # throughput: every request in flight together
         run.say(f"{run.backend} small: {spec.small_requests} requests in flight")
@@ -158,11 +162,7 @@ def _small(run: BackendRun, *, auth: bool) -> dict[str, Any]:
         for what in ("io", "engine", "process")
     }
     # ... the same for the lean floor's round trips (both processes; the context's engine poll is idle meanwhile)
-    n_lean = spec.latency_requests + warm
-    out["lean_cpu_us_per_request"] = {
-        side: (lean_cpu1[side]["process"] - lean_cpu0[side]["process"]) / n_lean * 1e6
-        for side in ("context", "generation")
-    }
+    out["lean_cpu_us_per_request"] = _process_cpu_us(lean_cpu0, lean_cpu1, len(pl["seconds"]))
     if native.get("missing"):
         out["native_floor"] = f"not measured: {native['missing']}"
     else:
