@@ -92,5 +92,52 @@ def test_it_speaks_plain_zeromq_both_ways() -> None:
     assert len(got) == 5 and all(len(b) == 256 for b in got)
 
 
+_STRANGER = """
+import resource, subprocess, sys
+from kvcore_native import echo_start, echo_stop, ping_threaded
+echo, endpoint = echo_start()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+stranger = (
+    "import zmq, time\\n"
+    "d = zmq.Context().socket(zmq.DEALER); d.setsockopt(zmq.LINGER, 5000); d.connect(%r)\\n"
+    "d.send(b'y' * 100_000_000); d.send_multipart([b'a', b'b', b'c']); d.send(b''); time.sleep(1)\\n"
+) % endpoint
+subprocess.run([sys.executable, "-c", stranger], check=True, timeout=60)
+grew_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(grew_kib, len(ping_threaded(endpoint, 20, 5.0)))
+echo_stop(echo)
+"""
+
+
+def test_a_strangers_oversized_or_misshapen_frames_cost_the_echo_nothing() -> None:
+    """A peer on loopback that sends 100 MB, three parts or an empty frame is cut off by libzmq's size cap (4 KiB)
+    before anything is buffered; the echo keeps answering. Run in a fresh process: its peak memory is the evidence."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _STRANGER], capture_output=True, text=True, timeout=120, check=True)
+    grew_kib, answered = (int(x) for x in out.stdout.split())
+    assert answered == 20
+    assert grew_kib < 20 * 1024, f"the echo's process grew by {grew_kib} KiB"
+
+
+def test_concurrent_pings_each_get_their_own_answers() -> None:
+    import threading
+
+    echo, endpoint = echo_start()
+    got: list[int] = []
+    try:
+        threads = [
+            threading.Thread(target=lambda: got.append(len(ping_threaded(endpoint, 100, 5.0)))) for _ in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        echo_stop(echo)
+    assert got == [100, 100, 100, 100]
+
+
 def test_the_package_says_what_it_is() -> None:
     assert kvcore_native.__all__ == ["NativeFloorError", "echo_start", "echo_stop", "libzmq_path", "ping_threaded"]

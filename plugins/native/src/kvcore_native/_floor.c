@@ -10,6 +10,7 @@
 #include <Python.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <stdint.h>
 #include <pthread.h>
 #include <string.h>
 #include <time.h>
@@ -34,7 +35,7 @@ static struct {
 static void *zctx;
 
 enum { Z_PAIR = 0, Z_DEALER = 5, Z_ROUTER = 6, Z_POLLIN = 1, Z_DONTWAIT = 1, Z_SNDMORE = 2, Z_LINGER = 17,
-       Z_LAST_ENDPOINT = 32 };
+       Z_MAXMSGSIZE = 22, Z_LAST_ENDPOINT = 32 };
 #define FRAME_BYTES 256
 #define MAX_FRAME 4096
 
@@ -65,10 +66,15 @@ static PyObject *load(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A socket that drops its queue at close and refuses (disconnects) a peer whose message exceeds MAX_FRAME. */
 static void *socket_linger0(int type) {
     void *s = Z.socket(zctx, type);
     int zero = 0;
-    if (s) Z.setsockopt(s, Z_LINGER, &zero, sizeof zero);
+    int64_t cap = MAX_FRAME;
+    if (s && (Z.setsockopt(s, Z_LINGER, &zero, sizeof zero) != 0 || Z.setsockopt(s, Z_MAXMSGSIZE, &cap, sizeof cap) != 0)) {
+        Z.close(s);
+        return NULL;
+    }
     return s;
 }
 
