@@ -112,6 +112,9 @@ class TransceiverConfig:
     # An engine thread running Python holds the GIL up to the interval each time the I/O thread gives it up
     # (every ZeroMQ or transport call): 5 ms by default, about 10 ms per one-block request (docs/engine-guide.md).
     gil_switch_interval_s: float = 0.0  # lower the process's GIL switch interval to this at start; 0: leave it
+    # The native lane (kvcore-native, plugins/native): common push requests (one layer group, no state slot, no
+    # layer-wise sending, no aux, pools laid out alike) move in C on a thread of its own, nixl and ucx backends.
+    native_lane: bool = False  # serve common push requests on kvcore-native's lane (nixl, ucx); others: Python
 
     def __post_init__(self) -> None:
         self.validate()

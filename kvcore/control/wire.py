@@ -68,6 +68,8 @@ MAX_NAME_CHARS = 1024
 MAX_ERROR_CHARS = 64 * 1024
 #: A CURVE public key: 32 raw bytes (or empty: the peer runs without authentication).
 CURVE_KEY_BYTES = 32
+#: Bound on a native poster's descriptor in a registration (a NIXL agent's metadata, a UCX worker address).
+MAX_LANE_DESCRIPTOR_BYTES = 1024 * 1024
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 ErrorText = Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)]
@@ -138,6 +140,9 @@ class RegisterRankInfo(_Msg, tag="register_rank_info", frozen=True):
     """gen -> each overlapping ctx rank: my RankInfo; load my agent descriptor."""
 
     info: RankInfo
+    #: With ``config.native_lane``: this rank's native poster descriptor (``kvcore.transceiver.native``), so that
+    #: the context rank may serve its common requests on its lane; empty: the Python path only.
+    lane: Annotated[bytes, msgspec.Meta(max_length=MAX_LANE_DESCRIPTOR_BYTES)] = b""
 
 
 class RegisterResult(_Msg, tag="register_result", frozen=True):
@@ -150,6 +155,11 @@ class RegisterResult(_Msg, tag="register_result", frozen=True):
     #: With ``ok``: the context rank's own RankInfo, its agent descriptor identity-only (no key to its memory;
     #: empty where the transport needs none), with the pid and start time that let a same-host receiver fence it.
     info: RankInfo | None = None
+    #: With ``ok`` and a lane for this generation rank: where to ask (``tcp://host:port``), the token to present,
+    #: and the lane's CurveZMQ public key (32 bytes; empty: the lane speaks no CURVE). Empty: the Python path only.
+    lane_endpoint: Name = ""
+    lane_token: Annotated[bytes, msgspec.Meta(max_length=16)] = b""
+    lane_key: Annotated[bytes, msgspec.Meta(max_length=CURVE_KEY_BYTES)] = b""
 
 
 class ExposeRequest(_Msg, tag="expose_request", frozen=True):

@@ -26,6 +26,10 @@ RoleCounter = Literal[
     "ignored_messages",
     "ignored_renewals",
     "late_results",
+    "lane_refusals",
+    "lane_rejected_frames_total",  # reported by the native lane itself (its stats), never counted here
+    "lane_requests_total",  # the same
+    "lane_writes_total",  # the same
     "peers_closed",
     "peers_lost",
     "tickets_refused",
@@ -43,6 +47,7 @@ CACHE_GAUGES = frozenset(
         "remote_agents",
         "control_connections",
         "tombstones",
+        "lane_declines",  # the native lane's answers for requests it does not serve (kept like tombstones)
     }
 )
 #: ``stats()`` keys that only grow (events counted since start); every other key returns to zero when idle.
@@ -62,6 +67,10 @@ COUNTERS: frozenset[RoleCounter] = frozenset(
         "exposed_to_peers",
         "idle_peers_dropped",
         "idle_peers_readmitted",
+        "lane_refusals",
+        "lane_requests_total",
+        "lane_rejected_frames_total",
+        "lane_writes_total",
     }
 )
 

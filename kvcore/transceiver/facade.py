@@ -35,6 +35,7 @@ from kvcore.layout.topology import AttentionGeometry, MambaGeometry, Topology
 from kvcore.params import RequestId, RoleName, TransferParams, api_id, check_ticket, internal_id, is_role_name
 from kvcore.transceiver.counters import CACHE_GAUGES, COUNTERS, leaks
 from kvcore.transceiver.link import Link
+from kvcore.transceiver.native import open_native_lane
 from kvcore.transceiver.receive import Receiver
 from kvcore.transceiver.reporting import Outcome, PollResult, Reporting
 from kvcore.transceiver.role import Role
@@ -148,6 +149,7 @@ class Transceiver(Reporting):
             device=device,
         )
         self.collective = self._link.collective
+        self._link.native = open_native_lane(self._link)
         self._alone = self.collective.size == 1  # poll agrees with no other rank
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None

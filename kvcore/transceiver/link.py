@@ -245,6 +245,10 @@ class Link:
         self._chunk_ready = False  # the last pump posted a chunk: the loop does not sleep before the next
         if agent.capabilities.async_submit:
             agent.set_completion_listener(self._agent_event)
+        #: The native lane (``config.native_lane``, opened by the transceiver once this link stands): common push
+        #: requests in C; None: every request in Python. A ``kvcore.transceiver.native.NativeLane`` (typed ``Any``
+        #: here: that module builds on this one).
+        self.native: Any = None
 
     def request_ticket(self, request_id: Any) -> bytes:
         """The ticket of a request whose engine chose none: the same on every rank of this instance, by construction.
@@ -413,6 +417,8 @@ class Link:
         with self.lock:
             self._last_news = time.monotonic()
             self.news.notify_all()
+        if self.native is not None:
+            self.native.poke()  # an engine thread may wait on the lane's completions instead
 
     def _polling(self) -> bool:
         """Whether the worker must poll transfers at its fast period (0.5 ms) rather than every 20 ms.
@@ -490,6 +496,8 @@ class Link:
         if self.agent.capabilities.async_submit:
             self.agent.set_completion_listener(None)  # a late completion now wakes nothing (the loop is gone)
         self._work.clear()
+        if self.native is not None:
+            self.native.close()  # its thread stops; writes in flight end at the poster's close
 
     def deregister(self) -> None:
         for reg in self.registrations:

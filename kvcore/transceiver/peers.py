@@ -143,6 +143,9 @@ class GenPeer(Peer):
     goodbye: bool = False  # it said it is closing (wire.Goodbye); final once its connection drops
     #: When it last asked for a request (RequestData, PullDone, Renew); None: never since it registered.
     asked_at: float | None = None
+    lane_descriptor: bytes = b""  # its native poster's descriptor (RegisterRankInfo.lane); empty: none
+    #: What this rank's lane answered its registration with: (endpoint, token, CURVE key); None: no lane for it.
+    lane: tuple[str, bytes, bytes] | None = None
 
     @property
     def active_at(self) -> float:

@@ -160,6 +160,8 @@ class Reporting:
             may now be reused. Raises nothing.
         """
         with self._poll_lock:
+            if self._link.native is not None:
+                self._role.lane_drain()  # what the native lane ended: no thread hop before the engine sees it
             if not self._role.sessions.ended:
                 return PollResult()  # nothing ended: see _poll
             terminal, quiescent = self._local_view()
@@ -179,6 +181,8 @@ class Reporting:
         return terminal, quiescent
 
     def _poll(self) -> PollResult:
+        if self._link.native is not None:
+            self._role.lane_drain()  # what the native lane ended: no thread hop before the engine sees it
         if self._alone and not self._role.sessions.ended:
             # Nothing ended on this rank (the engine's poll between requests, most polls): no lock, nothing to
             # look at. The read is one atomic length test; a session that ends meanwhile is seen by the next
@@ -256,6 +260,8 @@ class Reporting:
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
         link = self._link
+        if link.native is not None:
+            return self._wait_native(deadline)
         with link.news:
             link.waiters += 1
             try:
@@ -270,6 +276,33 @@ class Reporting:
                     # Bounded sleeps: a notify lost to a race costs at most 50 ms, never a hang.
                     link.news.wait(0.05 if left is None else min(left, 0.05))
             finally:
+                link.waiters -= 1
+
+    def _wait_native(self, deadline: float | None) -> bool:
+        """``wait`` beside a native lane: asleep on the lane's completions, which the I/O thread's news pokes."""
+        link = self._link
+        native = link.native
+        assert native is not None
+        with link.lock:
+            link.waiters += 1
+        try:
+            while True:
+                if self._closed:
+                    raise E.SessionError("transceiver is closed")
+                self._role.lane_drain()
+                with link.lock:
+                    if self._has_news():
+                        return True
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                # Bounded sleeps, as above; the GIL is released while the lane's condition variable waits.
+                try:
+                    native.wait(0.05 if left is None else min(left, 0.05))
+                except E.KvcoreError:
+                    raise E.SessionError("transceiver is closed") from None  # the lane closed under this wait
+        finally:
+            with link.lock:
                 link.waiters -= 1
 
     def _has_news(self) -> bool:
@@ -345,6 +378,9 @@ class Reporting:
         }
         for key in sorted(COUNTERS):
             out[key] = self._link.counters.get(key, 0)
+        native = self._link.native
+        if native is not None:
+            out.update(native.stats())  # the lane's own: its requests and rejected frames, and what it holds
         return out
 
     def leaks(self) -> dict[str, int]:

@@ -72,6 +72,9 @@ class Role(ABC):
     @abstractmethod
     def cancel(self, rid: InternalId, reason: str) -> bool: ...
 
+    def lane_drain(self) -> None:
+        """Settle what the native lane ended since the last call (``kvcore.transceiver.native``); none here."""
+
     @abstractmethod
     def release(self, rid: InternalId) -> None:
         """The instance agreed ``rid`` is terminal and quiescent and reported it released (lock held)."""

@@ -441,6 +441,9 @@ class TxSession(Session):
     blocks_digest: bytes = b""  # pull: what a receiver must have read (kvcore.transceiver.digests.blocks_digest)
     renewers: dict[tuple[str, int], bytes] = field(default_factory=dict)  # receiver key -> its renewal nonce
     hold_until: float = 0.0  # leases are never renewed past this (config.max_lease_s from start_send)
+    #: Offered on the native lane (``kvcore.transceiver.native``) and not yet ended there: the lane may be
+    #: writing it, so it is not quiescent until the lane's completion (or a withdrawal) clears this.
+    lane: bool = False
 
     @property
     def quiescent(self) -> bool:
@@ -449,7 +452,7 @@ class TxSession(Session):
         A terminal session never keeps an idle task: it is answered at once (see
         the sender), so this is also "no task can still produce a write or a result".
         """
-        return all(t.state in FINAL_TASK_STATES for t in self.tasks.values())
+        return not self.lane and all(t.state in FINAL_TASK_STATES for t in self.tasks.values())
 
 
 # --- tombstones --------------------------------------------------------------------------------------

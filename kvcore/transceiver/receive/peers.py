@@ -201,6 +201,9 @@ class RecvPeers(RecvSettle):
                     assert msg.info is not None
                     inst.ranks[r] = msg.info  # now with its pid and start time (fencing) and identity descriptor
                     inst.loaded[r] = b""  # claimed: one load per rank
+                    native = self.link.native
+                    if native is not None and msg.lane_endpoint:
+                        native.learn(inst.endpoint, r, msg.info, msg.lane_endpoint, msg.lane_token, msg.lane_key)
                     self.link.post(self._registered, inst, r)
             return
         err = error_from(msg.error_kind, f"context rank {msg.ctx_rank} refused this generation rank: {msg.error}")
@@ -286,8 +289,11 @@ class RecvPeers(RecvSettle):
     def _load_instance(self, inst: CtxInstance) -> None:
         """Register with the context ranks this rank exchanges with (each answers with its own RankInfo)."""
         link = self.link
+        lane = link.native.descriptor if link.native is not None else b""
         for r in inst.peers:
-            link.send(inst.ranks[r].endpoint, wire.RegisterRankInfo(v=wire.PROTOCOL_VERSION, info=link.rank_info))
+            link.send(
+                inst.ranks[r].endpoint, wire.RegisterRankInfo(v=wire.PROTOCOL_VERSION, info=link.rank_info, lane=lane)
+            )
 
     def _registered(self, inst: CtxInstance, r: int) -> None:
         """Worker: context rank ``r`` accepted us; load its identity (where the transport needs one) and, once every
@@ -491,6 +497,8 @@ class RecvPeers(RecvSettle):
             if w is WriterState.PULLED and r in s.pull_done:
                 self.link.send(inst.ranks[r].endpoint, s.pull_done[r])  # our report may have been lost
             if w is WriterState.ASKED:
+                if self.link.native is not None:
+                    self.link.native.cancel(s.nonces[r])  # asked on the lane: its writer hears it there first
                 self.link.send(
                     inst.ranks[r].endpoint,
                     self._cancel(s.request_id, reason, nonce=s.nonces[r]),

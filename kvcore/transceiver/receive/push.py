@@ -68,13 +68,24 @@ class RecvPush(RecvBounce):
             self._send_requests(s, inst, ranks, {})
 
     def _send_requests(
-        self, s: RxSession, inst: CtxInstance, ranks: list[int], bounce_args: dict[int, tuple[int, int, bytes]]
+        self,
+        s: RxSession,
+        inst: CtxInstance,
+        ranks: list[int],
+        bounce_args: dict[int, tuple[int, int, bytes]],
+        *,
+        lane: bool = True,
     ) -> None:
+        """Ask writers ``ranks`` for ``s``: on the native lane where it serves them (not with ``lane=False``: the
+        lane declined), else with a ``RequestData``."""
         remaining_ms = max(1, int((s.deadline - time.monotonic()) * 1000))
         link = self.link
+        native = link.native if lane else None
         for r in ranks:
             addr, nbytes, digest = bounce_args.get(r, (0, 0, b""))
             s.sent.add(r)
+            if native is not None and not addr and native.ask(s, r):
+                continue
             link.send(
                 inst.ranks[r].endpoint,
                 wire.RequestData(

@@ -64,6 +64,64 @@ class Receiver(RecvPush):
                 return
             self._push_answer(s, inst, r, msg)
 
+    def lane_drain(self) -> None:
+        """Settle the writers whose native-lane requests ended since the last call (any thread)."""
+        native = self.link.native
+        if native is None:
+            return
+        done = native.completions()
+        if done:
+            with self.link.lock:
+                for c in done:
+                    self._lane_answer(c)
+
+    def _lane_answer(self, c: Any) -> None:
+        """A writer's word on a request asked on the native lane (lock held), read as its ``TransferResult``.
+
+        "declined": nothing was written, the request is asked again on the Python path. "timed_out": the answer
+        did not come in time, so the write may still land (the writer stays unsettled, as an in-doubt result
+        leaves it, until its final word or its fencing).
+        """
+        native = self.link.native
+        assert native is not None
+        ask = native.asks.get(c.nonce)
+        if ask is None:
+            self.counters["late_results"] += 1
+            return
+        rid, r, nbytes = ask
+        if c.status != "timed_out":
+            del native.asks[c.nonce]
+        s = self.rx.get(rid)
+        if s is None or s.instance is None or r not in s.writers or s.nonces.get(r) != c.nonce:
+            self.counters["late_results"] += 1
+            return
+        inst = s.instance
+        if c.status == "declined":
+            if s.writers[r] is WriterState.ASKED:
+                if s.terminal:
+                    self._settle_writer(s, r, WriterState.NOT_ASKED)  # it wrote nothing and never will
+                    self._note_quarantine(s)
+                else:
+                    self._send_requests(s, inst, [r], {}, lane=False)
+            return
+        if r in s.asked_at and s.writers[r] is WriterState.ASKED:
+            self.link.metrics.writer_round_trip(inst.name, time.monotonic() - s.asked_at[r])
+        ok = c.status == "ok"
+        status: wire.ResultStatus = "ok" if ok else "cancelled" if c.status == "cancelled" else "failed"
+        msg = wire.TransferResult(
+            v=wire.PROTOCOL_VERSION,
+            request_id=rid,
+            ctx_rank=r,
+            ctx_incarnation=inst.ranks[r].incarnation,
+            status=status,
+            nbytes=nbytes if ok else 0,
+            error_kind="" if ok else "TransferTimeoutError" if c.status == "timed_out" else "TransferFailedError",
+            error=c.error[:1000],
+            nonce=c.nonce,
+            in_doubt=c.status == "timed_out",
+        )
+        self._push_answer(s, inst, r, msg)
+
     def start_receive(
         self,
         rid: InternalId,
@@ -199,6 +257,10 @@ class Receiver(RecvPush):
         self.reasks.pop(rid, None)
         if s is None:
             return
+        native = self.link.native
+        if native is not None:
+            for nonce in s.nonces.values():
+                native.asks.pop(nonce, None)  # a lane answer that never came (the writer was fenced)
         if self.arena is not None:
             for off in s.leases.values():
                 self.arena.release(off)  # every writer is settled: nothing can land here any more
@@ -221,6 +283,7 @@ class Receiver(RecvPush):
         return RequestStatus.TRANSFERRING
 
     def tick(self, now: float) -> None:
+        self.lane_drain()
         cfg = self.config
         unload: list[CtxInstance] = []
         with self.link.lock:

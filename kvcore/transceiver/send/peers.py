@@ -216,7 +216,7 @@ class SendPeers(SendSettle):
                 self.peers.pop(key, None)
             self.refused.pop(key, None)
             self.dormant.pop(key, None)
-            peer = GenPeer(info=info, identity=source.identity)
+            peer = GenPeer(info=info, identity=source.identity, lane_descriptor=msg.lane)
             peer.move(PeerState.CONNECTING)
             self.peers[key] = peer
             if link.auth is not None:
@@ -276,6 +276,8 @@ class SendPeers(SendSettle):
         if not peer.move(PeerState.LOST, error=error):
             return
         peer.lost_at = time.monotonic()
+        if peer.lane is not None and self.link.native is not None:
+            self.link.native.forget(peer.lane[1])  # its token opens the lane no more
         self.counters["peers_closed" if orderly else "peers_lost"] += 1
         log.log(logging.INFO if orderly else logging.WARNING, "%s", error)
         key = peer.key
@@ -345,8 +347,11 @@ class SendPeers(SendSettle):
                 ),
             )
             return
+        native = self.link.native
+        lane = native.admit(peer.key, peer.info, peer.lane_descriptor) if native is not None else None
         with self.link.lock:
             peer.agent_name = name
+            peer.lane = lane
             if peer.state is PeerState.CONNECTING:
                 peer.move(PeerState.READY)
                 peer.ready_at = time.monotonic()
@@ -364,10 +369,17 @@ class SendPeers(SendSettle):
         identity = to.identity if to is not None and to.identity is not None else peer.identity
         if identity is not None and not peer.gone:
             # Over a connection it registered on: it arrives on that rank's own link to us, so it cannot be forged.
+            endpoint, token, key = peer.lane or ("", b"", b"")
             self.link.reply(
                 Source(identity=identity),
                 wire.RegisterResult(
-                    v=wire.PROTOCOL_VERSION, ctx_rank=self.link.topology.rank, ok=True, info=self.link.accepted_info
+                    v=wire.PROTOCOL_VERSION,
+                    ctx_rank=self.link.topology.rank,
+                    ok=True,
+                    info=self.link.accepted_info,
+                    lane_endpoint=endpoint,
+                    lane_token=token,
+                    lane_key=key,
                 ),
             )
 
@@ -386,6 +398,8 @@ class SendPeers(SendSettle):
         )
         if peer.agent_name and not again:
             self.link.unload_agent(peer.agent_name, peer.incarnation, peer.info.agent_descriptor if peer.info else b"")
+        if peer.lane is not None and self.link.native is not None:
+            self.link.native.forget(peer.lane[1])
         with self.link.lock:
             in_use = any(p.info is not None and p.info.endpoint == peer.info.endpoint for p in self.peers.values())
             peer.move(PeerState.UNLOADED)

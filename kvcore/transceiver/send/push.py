@@ -122,6 +122,20 @@ class SendPush(SendAsks):
                 return  # one task per receiver incarnation; a second ask with another secret is ignored
         if self._refused_ticket(s, msg.ticket, msg.nonce, source):
             return
+        native = self.link.native
+        if s.lane and native is not None:
+            if not native.withdraw(s):
+                # The lane took a request for it already (its completion is coming): one writer per request.
+                self._refuse_request(
+                    source,
+                    s.request_id,
+                    msg.nonce,
+                    "SessionError",
+                    f"request {s.request_id} is being written on the native lane to another receiver",
+                )
+                return
+            s.lane = False  # asked on the Python path: served there
+            native.decline(s, "a receiver asked on the Python path already")
         if s.mode == "pull":
             self._refuse_request(
                 source,

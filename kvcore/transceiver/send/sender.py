@@ -116,7 +116,12 @@ class Sender(SendBounce, SendPull, SendLeases):
                         s, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled earlier")
                     )
                     break
-            for _, req, source in self.early.pop(rid):
+            early = self.early.pop(rid)
+            native = self.link.native
+            if native is not None and not s.terminal:
+                # A receiver asking on the native lane is served there, in C; or told to ask on the Python path.
+                s.lane = native.offer(s, "a receiver asked on the Python path already" if early else "")
+            for _, req, source in early:
                 if isinstance(req, wire.PullDone):
                     self._take_pull_done(s, req, source)
                 elif isinstance(req, wire.ExposeRequest):
@@ -163,6 +168,14 @@ class Sender(SendBounce, SendPull, SendLeases):
                     f"request {rid}: {told[0]} already has its KV and its final answer; set aux at start_send or "
                     "before the last layers are ready"
                 )
+            native = self.link.native
+            if s.lane and native is not None:
+                if not native.withdraw(s):
+                    raise E.SessionError(
+                        f"request {rid}: the native lane is writing it (or wrote it) already; set aux at start_send"
+                    )
+                s.lane = False
+                native.decline(s, "the request carries an aux payload: ask on the Python path")
             s.aux = data
 
     def cancel(self, rid: InternalId, reason: str) -> bool:
@@ -208,6 +221,9 @@ class Sender(SendBounce, SendPull, SendLeases):
         return RequestStatus.WAITING
 
     def tick(self, now: float) -> None:
+        self.lane_drain()
+        if self.link.native is not None:
+            self.link.native.expire(now)
         if self.events:
             self._check_events()
         with self.link.lock:

@@ -98,6 +98,9 @@ class SendSettle(Role):
         moved = s.transition(state, error)
         if not s.terminal:
             return
+        native = self.link.native
+        if native is not None:
+            native.end(s)  # its offer goes (or, being written, stays until the lane's completion)
         for t in s.tasks.values():
             if t.state in IDLE_TASK_STATES:
                 self._finish_for_session(s, t)
@@ -112,6 +115,58 @@ class SendSettle(Role):
                 self._tell(
                     peer, self._result(s.request_id, nonce, status=status, kind=type(err).__name__, error=str(err))
                 )
+
+    # --- the native lane (kvcore.transceiver.native) -------------------------------------------------------------
+
+    def lane_drain(self) -> None:
+        """Settle the sessions the native lane ended since the last call (any thread)."""
+        native = self.link.native
+        if native is None:
+            return
+        done = native.completions()
+        if done:
+            with self.link.lock:
+                for c in done:
+                    self._lane_end(native.take_offer(c.ticket), c)
+
+    def _lane_end(self, rid: InternalId | None, c: Any) -> None:
+        """The lane ended its write of request ``rid`` into poster peer ``c.peer`` (lock held): the session gets
+        the task the lane served (its final answer kept for a receiver that asks again, never sent: the lane
+        answered) and settles as a task ended on the Python path would."""
+        native = self.link.native
+        s = self.tx.get(rid) if rid is not None else None
+        if native is None or s is None or not s.lane:
+            self.counters["late_results"] += 1
+            return
+        s.lane = False
+        key = native.slots.get(c.peer)
+        peer = self.peers.get(key) if key is not None else None
+        ok = c.status == "ok"
+        if peer is not None and key not in s.tasks:
+            t = ReceiverTask(peer=peer, block_ids={}, state_slot=-1, prompt_len=s.prompt_len, nonce=c.nonce)
+            s.tasks[peer.key] = t
+            if s.expected_receivers is None:
+                s.expected_receivers = 1
+            if ok:
+                self._begin(s)
+                t.move(TaskState.SUBMITTED)
+                t.total_bytes = native.offered_bytes(s)
+            state = TaskState.DONE if ok else TaskState.CANCELLED if c.status == "cancelled" else TaskState.FAILED
+            t.move(state)
+            if ok:
+                s.nbytes += t.total_bytes
+            kind = "" if ok else "RequestCancelledError" if c.status == "cancelled" else "TransferFailedError"
+            t.final = self._result(
+                s.request_id, c.nonce, status=answer_status(state), kind=kind, error=c.error, nbytes=t.total_bytes
+            )
+            self.link.metrics.writer_service(peer.name, time.monotonic() - t.attached_at)
+        if ok:
+            self._settle(s)
+        elif c.status == "cancelled":
+            self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"request {s.request_id}: {c.error}"))
+        else:
+            err = E.TransferFailedError(f"request {s.request_id}: the native lane's write failed: {c.error}")
+            self._end(s, SessionState.FAILED, err)
 
     def _finish_for_session(self, s: TxSession, t: ReceiverTask) -> None:
         cancelled = s.state is SessionState.CANCELLED

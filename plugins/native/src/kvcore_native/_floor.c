@@ -4,38 +4,18 @@
  * an echo thread owns a ROUTER on loopback and answers every frame with itself; on the generation side the
  * calling thread (the engine) hands each frame to an I/O thread that owns a DEALER (woken through an inproc
  * PAIR) and sleeps on a condition variable until the I/O thread read the echo. libzmq is pyzmq's own library,
- * opened at run time by path (the wheel ships no header: the few prototypes are declared here).
+ * opened at run time by path (kvn_zmq.h: the wheel ships no header, so the few prototypes are declared there).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <dlfcn.h>
 #include <errno.h>
 #include <stdint.h>
 #include <pthread.h>
 #include <string.h>
 #include <time.h>
 
-typedef struct { void *socket; int fd; short events; short revents; } zpollitem;
+#include "kvn_zmq.h"
 
-static struct {
-    void *(*ctx_new)(void);
-    int (*ctx_term)(void *);
-    void *(*socket)(void *, int);
-    int (*close)(void *);
-    int (*bind)(void *, const char *);
-    int (*connect)(void *, const char *);
-    int (*send)(void *, const void *, size_t, int);
-    int (*recv)(void *, void *, size_t, int);
-    int (*poll)(zpollitem *, int, long);
-    int (*setsockopt)(void *, int, const void *, size_t);
-    int (*getsockopt)(void *, int, void *, size_t *);
-    int (*errno_)(void);
-    const char *(*strerror)(int);
-} Z;
-static void *zctx;
-
-enum { Z_PAIR = 0, Z_DEALER = 5, Z_ROUTER = 6, Z_POLLIN = 1, Z_DONTWAIT = 1, Z_SNDMORE = 2, Z_LINGER = 17,
-       Z_MAXMSGSIZE = 22, Z_LAST_ENDPOINT = 32 };
 #define FRAME_BYTES 256
 #define MAX_FRAME 4096
 
@@ -50,33 +30,14 @@ static PyObject *zerr(const char *what) {
 /* load(path): open libzmq at ``path`` and make this module's context. */
 static PyObject *load(PyObject *self, PyObject *args) {
     const char *path;
+    char err[512];
     if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
-    if (zctx) Py_RETURN_NONE;
-    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (!lib) return PyErr_Format(PyExc_OSError, "kvcore_native: cannot open libzmq at %s: %s", path, dlerror());
-#define SYM(field, name) if (!(*(void **)&Z.field = dlsym(lib, name))) \
-        return PyErr_Format(PyExc_OSError, "kvcore_native: %s has no %s", path, name);
-    SYM(ctx_new, "zmq_ctx_new") SYM(ctx_term, "zmq_ctx_term") SYM(socket, "zmq_socket") SYM(close, "zmq_close")
-    SYM(bind, "zmq_bind") SYM(connect, "zmq_connect") SYM(send, "zmq_send") SYM(recv, "zmq_recv")
-    SYM(poll, "zmq_poll") SYM(setsockopt, "zmq_setsockopt") SYM(getsockopt, "zmq_getsockopt")
-    SYM(errno_, "zmq_errno") SYM(strerror, "zmq_strerror")
-#undef SYM
-    zctx = Z.ctx_new();
-    if (!zctx) return zerr("zmq_ctx_new");
+    if (kvn_zmq_load(path, err, sizeof err)) return PyErr_Format(PyExc_OSError, "kvcore_native: %s", err);
     Py_RETURN_NONE;
 }
 
 /* A socket that drops its queue at close and refuses (disconnects) a peer whose message exceeds MAX_FRAME. */
-static void *socket_linger0(int type) {
-    void *s = Z.socket(zctx, type);
-    int zero = 0;
-    int64_t cap = MAX_FRAME;
-    if (s && (Z.setsockopt(s, Z_LINGER, &zero, sizeof zero) != 0 || Z.setsockopt(s, Z_MAXMSGSIZE, &cap, sizeof cap) != 0)) {
-        Z.close(s);
-        return NULL;
-    }
-    return s;
-}
+static void *socket_linger0(int type) { return kvn_socket(type, MAX_FRAME); }
 
 /* --- the echo (context side) ------------------------------------------------------------------------- */
 
