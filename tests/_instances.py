@@ -133,7 +133,7 @@ class _Instance:
         r = self.tx.poll()
         for o in r.outcomes:
             error = f"{type(o.error).__name__}: {o.error}" if o.error else None
-            self.channel.send({"outcome": o.request_id, "state": o.state.value, "error": error})
+            self.channel.send({"outcome": o.request_id, "state": o.state.value, "error": error, "aux": o.aux})
         for rid in r.released:
             self.channel.send({"released": rid})
 
@@ -149,8 +149,11 @@ class _Instance:
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {"params": params.to_dict()}
 
-    def op_receive(self, rid: Any, endpoint: str, blocks: list[int], ticket: bytes | None = None) -> dict[str, Any]:
-        self.tx.start_receive(rid, endpoint, blocks, ticket=ticket or ticket_for(rid))
+    def op_receive(
+        self, rid: Any, endpoint: str, blocks: list[int], ticket: bytes | None = None, **kw: Any
+    ) -> dict[str, Any]:
+        """``start_receive``; ``kw``: its other keyword arguments (``cached_tokens``, ``prompt_len``...)."""
+        self.tx.start_receive(rid, endpoint, blocks, ticket=ticket or ticket_for(rid), **kw)
         return {}
 
     def op_receive_params(self, params: dict[str, Any], blocks: list[int]) -> dict[str, Any]:
@@ -296,10 +299,11 @@ class GenerationProcess(ContextProcess):
 
     role = "generation"
 
-    def receive(self, rid: Any, endpoint: str, blocks: list[int], ticket: bytes | None = None) -> None:
-        """Start receiving ``rid``; ``ticket`` defaults to the test ticket every side derives (``ticket_for``)."""
+    def receive(self, rid: Any, endpoint: str, blocks: list[int], ticket: bytes | None = None, **kw: Any) -> None:
+        """Start receiving ``rid``; ``ticket`` defaults to the test ticket every side derives (``ticket_for``);
+        ``kw``: ``start_receive``'s other keyword arguments."""
         self._drain()
-        self.tell("receive", rid=rid, endpoint=endpoint, blocks=blocks, ticket=ticket)
+        self.tell("receive", rid=rid, endpoint=endpoint, blocks=blocks, ticket=ticket, **kw)
 
     def read(self, blocks: list[int], timeout: float = 10) -> bytes:
         """The bytes of these destination blocks, as the generation process sees them."""

@@ -47,6 +47,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound in seconds on every rank command")
     p.add_argument("--agent-options", default="{}", help='JSON: {"nixl": {...}, "ucx": {...}}')
+    p.add_argument(
+        "--native-lane",
+        action="store_true",
+        help="run the transceivers with config.native_lane: common push requests on kvcore-native's lane (nixl, "
+        "ucx); each case then reports lane_requests, the requests each side's lane served or was answered",
+    )
     soak = p.add_argument_group("soak case (--cases soak)")
     soak.add_argument("--requests", type=int, default=d.requests, help="one-block requests in the soak")
     soak.add_argument("--inflight", type=int, default=d.inflight, help="soak requests in flight on each side")
@@ -126,6 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             cancel_rate=args.cancel_rate,
             soak_request_timeout_s=args.soak_request_timeout,
             matrix_iterations=args.matrix_iterations,
+            native_lane=args.native_lane,
         )
         if args.matrix or args.quick:
             spec.cases = ["matrix"]

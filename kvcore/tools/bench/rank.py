@@ -53,6 +53,7 @@ class _Rank(_BareModes, _FloorModes, _VerifyModes, _ReceiveModes, _SoakModes, _P
             agent_options=dict(spec.agent_options.get(backend, {})),
             request_timeout_s=spec.timeout_s,
             transfer_timeout_s=spec.timeout_s,
+            **({"native_lane": True} if spec.native_lane else {}),
         )
         self._create_agent = create_agent
         self.agent = create_agent(self.config, f"bench-{role}-{os.getpid()}")

@@ -117,6 +117,18 @@ class BackendRun:
             "pool_verified": full["ok"],
             "pool_bad_bytes": full["bad_bytes"],
             "leaks": leaks,
+            # The evidence of the path the requests took: what each side's native lane served or was answered
+            # (absent: no lane; config.native_lane off, or this backend has no poster).
+            **(
+                {
+                    "lane_requests": {
+                        "context": c_stats["lane_requests_total"],
+                        "generation": g_stats["lane_requests_total"],
+                    }
+                }
+                if "lane_requests_total" in c_stats and "lane_writes_total" in c_stats
+                else {}
+            ),
         }
 
     def kvcore_once(self, region: str, mode: str = "push") -> float:

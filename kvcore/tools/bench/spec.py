@@ -93,6 +93,7 @@ class BenchSpec:
     matrix_max_bytes: int = 4 << 30  # cells that would move more per round (requests x size) are skipped
     matrix_pool_bytes: int = 2 << 30  # per side: request-sized slots the in-flight requests cycle through
     auth: bool = False  # also run the small case with CURVE configured (small_auth), beside small without
+    native_lane: bool = False  # the transceivers run with config.native_lane (kvcore-native's lane, nixl and ucx)
     auth_config: dict[str, dict[str, str]] = field(default_factory=dict)  # role -> auth_* fields (set by run_bench)
 
     def validate(self) -> None:

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvcore_native.errors import NativeLaneError, NativeTransportError
+from kvcore_native.errors import NativeLaneError
 from kvcore_native.lane import Lane, LaneCompletion
-from kvcore_native.posters import create_poster
+from kvcore_native.posters import create_poster, missing_library
 
 SPAWN = multiprocessing.get_context("spawn")
 BLOCK = 16 * 1024
@@ -22,16 +22,9 @@ BLOCKS = 64
 DIGEST = b"layout-digest-01"
 
 
-def _available(backend: str) -> bool:
-    try:
-        create_poster(backend, f"probe-{backend}-{os.getpid()}").close()
-    except (NativeTransportError, ImportError):
-        return False
-    return True
-
-
 BACKENDS = [
-    pytest.param(b, marks=pytest.mark.skipif(not _available(b), reason=f"no {b} poster here")) for b in ("ucx", "nixl")
+    pytest.param(b, marks=pytest.mark.skipif(bool(missing_library(b)), reason=missing_library(b)))
+    for b in ("ucx", "nixl")
 ]
 
 

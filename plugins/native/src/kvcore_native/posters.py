@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 from kvcore_native.errors import NativeTransportError
 
-__all__ = ["NativePoster", "create_poster", "POSTER_BACKENDS"]
+__all__ = ["NativePoster", "create_poster", "missing_library", "POSTER_BACKENDS"]
 
 #: kvcore backends with a native poster.
 POSTER_BACKENDS = ("nixl", "ucx")
@@ -38,6 +38,24 @@ def _options(backend: str, agent_options: Mapping[str, Any], local: bool) -> dic
         out["error_handling"] = mode
         out["progress_thread"] = "true" if mode == "peer" else "false"
     return out
+
+
+def missing_library(backend: str) -> str:
+    """Why ``backend``'s poster cannot start here ("" when its library is found), without loading the library."""
+    try:
+        if backend == "ucx":
+            from kvcore_native.ucx import libucp_path
+
+            libucp_path()
+        elif backend == "nixl":
+            from kvcore_native.nixl import nixl_capi_path
+
+            nixl_capi_path()
+        else:
+            return f"no native poster for backend {backend!r}"
+    except NativeTransportError as exc:
+        return str(exc)
+    return ""
 
 
 def create_poster(
