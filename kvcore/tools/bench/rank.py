@@ -48,12 +48,13 @@ class _Rank(_BareModes, _FloorModes, _VerifyModes, _ReceiveModes, _SoakModes, _P
         self.role, self.backend, self.spec = role, backend, spec
         # Both sides derive every request's ticket from the run's secret (the orchestrator set it before spawning).
         self.secret = bytes.fromhex(os.environ[_SECRET_ENV])
+        lane: dict[str, Any] = {"native_lane": True} if spec.native_lane else {}
         self.config = TransceiverConfig.load(
             backend=backend,
             agent_options=dict(spec.agent_options.get(backend, {})),
             request_timeout_s=spec.timeout_s,
             transfer_timeout_s=spec.timeout_s,
-            **({"native_lane": True} if spec.native_lane else {}),
+            **lane,
         )
         self._create_agent = create_agent
         self.agent = create_agent(self.config, f"bench-{role}-{os.getpid()}")

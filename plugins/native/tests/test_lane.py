@@ -340,3 +340,18 @@ def test_close_ends_waits_and_refuses_later_calls(pair: Pair) -> None:
     with pytest.raises(NativeLaneError, match="closed"):
         pair.ask(_ticket(2), [2])
     pair.lane.close()  # again: nothing
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_large_write_moves_in_pieces_and_lands_whole(backend: str) -> None:
+    p = Pair(backend, piece_bytes=4 * BLOCK)
+    try:
+        rng = np.random.default_rng(5)
+        src, dst = rng.permutation(BLOCKS)[:30].tolist(), rng.permutation(BLOCKS)[:30].tolist()
+        p.ctx("offer", _ticket(1), src)
+        p.ask(_ticket(1), dst)
+        assert [c.status for c in p.ended(1)] == ["ok"]
+        _check(p.pool, src, dst)
+        assert p.ctx("stats")["posts"] == 8  # 30 blocks in pieces of 4: seven full pieces and one of 2
+    finally:
+        p.close()

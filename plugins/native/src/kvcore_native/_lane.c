@@ -54,6 +54,10 @@ enum { S_OK = 0, S_FAILED = 1, S_CANCELLED = 2, S_TIMED_OUT = 3, S_DECLINED = 4 
 #define ANSWER_MARGIN_S 1.0
 /* After that, how long a late answer is still taken (it settles what the timeout left in doubt). */
 #define LATE_ANSWER_S 60.0
+/* A write moves in pieces of about this many bytes (a fragment is never cut), one piece in flight per request, and
+ * the thread serves its sockets between pieces: a request arriving beside a large one waits for one piece (16 MiB:
+ * a few ms of copy over CMA), not for all of it. Lane(piece_bytes=...) sets another size. */
+#define PIECE_BYTES (16u << 20)
 #define MAX_LAYOUTS 256
 #define MAX_LAYOUT_FRAGS 4096
 #define MAX_TOKENS 4096
@@ -100,6 +104,7 @@ typedef struct Job {
     int identlen;
     uint32_t peer;
     double expires;       /* a request waiting for its offer answers FAILED then */
+    uint32_t sent, end;   /* fragments [sent, end) are the piece in flight; [0, sent) landed */
     void *handle;
     size_t bytes;         /* held for the byte cap */
 } Job;
@@ -151,6 +156,7 @@ typedef struct {
     Completion *done_head, *done_tail;
     Out *out_head, *out_tail;
     size_t job_count, job_bytes, pend_count, max_jobs, max_job_bytes, max_pending;
+    uint64_t piece_bytes;
     double next_expiry;
     uint64_t st_requests, st_results_sent, st_results_received, st_rejected, st_ok, st_failed, st_posts;
     char thread_error[256];
@@ -277,6 +283,25 @@ static void send_result(Lane *l, const uint8_t *ident, int identlen, const uint8
     l->st_results_sent++;
 }
 
+/* Post the piece of an in-flight job that starts at fragment j->sent (the poster is called outside mu): 1, or 0
+ * with the reason in err. */
+static int post_piece(Lane *l, Job *j, char *err, size_t errlen) {
+    uint64_t bytes = 0;
+    uint32_t k = j->sent;
+    do bytes += j->len[k++];
+    while (k < j->n && bytes + j->len[k] <= l->piece_bytes);
+    j->end = k;
+    uint32_t peer = j->peer, a = j->sent;
+    unlock(l);
+    void *h = NULL;
+    int rc = l->pr->vt->post_write(l->pr->self, peer, j->src + a, j->dst + a, j->len + a, k - a, &h, err, errlen);
+    pthread_mutex_lock(&l->mu);
+    l->st_posts++;
+    if (rc == 0) { j->handle = h; return 1; }
+    if (!err[0]) snprintf(err, errlen, "the %s poster refused the write", l->pr->vt->backend);
+    return 0;
+}
+
 /* A job whose offer and request both came: check they agree, then post (outside mu). The lane's thread only,
  * under mu on entry and exit; the job is freed when it failed. */
 static void start_job(Lane *l, Job *j) {
@@ -295,15 +320,9 @@ static void start_job(Lane *l, Job *j) {
     }
     if (!err[0]) {
         j->in_flight = 1;
-        uint32_t peer = j->peer;
-        unlock(l);
-        void *h = NULL;
-        int rc = l->pr->vt->post_write(l->pr->self, peer, j->src, j->dst, j->len, j->n, &h, err, sizeof err);
-        pthread_mutex_lock(&l->mu);
-        l->st_posts++;
-        if (rc == 0) { j->handle = h; return; }
+        j->sent = 0;
+        if (post_piece(l, j, err, sizeof err)) return;
         j->in_flight = 0;
-        if (!err[0]) snprintf(err, sizeof err, "the %s poster refused the write", l->pr->vt->backend);
     }
     send_result(l, j->ident, j->identlen, j->nonce, j->ticket, S_FAILED, err);
     complete(l, 0, j->peer, j->ticket, j->nonce, S_FAILED, err);
@@ -433,6 +452,18 @@ static int drive(Lane *l) {
         pthread_mutex_lock(&l->mu);
         nx = j->anext; /* j itself is ours while in flight; its neighbours may have changed */
         if (st == KVN_PENDING) { left++; continue; }
+        j->handle = NULL;
+        if (st == KVN_DONE && j->end < j->n) { /* the next piece, once this turn served the sockets */
+            j->sent = j->end;
+            if (post_piece(l, j, err, sizeof err)) { left++; nx = j->anext; continue; }
+            st = KVN_FAILED;
+            nx = j->anext;
+        }
+        if (st == KVN_FAILED && j->sent) {
+            char why[512];
+            snprintf(why, sizeof why, "after %u of %u fragments: %s", j->sent, j->n, err);
+            snprintf(err, sizeof err, "%s", why);
+        }
         int status = st == KVN_DONE ? S_OK : S_FAILED;
         send_result(l, j->ident, j->identlen, j->nonce, j->ticket, status, err);
         complete(l, 0, j->peer, j->ticket, j->nonce, status, err);
@@ -586,16 +617,18 @@ static int curve_key(PyObject *o, uint8_t *key, const char *what) {
     return 1;
 }
 
-/* Lane(poster, capsule, bind, max_jobs, max_job_bytes, max_pending, server_secret, client_public, client_secret):
- * the three keys are 32-byte CURVE keys, or all None (no encryption). */
+/* Lane(poster, capsule, bind, max_jobs, max_job_bytes, max_pending, server_secret, client_public, client_secret,
+ * piece_bytes): the three keys are 32-byte CURVE keys, or all None (no encryption). */
 static int Lane_init(Lane *l, PyObject *args, PyObject *kw) {
     PyObject *poster, *cap, *oss, *ocp, *ocs;
     const char *bind;
     Py_ssize_t max_jobs, max_job_bytes, max_pending;
+    unsigned long long piece_bytes = PIECE_BYTES;
     uint8_t server_secret[32];
-    if (!PyArg_ParseTuple(args, "OOsnnnOOO", &poster, &cap, &bind, &max_jobs, &max_job_bytes, &max_pending, &oss,
-                          &ocp, &ocs))
+    if (!PyArg_ParseTuple(args, "OOsnnnOOO|K", &poster, &cap, &bind, &max_jobs, &max_job_bytes, &max_pending, &oss,
+                          &ocp, &ocs, &piece_bytes))
         return -1;
+    if (piece_bytes < 4096) { lane_error("piece_bytes must be at least 4096, got %llu", piece_bytes); return -1; }
     int k1 = curve_key(oss, server_secret, "server_secret"), k2 = curve_key(ocp, l->client_public, "client_public"),
         k3 = curve_key(ocs, l->client_secret, "client_secret");
     if (k1 < 0 || k2 < 0 || k3 < 0) return -1;
@@ -619,6 +652,7 @@ static int Lane_init(Lane *l, PyObject *args, PyObject *kw) {
     l->max_jobs = (size_t)max_jobs;
     l->max_job_bytes = (size_t)max_job_bytes;
     l->max_pending = (size_t)max_pending;
+    l->piece_bytes = piece_bytes;
     l->next_expiry = mono() + 3600;
     l->rxbuf = malloc(MAX_FRAME);
     char addr[64];

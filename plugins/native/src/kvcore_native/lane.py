@@ -83,6 +83,9 @@ class Lane:
     ``:0``); the caps bound what peers may make it hold: ``max_jobs`` offers and waiting requests,
     ``max_job_bytes`` of their fragment lists, ``max_pending`` requests this side asked and not yet answered.
 
+    A write moves in pieces of about ``piece_bytes`` (a fragment is never cut), one piece in flight per request:
+    the thread serves its sockets between pieces, so a request arriving beside a large one waits for one piece.
+
     With ``curve`` (the default) every socket speaks CurveZMQ: the lane serves with a key pair of its own
     (:attr:`public_key`, which peers pass to :meth:`connect`) and asks with another, so its traffic (tokens,
     tickets, nonces) is encrypted and a requester knows it reached the lane it was told of. Who may ask is the
@@ -98,6 +101,7 @@ class Lane:
         max_job_bytes: int = 256 * 1024 * 1024,
         max_pending: int = 65536,
         curve: bool = True,
+        piece_bytes: int = 16 * 1024 * 1024,
     ) -> None:
         _load()
         if bind.endswith(":0"):
@@ -113,7 +117,9 @@ class Lane:
             client_public, client_secret = zmq.curve_keypair()
             self.public_key = z85.decode(server_public)
             keys = (z85.decode(server_secret), z85.decode(client_public), z85.decode(client_secret))
-        self._lane = _lane.Lane(poster, poster.capsule(), bind, max_jobs, max_job_bytes, max_pending, *keys)
+        self._lane = _lane.Lane(
+            poster, poster.capsule(), bind, max_jobs, max_job_bytes, max_pending, *keys, piece_bytes
+        )
 
     @property
     def endpoint(self) -> str:
