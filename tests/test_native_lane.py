@@ -139,6 +139,8 @@ def test_cancels_on_either_side_end_lane_requests(pair: tuple[ContextProcess, Ge
     assert gen.wait_released(1)["state"] == "CANCELLED"
     assert gen.wait_released(2)["state"] == "CANCELLED"
     assert time.monotonic() - t0 < 10, "the receiver heard of the context's cancel only at its timeout"
+    ctx.send(1, [4])  # the context starts a request its receiver cancelled on the lane: it ends at once
+    assert ctx.wait_released(1, timeout=10)["state"] == "CANCELLED"
     assert _zero(gen, [1, 3]), "a cancelled request wrote"
     assert ctx.wait_released(2)["state"] == "CANCELLED"
     deadline = time.monotonic() + 10

@@ -263,24 +263,27 @@ class NativeLane:
             return "several layer groups"
         return ""
 
-    def offer(self, s: TxSession, why_not: str = "") -> bool:
-        """Offer a send session on the lane if it can take it (lock held); True when offered. Otherwise a
-        request for it on the lane (now or later) is declined, and its receiver asks on the Python path."""
+    def offer(self, s: TxSession, why_not: str = "") -> str:
+        """Offer a send session on the lane if it can take it (lock held): "offered"; else "declined" (a request
+        for it on the lane, now or later, is declined, and its receiver asks on the Python path); "cancelled":
+        its receiver asked on the lane and cancelled before this (end the session)."""
         if not s.ticket:
-            return False  # nobody can ask for it on the lane: requests there carry a ticket
+            return "declined"  # nobody can ask for it on the lane: requests there carry a ticket
         why = why_not or self._unfit(s)
         key = lane_key(s.ticket)
         if not why:
             try:
-                self.lane.offer(key, self._canonical_layout, next(iter(s.block_ids.values())))
+                offered = self.lane.offer(key, self._canonical_layout, next(iter(s.block_ids.values())))
             except E.KvcoreError as exc:
                 self.link.counters["lane_refusals"] += 1
                 why = str(exc)
             else:
+                if not offered:
+                    return "cancelled"
                 self.offers[key] = s.request_id
-                return True
+                return "offered"
         self.decline(s, f"request {s.request_id!r} is served on the Python path: {why}")
-        return False
+        return "declined"
 
     def withdraw(self, s: TxSession) -> bool:
         """Take a send session's offer back: True when it is gone (no write of it can start), False when the lane

@@ -56,6 +56,12 @@ class Receiver(RecvPush):
             if not msg.nonce or msg.nonce != s.nonces.get(msg.ctx_rank):
                 self.counters["forged_messages"] += 1  # only the writer we asked knows the nonce
                 return
+            native = self.link.native
+            if native is not None and msg.nonce in native.asks:
+                # Asked on the native lane: its answer comes there. The control plane may say "nothing in flight"
+                # while the lane is writing (the two do not see each other's state): never settle on it.
+                self.counters["late_results"] += 1
+                return
             inst, r = s.instance, msg.ctx_rank
             if r in s.asked_at and s.writers[r] is WriterState.ASKED:
                 self.link.metrics.writer_round_trip(inst.name, time.monotonic() - s.asked_at[r])

@@ -188,6 +188,15 @@ class SendAsks(SendPeers):
                 return
             s = self.tx.get(msg.request_id)
             t = s.tasks.get(key) if s is not None else None
+            if s is not None and s.lane and (t is None or t.peer is not peer):
+                # Offered on the native lane: this receiver may have asked there, so only the lane may say whether
+                # anything is in flight. Withdrawn before its write started: the request ends here (one receiver);
+                # being written (or written): the lane's own answer settles the receiver, not this one.
+                native = self.link.native
+                if native is None or not native.withdraw(s):
+                    return
+                s.lane = False
+                self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"cancelled by {peer}"))
             if t is None or t.peer is not peer:
                 mine = self.early.take(
                     msg.request_id,

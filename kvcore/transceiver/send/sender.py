@@ -120,7 +120,11 @@ class Sender(SendBounce, SendPull, SendLeases):
             native = self.link.native
             if native is not None and not s.terminal:
                 # A receiver asking on the native lane is served there, in C; or told to ask on the Python path.
-                s.lane = native.offer(s, "a receiver asked on the Python path already" if early else "")
+                offer = native.offer(s, "a receiver asked on the Python path already" if early else "")
+                s.lane = offer == "offered"
+                if offer == "cancelled":
+                    self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"request {rid} was cancelled by "
+                              "its receiver (on the native lane) before start_send"))  # fmt: skip
             for _, req, source in early:
                 if isinstance(req, wire.PullDone):
                     self._take_pull_done(s, req, source)

@@ -191,6 +191,7 @@ def test_decline_withdraw_cancel_and_timeouts_each_end_as_said(pair: Pair) -> No
     assert got[n1].status == "declined" and got[n1].error == "it carries an aux payload"
     assert got[n4].status == "failed" and "no offer" in got[n4].error
     assert got[n5].status == "cancelled"
+    assert pair.ctx("offer", _ticket(5), [5]) is False  # its receiver cancelled it here first: nothing is offered
     assert n2 not in got, got[n2]
     pair.ctx("offer", _ticket(2), [2])
     assert [c.status for c in pair.ended(1)] == ["ok"]

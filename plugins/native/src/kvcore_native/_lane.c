@@ -93,6 +93,7 @@ typedef struct Job {
     struct Job *anext, *aprev; /* the active list: joined (offer and request) or in flight */
     uint8_t ticket[KEY];
     int offered, requested, in_flight, active, withdrawn, declined;
+    int cancelled;        /* its receiver cancelled it before any offer: the offer, when it comes, is refused */
     char *why;            /* declined: the reason told the requester */
     uint8_t odigest[KEY], rdigest[KEY]; /* the offer's source layout; the one the request planned against */
     uint32_t n;           /* fragments of the offer (src, len) */
@@ -341,6 +342,7 @@ static void on_request(Lane *l, const uint8_t *ident, int identlen, const uint8_
         job_free(l, j);
         return;
     }
+    if (j && j->cancelled && !j->requested) j->cancelled = 0; /* asked again: the request is live once more */
     size_t bytes = 16 * (size_t)n;
     const char *refuse = NULL;
     if (j && j->requested) refuse = "a request with this ticket is already being served";
@@ -377,8 +379,20 @@ static void on_cancel(Lane *l, const uint8_t *ident, int identlen, const uint8_t
     Job *j = job_find(l, f + 24);
     if (!j || !j->requested || j->in_flight || memcmp(j->nonce, f + 40, KEY) || j->peer != peer) return;
     send_result(l, ident, identlen, j->nonce, j->ticket, S_CANCELLED, "cancelled by the receiver");
-    if (j->offered) complete(l, 0, j->peer, j->ticket, j->nonce, S_CANCELLED, "cancelled by the receiver");
-    job_free(l, j);
+    if (j->offered || j->declined) {
+        if (j->offered) complete(l, 0, j->peer, j->ticket, j->nonce, S_CANCELLED, "cancelled by the receiver");
+        job_free(l, j);
+        return;
+    }
+    /* Not offered yet: a mark stays until the request's timeout, so the offer that comes is told (offer() returns
+     * False) and the sender ends the request instead of waiting for a receiver that is gone. */
+    free(j->dst); free(j->rlen);
+    j->dst = j->rlen = NULL;
+    l->job_bytes -= j->bytes;
+    j->bytes = 0;
+    j->requested = 0;
+    j->cancelled = 1;
+    j->rn = 0;
 }
 
 static void on_result(Lane *l, uint32_t conn, const uint8_t *f, size_t len) {
@@ -401,6 +415,11 @@ static void expire(Lane *l, double now) {
     for (int b = 0; b < BUCKETS; b++) {
         for (Job *j = l->jobs[b], *nx; j; j = nx) {
             nx = j->next;
+            if (j->cancelled && !j->requested) {
+                if (j->expires <= now) job_free(l, j);
+                else if (j->expires < next) next = j->expires;
+                continue;
+            }
             if (!j->requested || j->in_flight) continue;
             if (j->declined) {
                 send_result(l, j->ident, j->identlen, j->nonce, j->ticket, S_DECLINED, j->why);
@@ -813,7 +832,8 @@ static PyObject *Lane_revoke(Lane *l, PyObject *args) {
     return PyBool_FromLong(found);
 }
 
-/* offer(ticket, layout, block_ids): the source blocks of the request with this ticket. */
+/* offer(ticket, layout, block_ids) -> bool: the source blocks of the request with this ticket; False: its receiver
+ * cancelled it on this lane before the offer (nothing is offered). */
 static PyObject *Lane_offer(Lane *l, PyObject *args) {
     PyObject *ot, *oi;
     int k;
@@ -828,6 +848,13 @@ static PyObject *Lane_offer(Lane *l, PyObject *args) {
     PyBuffer_Release(&ids);
     if (!ok) { unlock(l); return NULL; }
     Job *j = job_find(l, ticket);
+    if (j && j->cancelled && !j->requested) { /* its receiver is gone: nothing to offer */
+        job_free(l, j);
+        unlock(l);
+        free(src);
+        free(len);
+        Py_RETURN_FALSE;
+    }
     const char *refuse = NULL;
     size_t bytes = 16 * (size_t)n;
     if (j && (j->offered || j->declined || j->withdrawn)) refuse = "this ticket is offered or declined already";
@@ -846,7 +873,7 @@ static PyObject *Lane_offer(Lane *l, PyObject *args) {
         wake(l);
     }
     unlock(l);
-    Py_RETURN_NONE;
+    Py_RETURN_TRUE;
 }
 
 /* decline(ticket, why): a request with this ticket (waiting now, or to come) is answered DECLINED with ``why``:
@@ -883,7 +910,7 @@ static PyObject *Lane_withdraw(Lane *l, PyObject *args) {
     if (!lock_open(l)) return NULL;
     Job *j = job_find(l, ticket);
     int gone = 0;
-    if (j && (j->offered || j->declined) && !j->in_flight && !j->withdrawn) {
+    if (j && (j->offered || j->declined || j->cancelled) && !j->in_flight && !j->withdrawn) {
         if (j->requested) { /* the lane's thread answers CANCELLED (it owns the ROUTER) and frees it */
             j->withdrawn = 1;
             l->next_expiry = 0;
@@ -1089,7 +1116,7 @@ static PyObject *Lane_stats(Lane *l, PyObject *noargs) {
     for (int b = 0; b < BUCKETS; b++)
         for (Job *j = l->jobs[b]; j; j = j->next) {
             if (j->in_flight) in_flight++;
-            else if (j->declined && !j->requested) declined++;
+            else if ((j->declined || j->cancelled) && !j->requested) declined++;
             else waiting++;
         }
     PyObject *d = Py_BuildValue(

@@ -159,9 +159,10 @@ class Lane:
         """The token is refused from now on (a request already joined to its offer goes on)."""
         return self._lane.revoke(token)
 
-    def offer(self, ticket: bytes, layout: int, block_ids: Sequence[int] | np.ndarray) -> None:
-        """Context side: the source blocks of the request whose ticket is ``ticket`` (16 bytes)."""
-        self._lane.offer(ticket, layout, _ids(block_ids))
+    def offer(self, ticket: bytes, layout: int, block_ids: Sequence[int] | np.ndarray) -> bool:
+        """Context side: the source blocks of the request whose ticket is ``ticket`` (16 bytes). False: its receiver
+        asked on this lane and cancelled before the offer came; nothing is offered (end the request)."""
+        return self._lane.offer(ticket, layout, _ids(block_ids))
 
     def decline(self, ticket: bytes, why: str) -> None:
         """Context side: a request with this ticket (waiting now or to come) is answered "declined" with
