@@ -26,9 +26,13 @@ class NativePoster(Protocol):
 
 
 def _options(backend: str, agent_options: Mapping[str, Any], local: bool) -> dict[str, str]:
-    """A poster's options from the agent's: its UCX settings (``ucx_*`` keys, which either backend's poster applies
-    to its own UCX) and, for UCX, the error-handling mode the agent would choose for these peers."""
+    """A poster's options from the agent's: its UCX settings (``ucx_*`` keys, and the UCX agent's ``ucx_config``
+    entries, which either backend's poster applies to its own UCX) and, for UCX, the error-handling mode the agent
+    would choose for these peers."""
     out = {k: str(v) for k, v in agent_options.items() if k.lower().startswith("ucx_") and isinstance(v, str)}
+    config = agent_options.get("ucx_config")
+    if isinstance(config, Mapping):
+        out.update({f"ucx_{str(k).removeprefix('UCX_').lower()}": str(v) for k, v in config.items()})
     if backend == "ucx":
         # As kvcore-ucx's "auto": "none" between processes of one host (CMA, no progress needed on the target),
         # "peer" across hosts (UCX 1.22 emulates puts in software there, so the target's thread must progress).
