@@ -58,6 +58,9 @@ enum { S_OK = 0, S_FAILED = 1, S_CANCELLED = 2, S_TIMED_OUT = 3, S_DECLINED = 4 
  * the thread serves its sockets between pieces: a request arriving beside a large one waits for one piece (16 MiB:
  * a few ms of copy over CMA), not for all of it. Lane(piece_bytes=...) sets another size. */
 #define PIECE_BYTES (16u << 20)
+/* While requests come and go beside a large write (one arrived beside it within BUSY_S), its pieces are a quarter as large:
+ * the newcomers wait for a shorter copy. */
+#define BUSY_S 0.01
 #define MAX_LAYOUTS 256
 #define MAX_LAYOUT_FRAGS 4096
 #define MAX_TOKENS 4096
@@ -158,6 +161,7 @@ typedef struct {
     Out *out_head, *out_tail;
     size_t job_count, job_bytes, pend_count, max_jobs, max_job_bytes, max_pending;
     uint64_t piece_bytes;
+    double last_request;       /* when the last request arrived (pieces turn fine while requests come) */
     double next_expiry;
     uint64_t st_requests, st_results_sent, st_results_received, st_rejected, st_ok, st_failed, st_posts;
     char thread_error[256];
@@ -287,10 +291,10 @@ static void send_result(Lane *l, const uint8_t *ident, int identlen, const uint8
 /* Post the piece of an in-flight job that starts at fragment j->sent (the poster is called outside mu): 1, or 0
  * with the reason in err. */
 static int post_piece(Lane *l, Job *j, char *err, size_t errlen) {
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, cap = mono() - l->last_request < BUSY_S ? l->piece_bytes / 4 : l->piece_bytes;
     uint32_t k = j->sent;
     do bytes += j->len[k++];
-    while (k < j->n && bytes + j->len[k] <= l->piece_bytes);
+    while (k < j->n && bytes + j->len[k] <= cap);
     j->end = k;
     uint32_t peer = j->peer, a = j->sent;
     unlock(l);
@@ -335,6 +339,7 @@ static void on_request(Lane *l, const uint8_t *ident, int identlen, const uint8_
     if (n == 0 || n > MAX_FRAGS || len != REQ_HEAD + 16 * (size_t)n || identlen > 255 ||
         !token_peer(l, f + 8, &peer)) { l->st_rejected++; return; }
     l->st_requests++;
+    if (l->active) l->last_request = mono(); /* it came beside a write: that write's next pieces turn fine */
     const uint8_t *ticket = f + 24, *nonce = f + 40;
     Job *j = job_find(l, ticket);
     if (j && j->declined && !j->requested) {
