@@ -73,7 +73,18 @@ class Role(ABC):
     def cancel(self, rid: InternalId, reason: str) -> bool: ...
 
     def lane_drain(self) -> None:
-        """Settle what the native lane ended since the last call (``kvcore.transceiver.native``); none here."""
+        """Settle what the native lane (``kvcore.transceiver.native``) ended since the last call (any thread)."""
+        native = self.link.native
+        if native is None:
+            return
+        done = native.completions()
+        if done:
+            with self.link.lock:
+                for c in done:
+                    self._lane_completion(c)
+
+    def _lane_completion(self, c: Any) -> None:
+        """One of the native lane's completions (lock held): the role settles what it says."""
 
     @abstractmethod
     def release(self, rid: InternalId) -> None:

@@ -70,18 +70,7 @@ class Receiver(RecvPush):
                 return
             self._push_answer(s, inst, r, msg)
 
-    def lane_drain(self) -> None:
-        """Settle the writers whose native-lane requests ended since the last call (any thread)."""
-        native = self.link.native
-        if native is None:
-            return
-        done = native.completions()
-        if done:
-            with self.link.lock:
-                for c in done:
-                    self._lane_answer(c)
-
-    def _lane_answer(self, c: Any) -> None:
+    def _lane_completion(self, c: Any) -> None:
         """A writer's word on a request asked on the native lane (lock held), read as its ``TransferResult``.
 
         "declined": nothing was written, the request is asked again on the Python path. "timed_out": the answer

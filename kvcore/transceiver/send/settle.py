@@ -118,16 +118,10 @@ class SendSettle(Role):
 
     # --- the native lane (kvcore.transceiver.native) -------------------------------------------------------------
 
-    def lane_drain(self) -> None:
-        """Settle the sessions the native lane ended since the last call (any thread)."""
+    def _lane_completion(self, c: Any) -> None:
         native = self.link.native
-        if native is None:
-            return
-        done = native.completions()
-        if done:
-            with self.link.lock:
-                for c in done:
-                    self._lane_end(native.take_offer(c.ticket), c)
+        assert native is not None
+        self._lane_end(native.take_offer(c.ticket), c)
 
     def _lane_end(self, rid: InternalId | None, c: Any) -> None:
         """The lane ended its write of request ``rid`` into poster peer ``c.peer`` (lock held): the session gets
