@@ -376,10 +376,9 @@ class Reporting:
             "remote_agents": res.get("remote_agents", 0),
             "control_connections": self._link.messenger.peer_count,
         }
-        native = self._link.native
         for key in sorted(COUNTERS):
-            if native is not None or not key.startswith("lane_"):  # the lane's keys only where there is one
-                out[key] = self._link.counters.get(key, 0)
+            out[key] = self._link.counters.get(key, 0)
+        native = self._link.native
         if native is not None:
             out.update(native.stats())  # the lane's own: its requests and rejected frames, and what it holds
         return out
