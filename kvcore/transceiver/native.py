@@ -173,7 +173,7 @@ class NativeLane:
         self.slots: dict[int, tuple[str, int]] = {}  # poster peer -> generation rank key
         # Generation side.
         self._conns: dict[str, int] = {}
-        self.routes: dict[tuple[str, int], _Route] = {}  # (context endpoint, rank) -> route
+        self.routes: dict[tuple[str, int], _Route] = {}  # (context rank's incarnation, rank) -> route
         self.asks: dict[bytes, tuple[Any, int, int]] = {}  # nonce -> (request id, context rank, bytes)
         if link.role == "context":
             t = lane_template(link.placement, link.placement, link.mappers)
@@ -224,10 +224,10 @@ class NativeLane:
             return None
         link = self.link
         try:
-            if (
-                peer_ranks(link.topology, info.topology, info.topology.dp_rank) != [link.topology.rank]
-                and len(peer_ranks(info.topology, link.topology, link.topology.dp_rank)) != 1
-            ):
+            # One receiver per request here (this rank writes to that rank alone), and this rank its only writer.
+            receivers = peer_ranks(link.topology, info.topology, info.topology.dp_rank)
+            writers = peer_ranks(info.topology, link.topology, link.topology.dp_rank)
+            if receivers != [info.rank] or writers != [link.topology.rank]:
                 return None
             t = lane_template(link.placement, info.placement, link.mappers)
             if t is None or t.digest != canonical.digest:
@@ -303,8 +303,9 @@ class NativeLane:
             return  # offered or declined already: the caller withdrew first, or a decline stands
         self.declined[key] = time.monotonic()
         while len(self.declined) > self.link.config.max_inflight_requests:
-            self.lane.withdraw(next(iter(self.declined)))  # the oldest goes first
-            del self.declined[next(iter(self.declined))]
+            oldest = next(iter(self.declined))
+            del self.declined[oldest]
+            self.lane.withdraw(oldest)
 
     def end(self, s: TxSession) -> None:
         """A send session ended (lock held): its offer goes, unless the lane is writing it (its completion ends
@@ -338,12 +339,15 @@ class NativeLane:
     # --- generation side ----------------------------------------------------------------------------------------
 
     def learn(self, endpoint: str, r: int, ctx_info: Any, lane_endpoint: str, token: bytes, key: bytes) -> None:
-        """Context rank ``r`` of the instance at ``endpoint`` accepted us with a lane: route its requests there."""
+        """Context rank ``r`` (``ctx_info``) of the instance at ``endpoint`` accepted us: route its requests to its
+        lane, or (no lane offered) to the Python path. Routes belong to that incarnation of the rank."""
+        with self._lock:
+            self.routes.pop((ctx_info.incarnation, r), None)
         if not lane_endpoint or len(token) != 16:
             return
         link = self.link
         try:
-            if peer_ranks(link.topology, ctx_info.topology, 0) != [r]:
+            if peer_ranks(link.topology, ctx_info.topology, ctx_info.topology.dp_rank) != [r]:
                 return
             t = lane_template(ctx_info.placement, link.placement, link.mappers)
             if t is None:
@@ -359,11 +363,12 @@ class NativeLane:
             log.info("context rank %d at %s takes the Python path: %s", r, endpoint, exc)
             return
         with self._lock:
-            self.routes[(endpoint, r)] = _Route(conn, token, layout, t.group, t.bytes_per_block)
+            self.routes[(ctx_info.incarnation, r)] = _Route(conn, token, layout, t.group, t.bytes_per_block)
 
     def ask(self, s: RxSession, r: int) -> bool:
         """Ask context rank ``r`` for receive session ``s`` on the lane if it qualifies (lock held)."""
-        route = self.routes.get((s.ctx_endpoint, r))
+        inst = s.instance
+        route = self.routes.get((inst.ranks[r].incarnation, r)) if inst is not None else None
         if (
             route is None
             or s.mode != "push"
@@ -391,10 +396,15 @@ class NativeLane:
         if nonce in self.asks:
             self.lane.cancel(nonce)
 
-    def drop_routes(self, endpoint: str) -> None:
-        """A context instance is gone: its ranks' routes go (new ones come with a new registration)."""
+    def drop_ask(self, nonce: bytes) -> None:
+        """A receive session was released with this ask unanswered (its writer fenced): the lane stops waiting."""
+        if self.asks.pop(nonce, None) is not None:
+            self.lane.forget(nonce)
+
+    def drop_routes(self, incarnations: set[str]) -> None:
+        """A context instance is gone: its ranks' routes go (a new incarnation registers anew)."""
         with self._lock:
-            for key in [k for k in self.routes if k[0] == endpoint]:
+            for key in [k for k in self.routes if k[0] in incarnations]:
                 del self.routes[key]
 
     # --- both ---------------------------------------------------------------------------------------------------

@@ -202,7 +202,7 @@ class RecvPeers(RecvSettle):
                     inst.ranks[r] = msg.info  # now with its pid and start time (fencing) and identity descriptor
                     inst.loaded[r] = b""  # claimed: one load per rank
                     native = self.link.native
-                    if native is not None and msg.lane_endpoint:
+                    if native is not None:
                         native.learn(inst.endpoint, r, msg.info, msg.lane_endpoint, msg.lane_token, msg.lane_key)
                     self.link.post(self._registered, inst, r)
             return
@@ -424,6 +424,8 @@ class RecvPeers(RecvSettle):
     def _unload(self, inst: CtxInstance) -> None:
         for r, name in inst.agents.items():
             self.link.unload_agent(name, inst.ranks[r].incarnation, inst.loaded.get(r, b""))
+        if self.link.native is not None:
+            self.link.native.drop_routes({i.incarnation for i in inst.ranks})
         with self.link.lock:
             inst.move(PeerState.UNLOADED)
             if not any(i.name == inst.name for i in self.instances.values()):
