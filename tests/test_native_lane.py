@@ -147,3 +147,25 @@ def test_cancels_on_either_side_end_lane_requests(pair: tuple[ContextProcess, Ge
     while (leaks(ctx.stats()) or leaks(gen.stats())) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leaks(gen.stats()) == {} and leaks(ctx.stats()) == {}
+
+
+def test_a_context_that_dies_leaves_nothing_waiting_on_the_receivers_lane(backend: str) -> None:
+    cfg = {**LANE, "peer_lost_timeout_s": 1.0, "fencing_grace_s": 3.0, "transfer_timeout_s": 2.0}
+    ctx = ContextProcess(backend, config=cfg, timeout=8.0)
+    gen = GenerationProcess(backend, config=cfg, timeout=8.0)
+    try:
+        ctx.send(1, [1])
+        gen.receive(1, ctx.endpoint, [2])
+        assert gen.wait_released(1)["state"] == "DONE"
+        for r in range(2, 6):  # asked on the lane, never offered: the context dies with them pending
+            gen.receive(r, ctx.endpoint, [r + 10])
+        time.sleep(0.2)
+        ctx.kill()
+        for r in range(2, 6):
+            assert gen.wait_released(r, timeout=30)["state"] == "FAILED"
+        # The lane stops waiting for answers the receiver no longer needs (not after its late-answer grace).
+        stats = gen.stats()
+        assert (stats["lane_pending"], stats["lane_asks"]) == (0, 0) and leaks(stats) == {}
+    finally:
+        gen.close()
+        ctx.close()

@@ -255,7 +255,7 @@ class Receiver(RecvPush):
         native = self.link.native
         if native is not None:
             for nonce in s.nonces.values():
-                native.asks.pop(nonce, None)  # a lane answer that never came (the writer was fenced)
+                native.drop_ask(nonce)  # a lane answer that never came (the writer was fenced)
         if self.arena is not None:
             for off in s.leases.values():
                 self.arena.release(off)  # every writer is settled: nothing can land here any more

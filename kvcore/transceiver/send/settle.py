@@ -154,7 +154,10 @@ class SendSettle(Role):
                 s.request_id, c.nonce, status=answer_status(state), kind=kind, error=c.error, nbytes=t.total_bytes
             )
             self.link.metrics.writer_service(peer.name, time.monotonic() - t.attached_at)
-        if ok:
+        if peer is None and c.status != "cancelled":
+            # Its receiver was lost meanwhile: nobody is left to take the bytes (the Python path fails it alike).
+            self._end(s, SessionState.FAILED, E.PeerLostError(f"request {s.request_id}: its receiver was lost"))
+        elif ok:
             self._settle(s)
         elif c.status == "cancelled":
             self._end(s, SessionState.CANCELLED, E.RequestCancelledError(f"request {s.request_id}: {c.error}"))

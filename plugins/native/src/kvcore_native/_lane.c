@@ -1055,6 +1055,19 @@ static PyObject *Lane_cancel(Lane *l, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+/* forget(nonce) -> bool: drop a pending request with no completion (its requester settled it otherwise: the
+ * writer was fenced); a late answer to it is then dropped and counted. False: no such request. */
+static PyObject *Lane_forget(Lane *l, PyObject *args) {
+    PyObject *o;
+    uint8_t nonce[KEY];
+    if (!PyArg_ParseTuple(args, "O", &o) || !check_open(l) || !get_key(o, nonce, "nonce")) return NULL;
+    if (!lock_open(l)) return NULL;
+    Pending *p = pend_find(l, nonce);
+    if (p) pend_free(l, p);
+    unlock(l);
+    return PyBool_FromLong(p != NULL);
+}
+
 static const char *STATUS[] = {"ok", "failed", "cancelled", "timed_out", "declined"};
 
 /* completions() -> [(side, ticket, nonce, peer, status, error)]: side "context" (peer: the requester's poster
@@ -1155,6 +1168,7 @@ static PyMethodDef Lane_methods[] = {
     {"request", (PyCFunction)Lane_request, METH_VARARGS,
      "request(conn, token, ticket, nonce, layout, block_ids, timeout_ms)"},
     {"cancel", (PyCFunction)Lane_cancel, METH_VARARGS, "cancel(nonce) -> bool"},
+    {"forget", (PyCFunction)Lane_forget, METH_VARARGS, "forget(nonce) -> bool"},
     {"completions", (PyCFunction)Lane_completions, METH_NOARGS, "completions() -> [(side, key, status, error)]"},
     {"wait", (PyCFunction)Lane_wait, METH_VARARGS, "wait(timeout_s) -> bool"},
     {"poke", (PyCFunction)Lane_poke, METH_NOARGS, "poke(): wake a thread in wait()"},

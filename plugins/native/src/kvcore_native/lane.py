@@ -200,6 +200,11 @@ class Lane:
         ("cancelled", or the write's own end). False: no such request is pending."""
         return self._lane.cancel(nonce)
 
+    def forget(self, nonce: bytes) -> bool:
+        """Generation side: drop a pending request with no completion, once its requester settled it otherwise
+        (its writer was fenced); a late answer is then dropped and counted. False: no such request is pending."""
+        return self._lane.forget(nonce)
+
     def completions(self) -> list[LaneCompletion]:
         """The requests that ended since the last call, in order."""
         return [LaneCompletion(*c) for c in self._lane.completions()]
