@@ -199,7 +199,7 @@ class NativeLane:
 
     @property
     def endpoint(self) -> str:
-        return self.lane.endpoint
+        return str(self.lane.endpoint)
 
     def _layout(self, t: LaneTemplate, *, source: bool) -> int:
         key = t.digest + (b"s" if source else b"d") + t.dst_base.tobytes() + t.dst_stride.tobytes()
@@ -426,10 +426,10 @@ class NativeLane:
         }
 
     def completions(self) -> list[LaneCompletion]:
-        return self.lane.completions()
+        return list(self.lane.completions())
 
     def wait(self, timeout_s: float) -> bool:
-        return self.lane.wait(timeout_s)
+        return bool(self.lane.wait(timeout_s))
 
     def poke(self) -> None:
         self.lane.poke()
