@@ -135,6 +135,56 @@ def test_scattered_writes_land_every_byte_and_leave_the_rest_zero(remote: _Remot
     assert nonzero == int(lengths.sum())  # every written byte is nonzero, nothing else is
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_fragments_that_continue_each_other_go_as_one_put_inside_one_registration(mode: str) -> None:
+    """Runs contiguous on both sides are one put each (the evidence: the poster's count of puts), a run is cut
+    where the source crosses into another registration or either side stops continuing, and every byte lands."""
+    conn, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=_target, args=(child, mode, 8 * MIB), daemon=True)
+    proc.start()
+    poster = UcxPoster("writer", {"error_handling": mode})
+    try:
+        src = np.zeros(8 * MIB, np.uint8)
+        poster.register(src.ctypes.data, 4 * MIB)  # two registrations that meet at 4 MiB
+        poster.register(src.ctypes.data + 4 * MIB, 4 * MIB)
+        descriptor, base = _recv(conn)
+        peer = poster.connect(descriptor)
+        f = 64 * KIB
+        # (source offsets, destination offsets, lengths, puts expected)
+        cases = [
+            ([i * f for i in range(32)], [i * f for i in range(32)], [f] * 32, 1),  # 2 MiB in one run
+            ([4 * MIB - f, 4 * MIB], [2 * MIB, 2 * MIB + f], [f, f], 2),  # the source crosses registrations
+            ([5 * MIB + i * f for i in range(4)], [3 * MIB + (3 - i) * f for i in range(4)], [f] * 4, 4),
+            ([6 * MIB + (2 - i) * 2 * f for i in range(3)], [4 * MIB + i * f for i in range(3)], [f] * 3, 3),
+            ([7 * MIB, 7 * MIB + 100, 7 * MIB + 150], [5 * MIB, 5 * MIB + 100, 5 * MIB + 150], [100, 50, 4000], 1),
+        ]
+        seed, k, offsets, lengths, ids = 23, 0, [], [], []
+        for s_off, d_off, lens, _ in cases:
+            for so, do, n in zip(s_off, d_off, lens):
+                src[so : so + n] = _pattern(seed, k, n)
+                offsets.append(do)
+                lengths.append(n)
+                ids.append(k)
+                k += 1
+        for s_off, d_off, lens, puts in cases:
+            before = poster.puts
+            poster.write(
+                peer, [src.ctypes.data + o for o in s_off], [base + o for o in d_off], lens, timeout_s=60
+            )
+            assert poster.puts - before == puts, (s_off, d_off, lens)
+        conn.send(("check", seed, np.array(offsets, np.uint64), np.array(lengths, np.uint64), np.array(ids)))
+        wrong, first_wrong, nonzero = _recv(conn)
+        assert (wrong, first_wrong) == (0, -1), f"{wrong} bytes differ from the expectation, the first at {first_wrong}"
+        assert nonzero == sum(lengths)
+    finally:
+        if proc.is_alive():
+            conn.send(("exit",))
+            proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        poster.close()
+
+
 # --- refusals, in one process (nothing crosses a process boundary when nothing moves) -------------------------
 
 

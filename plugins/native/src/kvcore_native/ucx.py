@@ -1,8 +1,10 @@
 """``UcxPoster``: a native poster (``kvn_poster.h``) on UCX RMA, for the lane's C thread and for Python.
 
 One poster owns a UCP context and worker of its own, the host memory it registered (``ucp_mem_map``) and its peers.
-A WRITE is one ``ucp_put_nbx`` per fragment and one ``ucp_ep_flush_nbx`` of the peer's endpoint, all in C: its
-end is a promise that every byte is in the peer's memory. libucp is the ``libucx-cu12`` wheel's, opened at run time
+A WRITE is one ``ucp_put_nbx`` per run of fragments that continue each other on both sides (inside one
+registration on each) and one ``ucp_ep_flush_nbx`` of the peer's endpoint, all in C: its end is a promise that
+every byte is in the peer's memory. (UCX's CMA copies a put in segments of up to 512 KiB, one system call each:
+8192 puts of 64 KiB cost eight times the calls of the same bytes merged.) libucp is the ``libucx-cu12`` wheel's, opened at run time
 by path (:func:`libucp_path`), so ``kvcore_native._ucx`` imports where UCX is missing and constructing a poster
 then says so.
 
@@ -182,6 +184,11 @@ class UcxPoster:
     def closed(self) -> bool:
         """Whether :meth:`close` ran."""
         return self._p.closed
+
+    @property
+    def puts(self) -> int:
+        """UCX puts posted so far (by Python and by a lane): one per run of fragments that continue each other."""
+        return self._p.puts
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"in_flight={self.in_flight}"
