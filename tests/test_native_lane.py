@@ -109,6 +109,44 @@ def test_requests_the_lane_cannot_take_go_the_python_path(pair: tuple[ContextPro
     assert leaks(gen.stats()) == {} and leaks(ctx.stats()) == {}
 
 
+def test_a_wrong_ticket_is_refused_at_once_and_the_offer_stays_for_the_rightful_receiver(
+    pair: tuple[ContextProcess, GenerationProcess], backend: str
+) -> None:
+    """The lane declines a request whose ticket is not its offer's (nothing moves), so it asks on the Python path
+    and is refused there as without the lane (TicketError, counted); the rightful receiver is then served on the
+    lane. Either order of offer and forged request."""
+    ctx, gen = pair
+    forger = GenerationProcess(backend, config=LANE)  # another generation rank, registered, with the wrong ticket
+    try:
+        for rid, forged_first in ((1, False), (2, True)):
+            if forged_first:
+                forger.receive(rid, ctx.endpoint, [rid + 20], ticket=b"f" * 16)
+                time.sleep(0.05)
+                ctx.send(rid, [rid])
+            else:
+                ctx.send(rid, [rid])
+                time.sleep(0.05)
+                forger.receive(rid, ctx.endpoint, [rid + 20], ticket=b"f" * 16)
+            t0 = time.monotonic()
+            out = forger.wait_released(rid)
+            assert out["state"] == "FAILED" and "TicketError" in str(out["error"]), out
+            assert time.monotonic() - t0 < 5, "a wrong ticket was answered only at the request's timeout"
+            assert _zero(forger, [rid + 20]), "a request with a wrong ticket wrote"
+            gen.receive(rid, ctx.endpoint, [rid + 30])
+            out = gen.wait_released(rid)
+            assert out["state"] == "DONE", out
+            _check_bytes(gen, rid, [rid], [rid + 30])
+            assert ctx.wait_released(rid)["state"] == "DONE"
+        cs = ctx.stats()
+        assert cs["tickets_refused"] == 2
+        # The path taken: the context's lane was asked four times and wrote twice (the rightful requests); each
+        # forged request was answered there ("declined") and refused on the Python path.
+        assert (_lane(cs), _lane(gen.stats()), _lane(forger.stats())) == ((4, 2), (2, 0), (2, 0))
+        assert leaks(cs) == {} and leaks(gen.stats()) == {} and leaks(forger.stats()) == {}
+    finally:
+        forger.close()
+
+
 def test_a_receiver_without_a_lane_is_served_on_the_python_path(backend: str) -> None:
     ctx = ContextProcess(backend, config=LANE)
     gen = GenerationProcess(backend)

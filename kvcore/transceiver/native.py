@@ -12,7 +12,10 @@ learn a lane request's end from its completion, drained by the engine's ``poll``
 tick. The handshake carries what the lane needs: a generation rank sends its poster's descriptor with its
 registration (``RegisterRankInfo.lane``); a context rank that can serve it on the lane answers with its lane's
 endpoint and a token for it (``RegisterResult.lane_endpoint``, ``lane_token``). Only a peer that presents a
-token may ask the lane, and only for a ticket the context rank offered.
+token may ask the lane, and only for a request the context rank offered there: a request travels under a digest
+of its request id (:func:`lane_key`) and shows a digest of its ticket (:func:`lane_proof`); one with the wrong
+ticket is declined by the lane, so it asks on the Python path and is refused there, as it would have been
+without the lane, while the offer waits for the rightful receiver.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvcore import errors as E
 from kvcore import hostinfo
 from kvcore.layout.mapping import RankPlacement
 from kvcore.layout.peer import peer_ranks
+from kvcore.params import BytesId, InternalId
 from kvcore.transceiver.planning import plan_request
 
 if TYPE_CHECKING:
@@ -38,7 +42,7 @@ if TYPE_CHECKING:
     from kvcore.transceiver.link import Link
     from kvcore.transceiver.sessions import RxSession, TxSession
 
-__all__ = ["LaneTemplate", "NativeLane", "lane_template", "lane_key", "open_native_lane"]
+__all__ = ["LaneTemplate", "NativeLane", "lane_template", "lane_key", "lane_proof", "open_native_lane"]
 
 log = logging.getLogger("kvcore.transceiver")
 
@@ -46,9 +50,22 @@ log = logging.getLogger("kvcore.transceiver")
 MAX_ASKS = 65536
 
 
-def lane_key(ticket: bytes) -> bytes:
-    """The 16-byte key a request travels under on the lane: its ticket when 16 bytes long, else a hash of it."""
-    return ticket if len(ticket) == 16 else hashlib.blake2b(ticket, digest_size=16).digest()
+def lane_key(request_id: InternalId) -> bytes:
+    """The 16-byte key a request travels under on the lane (its lane "ticket"): a digest of its request id, so the
+    context's lane tells a request asked with the wrong ticket from one it has no offer for yet."""
+    if isinstance(request_id, BytesId):
+        raw = b"b" + request_id.b
+    elif isinstance(request_id, int):
+        raw = b"i" + str(request_id).encode()
+    else:
+        raw = b"s" + request_id.encode()
+    return hashlib.blake2b(raw, digest_size=16, person=b"kvcore-lane-rid").digest()
+
+
+def lane_proof(ticket: bytes) -> bytes:
+    """What a requester shows the context's lane: a digest of the request's ticket (a request with another
+    is declined there, and refused with the Python path's own error when it asks there)."""
+    return hashlib.blake2b(ticket, digest_size=16, person=b"kvcore-lane-tkt").digest()
 
 
 @dataclass(frozen=True)
@@ -270,10 +287,15 @@ class NativeLane:
         if not s.ticket:
             return "declined"  # nobody can ask for it on the lane: requests there carry a ticket
         why = why_not or self._unfit(s)
-        key = lane_key(s.ticket)
+        key = lane_key(s.request_id)
+        if key in self.declined:  # an earlier session under this request id ended here: this one replaces it
+            del self.declined[key]
+            self.lane.withdraw(key)
         if not why:
             try:
-                offered = self.lane.offer(key, self._canonical_layout, next(iter(s.block_ids.values())))
+                offered = self.lane.offer(
+                    key, lane_proof(s.ticket), self._canonical_layout, next(iter(s.block_ids.values()))
+                )
             except E.KvcoreError as exc:
                 self.link.counters["lane_refusals"] += 1
                 why = str(exc)
@@ -288,7 +310,7 @@ class NativeLane:
     def withdraw(self, s: TxSession) -> bool:
         """Take a send session's offer back: True when it is gone (no write of it can start), False when the lane
         is writing it or has ended it (its completion tells)."""
-        key = lane_key(s.ticket)
+        key = lane_key(s.request_id)
         if self.lane.withdraw(key):
             self.offers.pop(key, None)
             return True
@@ -296,7 +318,7 @@ class NativeLane:
 
     def decline(self, s: TxSession, why: str) -> None:
         """A request on the lane for this session is answered "declined": its receiver asks on the Python path."""
-        key = lane_key(s.ticket)
+        key = lane_key(s.request_id)
         try:
             self.lane.decline(key, why)
         except E.KvcoreError:
@@ -383,7 +405,16 @@ class NativeLane:
         remaining_ms = max(1, int((s.deadline - time.monotonic()) * 1000))
         nonce = s.nonces[r]
         try:
-            self.lane.request(route.conn, route.token, lane_key(s.ticket), nonce, route.layout, ids, remaining_ms)
+            self.lane.request(
+                route.conn,
+                route.token,
+                lane_key(s.request_id),
+                lane_proof(s.ticket),
+                nonce,
+                route.layout,
+                ids,
+                remaining_ms,
+            )
         except E.KvcoreError as exc:
             self.link.counters["lane_refusals"] += 1
             log.debug("request %r takes the Python path: %s", s.request_id, exc)

@@ -20,6 +20,7 @@ SPAWN = multiprocessing.get_context("spawn")
 BLOCK = 16 * 1024
 BLOCKS = 64
 DIGEST = b"layout-digest-01"
+PROOF = b"the-right-proof!"  # what offers want and requests show, unless a test says otherwise
 
 
 BACKENDS = [
@@ -56,8 +57,9 @@ def _context(conn: Connection, backend: str, caps: dict[str, int]) -> None:
                 break
             if op == "admit":
                 out: Any = lane.admit(poster.connect(args[0]))
-            elif op == "offer":
-                out = lane.offer(args[0], layout if len(args) < 3 else args[2], args[1])
+            elif op == "offer":  # (ticket, blocks[, layout[, proof]])
+                proof = args[3] if len(args) > 3 else PROOF
+                out = lane.offer(args[0], proof, layout if len(args) < 3 or args[2] is None else args[2], args[1])
             elif op == "layout":
                 out = lane.layout(*args)
             elif op == "decline":
@@ -104,9 +106,16 @@ class Pair:
             raise NativeLaneError(f"{got[1]}: {got[2]}")
         return got[1]
 
-    def ask(self, ticket: bytes, blocks: list[int], timeout_ms: int = 10_000, token: bytes | None = None) -> bytes:
+    def ask(
+        self,
+        ticket: bytes,
+        blocks: list[int],
+        timeout_ms: int = 10_000,
+        token: bytes | None = None,
+        proof: bytes = b"",
+    ) -> bytes:
         nonce = os.urandom(16)
-        self.lane.request(self.c, token or self.token, ticket, nonce, self.layout, blocks, timeout_ms)
+        self.lane.request(self.c, token or self.token, ticket, proof or PROOF, nonce, self.layout, blocks, timeout_ms)
         return nonce
 
     def ended(self, n: int, timeout_s: float = 20.0) -> list[LaneCompletion]:
@@ -176,6 +185,39 @@ def test_requests_join_offers_in_either_order_and_every_byte_lands(pair: Pair) -
     assert (mine["results_received"], mine["ok"], mine["pending"], mine["rejected_frames"]) == (8, 8, 0, 0)
 
 
+def test_a_request_with_another_proof_is_declined_and_the_offer_waits_for_the_right_one(pair: Pair) -> None:
+    """A request whose proof is not its offer's moves nothing and is declined (its slower path refuses it), in
+    either order; the offer stays for the rightful request. Two requests before the offer: the second is declined
+    at once, so a first comer cannot lock the rightful one out."""
+    forged = b"a-forged-proof!!"
+    pair.ctx("offer", _ticket(1), [1])
+    bad = pair.ask(_ticket(1), [11], proof=forged)  # the offer came first
+    got = pair.ended(1)
+    assert [(c.nonce, c.status) for c in got] == [(bad, "declined")] and "proof" in got[0].error, got
+    good = pair.ask(_ticket(1), [12])
+    assert [(c.nonce, c.status) for c in pair.ended(1)] == [(good, "ok")]
+    _check(pair.pool, [1], [12])
+
+    early = pair.ask(_ticket(2), [21], proof=forged)  # the requests first: the forged one waits for the offer
+    time.sleep(0.05)
+    second = pair.ask(_ticket(2), [22])  # the rightful one: declined at once (it asks on its slower path)
+    got = pair.ended(1)
+    assert [(c.nonce, c.status) for c in got] == [(second, "declined")] and "waits on the lane" in got[0].error
+    pair.ctx("offer", _ticket(2), [2])  # the offer declines the forged request and stays
+    got = pair.ended(1)
+    assert [(c.nonce, c.status) for c in got] == [(early, "declined")] and "proof" in got[0].error, got
+    assert pair.ctx("stats")["jobs_waiting"] == 1
+    late = pair.ask(_ticket(2), [23])
+    assert [(c.nonce, c.status) for c in pair.ended(1)] == [(late, "ok")]
+    _check(pair.pool, [2], [23])
+
+    assert not pair.pool[11 * BLOCK : 12 * BLOCK].any() and not pair.pool[21 * BLOCK : 23 * BLOCK].any()
+    ctx = [LaneCompletion(*c) for c in pair.ctx("completions", 0.5, 3)]  # only the two writes end there
+    assert sorted((c.ticket, c.status) for c in ctx) == [(_ticket(1), "ok"), (_ticket(2), "ok")]
+    st = pair.ctx("stats")
+    assert (st["proof_declines"], st["jobs_waiting"], st["job_bytes"], st["posts"]) == (2, 0, 0, 2)
+
+
 def test_decline_withdraw_cancel_and_timeouts_each_end_as_said(pair: Pair) -> None:
     pair.ctx("decline", _ticket(1), "it carries an aux payload")
     n1 = pair.ask(_ticket(1), [0])
@@ -221,19 +263,19 @@ def test_bad_arguments_are_typed_errors(pair: Pair) -> None:
     with pytest.raises(NativeLaneError, match="outside the layout"):
         pair.ask(_ticket(1), [BLOCKS])
     with pytest.raises(NativeLaneError, match="16 bytes"):
-        pair.lane.request(pair.c, pair.token, b"short", os.urandom(16), pair.layout, [0], 1000)
+        pair.lane.request(pair.c, pair.token, b"short", PROOF, os.urandom(16), pair.layout, [0], 1000)
     with pytest.raises(NativeLaneError, match="negative"):
         pair.ask(_ticket(1), [-1])
     with pytest.raises(NativeLaneError, match="unknown connection"):
-        pair.lane.request(99, pair.token, _ticket(1), os.urandom(16), pair.layout, [0], 1000)
+        pair.lane.request(99, pair.token, _ticket(1), PROOF, os.urandom(16), pair.layout, [0], 1000)
     with pytest.raises(NativeLaneError, match="unknown layout"):
-        pair.lane.request(pair.c, pair.token, _ticket(1), os.urandom(16), 42, [0], 1000)
+        pair.lane.request(pair.c, pair.token, _ticket(1), PROOF, os.urandom(16), 42, [0], 1000)
     with pytest.raises(NativeLaneError, match="timeout_ms"):
-        pair.lane.request(pair.c, pair.token, _ticket(1), os.urandom(16), pair.layout, [0], 0)
+        pair.lane.request(pair.c, pair.token, _ticket(1), PROOF, os.urandom(16), pair.layout, [0], 0)
     nonce = os.urandom(16)
-    pair.lane.request(pair.c, pair.token, _ticket(7), nonce, pair.layout, [0], 500)
+    pair.lane.request(pair.c, pair.token, _ticket(7), PROOF, nonce, pair.layout, [0], 500)
     with pytest.raises(NativeLaneError, match="nonce is pending"):
-        pair.lane.request(pair.c, pair.token, _ticket(8), nonce, pair.layout, [1], 500)
+        pair.lane.request(pair.c, pair.token, _ticket(8), PROOF, nonce, pair.layout, [1], 500)
     with pytest.raises(NativeLaneError, match="offered or declined already"):
         pair.ctx("offer", _ticket(9), [0])
         pair.ctx("offer", _ticket(9), [1])
@@ -298,9 +340,9 @@ def test_caps_bound_what_a_lane_holds(backend: str) -> None:
         assert p.ctx("withdraw", _ticket(1))  # room for one job: the next request waits there for its offer
         c = small.connect(p.endpoint, None)
         layout = small.layout([p.pool.ctypes.data], [BLOCK], [BLOCK], BLOCKS, DIGEST)
-        small.request(c, p.token, _ticket(4), os.urandom(16), layout, [4], 2000)
+        small.request(c, p.token, _ticket(4), PROOF, os.urandom(16), layout, [4], 2000)
         with pytest.raises(NativeLaneError, match="too many pending"):
-            small.request(c, p.token, _ticket(5), os.urandom(16), layout, [5], 2000)
+            small.request(c, p.token, _ticket(5), PROOF, os.urandom(16), layout, [5], 2000)
         assert p.ctx("withdraw", _ticket(2))
     finally:
         small.close()

@@ -5,21 +5,25 @@
  * in C). No Python runs on its hops; Python only makes the engine's calls:
  *
  *   context side: admit(peer) -> token        a poster peer may ask this lane, presenting the token
- *                 offer(ticket, layout, ids)  these source blocks answer the request with this ticket
+ *                 offer(ticket, proof, layout, ids)  these source blocks answer the request with this ticket
+ *                                             whose requester proves ``proof``
  *                 decline(ticket, why)        a request with this ticket is answered DECLINED (nothing moved:
  *                                             the requester asks again on its slower path)
  *                 withdraw(ticket)            the offer or decline is gone (False: its write is in flight)
  *   generation:   connect(endpoint) -> conn   a lane to ask
- *                 request(conn, token, ticket, nonce, layout, ids, timeout_ms)
+ *                 request(conn, token, ticket, proof, nonce, layout, ids, timeout_ms)
  *                 cancel(nonce)
  *   both:         completions(), wait(timeout_s), stats(), close()
  *
  * The context pairs a request with its offer by ticket (whichever comes first waits for the other, bounded in
- * count, bytes and time), checks that the fragments agree, posts one WRITE from the offered blocks into the
+ * count, bytes and time), checks that the request's proof is the offer's (kvcore: the ticket is a digest of the
+ * request id, the proof one of its secret ticket; a request without the right proof is answered DECLINED and the
+ * offer stays for its rightful requester, whose slower path refuses the other with its own error), checks that
+ * the fragments agree, posts one WRITE from the offered blocks into the
  * requester's and answers with a RESULT that echoes the request's nonce; both sides queue a completion for
  * Python. Frames (little-endian):
  *   REQ    magic u32, type u8 = 1, 3 pad, token[16], ticket[16], nonce[16], n u32, timeout_ms u32,
- *          digest[16] (of the source layout the requester planned against), then n x (dst u64, len u64)
+ *          digest[16] (of the source layout the requester planned against), proof[16], then n x (dst u64, len u64)
  *   RESULT magic u32, type u8 = 2, status u8, 2 pad, nonce[16], ticket[16], errlen u32, 4 pad, err[errlen]
  *   CANCEL magic u32, type u8 = 3, 3 pad, token[16], ticket[16], nonce[16]
  * Everything a peer sends is checked before use: a frame of the wrong size or magic, an unknown token, a result
@@ -42,7 +46,7 @@
 enum { T_REQ = 1, T_RESULT = 2, T_CANCEL = 3 };
 enum { S_OK = 0, S_FAILED = 1, S_CANCELLED = 2, S_TIMED_OUT = 3, S_DECLINED = 4 };
 #define KEY 16
-#define REQ_HEAD 80
+#define REQ_HEAD 96
 #define RES_HEAD 48
 #define CANCEL_BYTES 56
 #define MAX_ERR 1024
@@ -99,6 +103,7 @@ typedef struct Job {
     int cancelled;        /* its receiver cancelled it before any offer: the offer, when it comes, is refused */
     char *why;            /* declined: the reason told the requester */
     uint8_t odigest[KEY], rdigest[KEY]; /* the offer's source layout; the one the request planned against */
+    uint8_t oproof[KEY], rproof[KEY];   /* what the offer wants proved; what the request proved */
     uint32_t n;           /* fragments of the offer (src, len) */
     uint64_t *src, *len;
     uint32_t rn;          /* fragments of the request (dst, rlen) */
@@ -164,6 +169,7 @@ typedef struct {
     double last_request;       /* when the last request arrived (pieces turn fine while requests come) */
     double next_expiry;
     uint64_t st_requests, st_results_sent, st_results_received, st_rejected, st_ok, st_failed, st_posts;
+    uint64_t st_proof_declines; /* requests declined for a proof that is not their offer's */
     char thread_error[256];
     uint8_t *rxbuf;
 } Lane;
@@ -307,10 +313,36 @@ static int post_piece(Lane *l, Job *j, char *err, size_t errlen) {
     return 0;
 }
 
+/* Drop a job's request part (not in flight), keeping its offer: off the active list, its destinations freed. */
+static void unrequest(Lane *l, Job *j) {
+    if (j->active) {
+        if (j->aprev) j->aprev->anext = j->anext; else l->active = j->anext;
+        if (j->anext) j->anext->aprev = j->aprev;
+        j->active = 0;
+        j->aprev = j->anext = NULL;
+    }
+    free(j->dst); free(j->rlen);
+    j->dst = j->rlen = NULL;
+    size_t bytes = 16 * (size_t)j->rn;
+    l->job_bytes -= bytes;
+    j->bytes -= bytes;
+    j->requested = 0;
+    j->rn = 0;
+}
+
 /* A job whose offer and request both came: check they agree, then post (outside mu). The lane's thread only,
  * under mu on entry and exit; the job is freed when it failed. */
 static void start_job(Lane *l, Job *j) {
     char err[512] = "";
+    if (memcmp(j->rproof, j->oproof, KEY)) {
+        /* Not the offer's requester: DECLINED (nothing moved; its slower path refuses it with its own error), and
+         * the offer waits for the rightful request as if this one never came. */
+        send_result(l, j->ident, j->identlen, j->nonce, j->ticket, S_DECLINED,
+                    "the request's proof is not the one its offer wants: ask on the control plane");
+        l->st_proof_declines++;
+        unrequest(l, j);
+        return;
+    }
     if (memcmp(j->rdigest, j->odigest, KEY)) {
         snprintf(err, sizeof err, "the request was planned against another source layout than the offer's");
     } else if (j->rn != j->n) {
@@ -348,6 +380,13 @@ static void on_request(Lane *l, const uint8_t *ident, int identlen, const uint8_
         return;
     }
     if (j && j->cancelled && !j->requested) j->cancelled = 0; /* asked again: the request is live once more */
+    if (j && j->requested && !j->offered) { /* two requesters before the offer: the newcomer takes the slower path,
+                                             * which tells the rightful one from the other (a first comer cannot
+                                             * lock the rightful requester out; the offer declines a wrong one) */
+        send_result(l, ident, identlen, nonce, ticket, S_DECLINED,
+                    "another request for this ticket waits on the lane: ask on the control plane");
+        return;
+    }
     size_t bytes = 16 * (size_t)n;
     const char *refuse = NULL;
     if (j && j->requested) refuse = "a request with this ticket is already being served";
@@ -364,6 +403,7 @@ static void on_request(Lane *l, const uint8_t *ident, int identlen, const uint8_
     }
     for (uint32_t i = 0; i < n; i++) { j->dst[i] = get64(f + REQ_HEAD + 16 * i); j->rlen[i] = get64(f + REQ_HEAD + 16 * i + 8); }
     memcpy(j->rdigest, f + 64, KEY);
+    memcpy(j->rproof, f + 80, KEY);
     j->requested = 1;
     j->rn = n;
     j->bytes += bytes;
@@ -837,13 +877,16 @@ static PyObject *Lane_revoke(Lane *l, PyObject *args) {
     return PyBool_FromLong(found);
 }
 
-/* offer(ticket, layout, block_ids) -> bool: the source blocks of the request with this ticket; False: its receiver
- * cancelled it on this lane before the offer (nothing is offered). */
+/* offer(ticket, proof, layout, block_ids) -> bool: the source blocks of the request with this ticket, for the
+ * requester that proves ``proof``; False: its receiver cancelled it on this lane before the offer (nothing is
+ * offered). */
 static PyObject *Lane_offer(Lane *l, PyObject *args) {
-    PyObject *ot, *oi;
+    PyObject *ot, *op, *oi;
     int k;
-    uint8_t ticket[KEY];
-    if (!PyArg_ParseTuple(args, "OiO", &ot, &k, &oi) || !check_open(l) || !get_key(ot, ticket, "ticket")) return NULL;
+    uint8_t ticket[KEY], proof[KEY];
+    if (!PyArg_ParseTuple(args, "OOiO", &ot, &op, &k, &oi) || !check_open(l) || !get_key(ot, ticket, "ticket") ||
+        !get_key(op, proof, "proof"))
+        return NULL;
     Py_buffer ids;
     if (!get_u64s(oi, &ids, "block_ids")) return NULL;
     uint64_t *src, *len;
@@ -870,6 +913,7 @@ static PyObject *Lane_offer(Lane *l, PyObject *args) {
     j->len = len;
     j->n = n;
     memcpy(j->odigest, l->layouts[k].digest, KEY);
+    memcpy(j->oproof, proof, KEY);
     j->offered = 1;
     j->bytes += bytes;
     l->job_bytes += bytes;
@@ -974,14 +1018,15 @@ static PyObject *Lane_connect(Lane *l, PyObject *args) {
     return PyLong_FromLong(c);
 }
 
-/* request(conn, token, ticket, nonce, layout, block_ids, timeout_ms) */
+/* request(conn, token, ticket, proof, nonce, layout, block_ids, timeout_ms) */
 static PyObject *Lane_request(Lane *l, PyObject *args) {
     unsigned int conn, timeout_ms;
     int k;
-    PyObject *otk, *oti, *ono, *oi;
-    uint8_t token[KEY], ticket[KEY], nonce[KEY];
-    if (!PyArg_ParseTuple(args, "IOOOiOI", &conn, &otk, &oti, &ono, &k, &oi, &timeout_ms) || !check_open(l) ||
-        !get_key(otk, token, "token") || !get_key(oti, ticket, "ticket") || !get_key(ono, nonce, "nonce"))
+    PyObject *otk, *oti, *opr, *ono, *oi;
+    uint8_t token[KEY], ticket[KEY], proof[KEY], nonce[KEY];
+    if (!PyArg_ParseTuple(args, "IOOOOiOI", &conn, &otk, &oti, &opr, &ono, &k, &oi, &timeout_ms) || !check_open(l) ||
+        !get_key(otk, token, "token") || !get_key(oti, ticket, "ticket") || !get_key(opr, proof, "proof") ||
+        !get_key(ono, nonce, "nonce"))
         return NULL;
     if (timeout_ms == 0 || timeout_ms > MAX_TIMEOUT_MS) return lane_error("timeout_ms must be 1 to %u", MAX_TIMEOUT_MS);
     Py_buffer ids;
@@ -1010,6 +1055,7 @@ static PyObject *Lane_request(Lane *l, PyObject *args) {
         put32(f + 56, n);
         put32(f + 60, timeout_ms);
         memcpy(f + 64, l->layouts[k].digest, KEY);
+        memcpy(f + 80, proof, KEY);
         for (uint32_t i = 0; i < n; i++) { put64(f + REQ_HEAD + 16 * i, dst[i]); put64(f + REQ_HEAD + 16 * i + 8, len[i]); }
         memcpy(p->nonce, nonce, KEY);
         memcpy(p->ticket, ticket, KEY);
@@ -1138,13 +1184,14 @@ static PyObject *Lane_stats(Lane *l, PyObject *noargs) {
             else waiting++;
         }
     PyObject *d = Py_BuildValue(
-        "{s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s}", "jobs_waiting", (Py_ssize_t)waiting,
+        "{s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s}", "jobs_waiting", (Py_ssize_t)waiting,
         "declines", (Py_ssize_t)declined, "writes_in_flight",
         (Py_ssize_t)in_flight, "job_bytes", (Py_ssize_t)l->job_bytes, "pending", (Py_ssize_t)l->pend_count,
         "requests_served", (unsigned long long)l->st_requests, "posts", (unsigned long long)l->st_posts,
         "results_sent", (unsigned long long)l->st_results_sent, "results_received",
         (unsigned long long)l->st_results_received, "ok", (unsigned long long)l->st_ok, "failed",
-        (unsigned long long)l->st_failed, "rejected_frames", (unsigned long long)l->st_rejected, "thread_error",
+        (unsigned long long)l->st_failed, "rejected_frames", (unsigned long long)l->st_rejected, "proof_declines",
+        (unsigned long long)l->st_proof_declines, "thread_error",
         l->thread_error);
     unlock(l);
     return d;
@@ -1161,12 +1208,12 @@ static PyMethodDef Lane_methods[] = {
     {"layout", (PyCFunction)Lane_layout, METH_VARARGS, "layout(bases, strides, sizes, blocks) -> layout id"},
     {"admit", (PyCFunction)Lane_admit, METH_VARARGS, "admit(peer) -> token"},
     {"revoke", (PyCFunction)Lane_revoke, METH_VARARGS, "revoke(token) -> bool"},
-    {"offer", (PyCFunction)Lane_offer, METH_VARARGS, "offer(ticket, layout, block_ids)"},
+    {"offer", (PyCFunction)Lane_offer, METH_VARARGS, "offer(ticket, proof, layout, block_ids)"},
     {"decline", (PyCFunction)Lane_decline, METH_VARARGS, "decline(ticket, why)"},
     {"withdraw", (PyCFunction)Lane_withdraw, METH_VARARGS, "withdraw(ticket) -> bool"},
     {"connect", (PyCFunction)Lane_connect, METH_VARARGS, "connect(endpoint) -> conn"},
     {"request", (PyCFunction)Lane_request, METH_VARARGS,
-     "request(conn, token, ticket, nonce, layout, block_ids, timeout_ms)"},
+     "request(conn, token, ticket, proof, nonce, layout, block_ids, timeout_ms)"},
     {"cancel", (PyCFunction)Lane_cancel, METH_VARARGS, "cancel(nonce) -> bool"},
     {"forget", (PyCFunction)Lane_forget, METH_VARARGS, "forget(nonce) -> bool"},
     {"completions", (PyCFunction)Lane_completions, METH_NOARGS, "completions() -> [(side, key, status, error)]"},

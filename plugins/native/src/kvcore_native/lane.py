@@ -3,11 +3,12 @@ through a poster (:class:`kvcore_native.ucx.UcxPoster`, :class:`kvcore_native.ni
 on its hops.
 
 The context side admits the generation side's poster peers (:meth:`Lane.admit` gives each a token), describes
-its pool once (:meth:`Lane.layout`) and offers each request's source blocks under the request's ticket
-(:meth:`Lane.offer`). The generation side connects to the context's lane (:meth:`Lane.connect`) and asks for a
-request with the token, the ticket, a nonce of its own and its destination blocks (:meth:`Lane.request`). The
-context's thread joins the request to its offer (whichever came first waits for the other, bounded), checks that
-the fragments agree, posts one WRITE and answers; both sides learn the end from :meth:`Lane.completions`.
+its pool once (:meth:`Lane.layout`) and offers each request's source blocks under the request's ticket, with the
+proof its requester must show (:meth:`Lane.offer`). The generation side connects to the context's lane
+(:meth:`Lane.connect`) and asks for a request with the token, the ticket, the proof, a nonce of its own and its
+destination blocks (:meth:`Lane.request`). The context's thread joins the request to its offer (whichever came
+first waits for the other, bounded), checks the proof (a request with another one is answered "declined" and the
+offer waits for its rightful requester) and that the fragments agree, posts one WRITE and answers; both sides learn the end from :meth:`Lane.completions`.
 Everything a peer sends is checked in C before use; the wire format is in ``_lane.c``.
 """
 
@@ -159,10 +160,13 @@ class Lane:
         """The token is refused from now on (a request already joined to its offer goes on)."""
         return self._lane.revoke(token)
 
-    def offer(self, ticket: bytes, layout: int, block_ids: Sequence[int] | np.ndarray) -> bool:
-        """Context side: the source blocks of the request whose ticket is ``ticket`` (16 bytes). False: its receiver
-        asked on this lane and cancelled before the offer came; nothing is offered (end the request)."""
-        return self._lane.offer(ticket, layout, _ids(block_ids))
+    def offer(self, ticket: bytes, proof: bytes, layout: int, block_ids: Sequence[int] | np.ndarray) -> bool:
+        """Context side: the source blocks of the request whose ticket is ``ticket`` (16 bytes), for the requester
+        that presents ``proof`` (16 bytes; kvcore: the ticket names the request, the proof is a digest of its
+        secret). A request with another proof is answered "declined" (its slower path refuses it) and the offer
+        stays. False: its receiver asked on this lane and cancelled before the offer came; nothing is offered
+        (end the request)."""
+        return self._lane.offer(ticket, proof, layout, _ids(block_ids))
 
     def decline(self, ticket: bytes, why: str) -> None:
         """Context side: a request with this ticket (waiting now or to come) is answered "declined" with
@@ -186,14 +190,17 @@ class Lane:
         conn: int,
         token: bytes,
         ticket: bytes,
+        proof: bytes,
         nonce: bytes,
         layout: int,
         block_ids: Sequence[int] | np.ndarray,
         timeout_ms: int,
     ) -> None:
         """Generation side: ask the lane behind ``conn`` to write the request with ``ticket`` into these
-        destination blocks. ``nonce`` (16 bytes, secret) names the request in its completion."""
-        self._lane.request(conn, token, ticket, nonce, layout, _ids(block_ids), timeout_ms)
+        destination blocks, presenting ``proof`` (what its offer wants; another is answered "declined").
+        ``nonce`` (16 bytes, secret) names the request in its completion. A second request for a ticket that
+        waits for its offer is answered "declined" too: each takes its slower path, which tells them apart."""
+        self._lane.request(conn, token, ticket, proof, nonce, layout, _ids(block_ids), timeout_ms)
 
     def cancel(self, nonce: bytes) -> bool:
         """Generation side: ask the context to drop a request not yet written; its completion still comes
