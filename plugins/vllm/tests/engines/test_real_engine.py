@@ -76,26 +76,37 @@ def tokens_of(outs: dict[str, Any], tag: str, n: int) -> list[list[int]]:
 
 # --- one pair per backend and mode -------------------------------------------------------------------------
 
-PAIRS = [("nixl", "pull"), ("nixl", "push"), ("shm", "pull"), ("shm", "push")]
+# (backend, mode, native lane): "lane" runs both engines' transceivers with native_lane (kvcore-native's C thread
+# serves the push requests it can; the decode's lane counters are the evidence that it did).
+PAIRS = [("nixl", "pull", ""), ("nixl", "push", ""), ("nixl", "push", "lane"), ("shm", "pull", ""), ("shm", "push", "")]
 
 
 class Pair:
-    def __init__(self, prefill: Llm, decode: Llm, backend: str, mode: str, metrics_port: int) -> None:
-        self.prefill, self.decode, self.backend, self.mode = prefill, decode, backend, mode
+    def __init__(self, prefill: Llm, decode: Llm, backend: str, mode: str, lane: bool, metrics_port: int) -> None:
+        self.prefill, self.decode, self.backend, self.mode, self.lane = prefill, decode, backend, mode, lane
         self.metrics_port = metrics_port
 
+    def lane_requests(self) -> float:
+        """The decode's lane requests answered so far (kvcore's own Prometheus export, ``metrics_port``)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        found = [float(v) for v in re.findall(r'^kvcore_control_events_total\{[^}]*kind="lane_requests"[^}]*\} (\S+)$', text, re.M)]
+        assert found, text[-3000:]
+        return sum(found)
 
-@pytest.fixture(scope="module", params=PAIRS, ids=[f"{b}-{m}" for b, m in PAIRS])
+
+@pytest.fixture(scope="module", params=PAIRS, ids=["-".join(x for x in p if x) for p in PAIRS])
 def pair(request: pytest.FixtureRequest, model_dir: str, llm_logs: Any) -> Any:
-    backend, mode = request.param
+    backend, mode, lane = request.param
     e = Engines(llm_logs)
     port = free_port()
-    common = {"model_dir": model_dir, "backend": backend, "mode": mode, "extra": {"gil_switch_interval_s": 0.0005}}
+    extra: dict[str, Any] = {"gil_switch_interval_s": 0.0005, **({"native_lane": True} if lane else {})}
+    common = {"model_dir": model_dir, "backend": backend, "mode": mode, "extra": extra}
     prefill = e.start(role="prefill", **common)
     decode = e.start(role="decode", **{**common, "extra": {**common["extra"], "metrics_port": port}})
     prefill.up()
     decode.up()
-    yield Pair(prefill, decode, backend, mode, port)
+    yield Pair(prefill, decode, backend, mode, bool(lane), port)
     e.close()
 
 
@@ -104,8 +115,11 @@ def test_decode_loads_every_prompt_token_and_matches_one_engine(pair: Pair, refe
     for wave in (1, 2):
         batch = prompts(wave)
         before, sent_before = pair.decode.metrics(), pair.prefill.metrics()
+        lane_before = pair.lane_requests()
         outs = disagg(pair.prefill, pair.decode, f"w{wave}", batch)
         after, sent_after = pair.decode.metrics(), pair.prefill.metrics()
+        # The path taken: with the lane every request was answered there; without it, none was.
+        assert pair.lane_requests() - lane_before == (len(batch) if pair.lane else 0)
         # Every send started in the step that computed its prompt's last token, not a step after vLLM finished it.
         assert delta(sent_after, sent_before, "vllm:kvcore_sends_started") == len(batch), (sent_before, sent_after)
         assert delta(sent_after, sent_before, "vllm:kvcore_sends_started_early") == len(batch)
