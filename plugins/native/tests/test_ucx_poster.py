@@ -168,9 +168,7 @@ def test_fragments_that_continue_each_other_go_as_one_put_inside_one_registratio
                 k += 1
         for s_off, d_off, lens, puts in cases:
             before = poster.puts
-            poster.write(
-                peer, [src.ctypes.data + o for o in s_off], [base + o for o in d_off], lens, timeout_s=60
-            )
+            poster.write(peer, [src.ctypes.data + o for o in s_off], [base + o for o in d_off], lens, timeout_s=60)
             assert poster.puts - before == puts, (s_off, d_off, lens)
         conn.send(("check", seed, np.array(offsets, np.uint64), np.array(lengths, np.uint64), np.array(ids)))
         wrong, first_wrong, nonzero = _recv(conn)

@@ -90,7 +90,10 @@ class Pair:
         """The decode's lane requests answered so far (kvcore's own Prometheus export, ``metrics_port``)."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
             text = r.read().decode()
-        found = [float(v) for v in re.findall(r'^kvcore_control_events_total\{[^}]*kind="lane_requests"[^}]*\} (\S+)$', text, re.M)]
+        found = [
+            float(v)
+            for v in re.findall(r'^kvcore_control_events_total\{[^}]*kind="lane_requests"[^}]*\} (\S+)$', text, re.M)
+        ]
         assert found, text[-3000:]
         return sum(found)
 
