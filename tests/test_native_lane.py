@@ -195,6 +195,7 @@ def test_a_context_that_dies_leaves_nothing_waiting_on_the_receivers_lane(backen
         ctx.send(1, [1])
         gen.receive(1, ctx.endpoint, [2])
         assert gen.wait_released(1)["state"] == "DONE"
+        assert gen.stats()["lane_connections"] == 1
         for r in range(2, 6):  # asked on the lane, never offered: the context dies with them pending
             gen.receive(r, ctx.endpoint, [r + 10])
         time.sleep(0.2)
@@ -204,6 +205,11 @@ def test_a_context_that_dies_leaves_nothing_waiting_on_the_receivers_lane(backen
         # The lane stops waiting for answers the receiver no longer needs (not after its late-answer grace).
         stats = gen.stats()
         assert (stats["lane_pending"], stats["lane_asks"]) == (0, 0) and leaks(stats) == {}
+        # Its lane connection goes with the instance, once unloaded (a gone context's lane is asked no more).
+        deadline = time.monotonic() + 15
+        while gen.stats()["lane_connections"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gen.stats()["lane_connections"] == 0
     finally:
         gen.close()
         ctx.close()

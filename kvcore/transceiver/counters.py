@@ -48,6 +48,7 @@ CACHE_GAUGES = frozenset(
         "control_connections",
         "tombstones",
         "lane_declines",  # the native lane's answers for requests it does not serve (kept like tombstones)
+        "lane_connections",  # connections to the lanes of the context ranks this rank asks
     }
 )
 #: ``stats()`` keys that only grow (events counted since start); every other key returns to zero when idle.

@@ -375,17 +375,15 @@ class NativeLane:
             if t is None:
                 return
             layout = self._layout(t, source=False)
-            with self._lock:
+            with self._lock:  # one hold: drop_routes cannot close the connection between its lookup and the route
                 conn = self._conns.get(lane_endpoint)
-            if conn is None:
-                conn = self.lane.connect(lane_endpoint, server_key=key or None)
-                with self._lock:
+                if conn is None:
+                    conn = self.lane.connect(lane_endpoint, server_key=key or None)
                     self._conns[lane_endpoint] = conn
+                self.routes[(ctx_info.incarnation, r)] = _Route(conn, token, layout, t.group, t.bytes_per_block)
         except E.KvcoreError as exc:
             log.info("context rank %d at %s takes the Python path: %s", r, endpoint, exc)
             return
-        with self._lock:
-            self.routes[(ctx_info.incarnation, r)] = _Route(conn, token, layout, t.group, t.bytes_per_block)
 
     def ask(self, s: RxSession, r: int) -> bool:
         """Ask context rank ``r`` for receive session ``s`` on the lane if it qualifies (lock held)."""
@@ -433,10 +431,17 @@ class NativeLane:
             self.lane.forget(nonce)
 
     def drop_routes(self, incarnations: set[str]) -> None:
-        """A context instance is gone: its ranks' routes go (a new incarnation registers anew)."""
+        """A context instance is gone: its ranks' routes go (a new incarnation registers anew), and so do the
+        connections to lanes no route uses any more (each closes once the asks pending there ended)."""
         with self._lock:
             for key in [k for k in self.routes if k[0] in incarnations]:
                 del self.routes[key]
+            used = {route.conn for route in self.routes.values()}
+            idle = [(ep, conn) for ep, conn in self._conns.items() if conn not in used]
+            for ep, _ in idle:
+                del self._conns[ep]
+        for _, conn in idle:
+            self.lane.disconnect(conn)
 
     # --- both ---------------------------------------------------------------------------------------------------
 
@@ -451,6 +456,7 @@ class NativeLane:
             "lane_pending": int(st["pending"]),
             "lane_offers": len(self.offers),
             "lane_asks": len(self.asks),
+            "lane_connections": int(st["connections"]),  # lanes this one asks: a bounded cache
             "lane_requests_total": int(st["requests_served"]) + int(st["results_received"]),
             "lane_writes_total": int(st["posts"]),
             "lane_rejected_frames_total": int(st["rejected_frames"]),

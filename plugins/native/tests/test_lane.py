@@ -218,6 +218,30 @@ def test_a_request_with_another_proof_is_declined_and_the_offer_waits_for_the_ri
     assert (st["proof_declines"], st["jobs_waiting"], st["job_bytes"], st["posts"]) == (2, 0, 0, 2)
 
 
+def test_a_disconnected_lane_still_answers_what_was_pending_then_closes(pair: Pair) -> None:
+    assert pair.lane.stats()["connections"] == 1
+    n1 = pair.ask(_ticket(1), [7])  # pending: its offer is not there yet
+    assert pair.lane.disconnect(pair.c) is True
+    assert pair.lane.disconnect(pair.c) is False  # closing already
+    with pytest.raises(NativeLaneError, match="unknown connection"):
+        pair.ask(_ticket(2), [8])
+    time.sleep(0.1)
+    assert pair.lane.stats()["connections"] == 1  # kept while an answer is owed there
+    pair.ctx("offer", _ticket(1), [1])
+    assert [(c.nonce, c.status) for c in pair.ended(1)] == [(n1, "ok")]
+    _check(pair.pool, [1], [7])
+    deadline = time.monotonic() + 5
+    while pair.lane.stats()["connections"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pair.lane.stats()["connections"] == 0, "the socket was not closed once nothing was pending"
+    pair.c = pair.lane.connect(pair.endpoint, None)  # a new connection (a slot may be reused) works
+    n3 = pair.ask(_ticket(3), [9])
+    pair.ctx("offer", _ticket(3), [3])
+    assert [(c.nonce, c.status) for c in pair.ended(1)] == [(n3, "ok")]
+    _check(pair.pool, [3], [9])
+    assert not pair.pool[8 * BLOCK : 9 * BLOCK].any(), "a request refused at the call wrote"
+
+
 def test_decline_withdraw_cancel_and_timeouts_each_end_as_said(pair: Pair) -> None:
     pair.ctx("decline", _ticket(1), "it carries an aux payload")
     n1 = pair.ask(_ticket(1), [0])

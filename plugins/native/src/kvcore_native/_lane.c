@@ -139,7 +139,7 @@ typedef struct Completion {
 typedef struct Out { struct Out *next; uint32_t conn; size_t len; uint8_t data[]; } Out;
 
 typedef struct { uint8_t token[KEY]; uint32_t peer; int used; } Token;
-typedef struct { void *sock; int used; } Conn;
+typedef struct { void *sock; int used, closing; uint32_t pending; } Conn; /* closing: closed once pending is 0 */
 
 typedef struct {
     PyObject_HEAD
@@ -250,6 +250,7 @@ static void pend_free(Lane *l, Pending *q) {
     while (*p && *p != q) p = &(*p)->next;
     if (*p) *p = q->next;
     l->pend_count--;
+    if (q->conn < (uint32_t)l->nconns && l->conns[q->conn].pending) l->conns[q->conn].pending--;
     free(q);
 }
 
@@ -545,6 +546,11 @@ static void *run(void *arg) {
     pthread_mutex_lock(&l->mu);
     for (;;) {
         if (l->stop) break;
+        for (int c = 0; c < l->nconns; c++) /* connections Python let go, once nothing waits for an answer there */
+            if (l->conns[c].used && l->conns[c].closing && !l->conns[c].pending) {
+                Z.close(l->conns[c].sock);
+                l->conns[c] = (Conn){0};
+            }
         int n = 0;
         items[n++] = (zpollitem){l->wake_rx, 0, Z_POLLIN, 0};
         items[n++] = (zpollitem){l->router, 0, Z_POLLIN, 0};
@@ -1038,7 +1044,7 @@ static PyObject *Lane_request(Lane *l, PyObject *args) {
     PyBuffer_Release(&ids);
     if (!ok) { unlock(l); return NULL; }
     const char *refuse = NULL;
-    if (conn >= (unsigned)l->nconns || !l->conns[conn].used) refuse = "unknown connection";
+    if (conn >= (unsigned)l->nconns || !l->conns[conn].used || l->conns[conn].closing) refuse = "unknown connection";
     else if (pend_find(l, nonce)) refuse = "a request with this nonce is pending";
     else if (l->pend_count >= l->max_pending) refuse = "the lane holds too many pending requests";
     size_t flen = REQ_HEAD + 16 * (size_t)n;
@@ -1069,6 +1075,7 @@ static PyObject *Lane_request(Lane *l, PyObject *args) {
         p->next = l->pend[b];
         l->pend[b] = p;
         l->pend_count++;
+        l->conns[conn].pending++;
         if (p->deadline < l->next_expiry) l->next_expiry = p->deadline;
         p = NULL;
     }
@@ -1096,6 +1103,21 @@ static PyObject *Lane_cancel(Lane *l, PyObject *args) {
         memcpy(f + 24, p->ticket, KEY);
         memcpy(f + 40, p->nonce, KEY);
         ok = queue_out(l, p->conn, f, sizeof f);
+    }
+    unlock(l);
+    return PyBool_FromLong(ok);
+}
+
+/* disconnect(conn) -> bool: this lane asks that lane no more. Requests pending there still get their answers
+ * (or their timeouts); the socket closes once none is left. False: no such connection (or closing already). */
+static PyObject *Lane_disconnect(Lane *l, PyObject *args) {
+    unsigned int conn;
+    if (!PyArg_ParseTuple(args, "I", &conn) || !check_open(l)) return NULL;
+    if (!lock_open(l)) return NULL;
+    int ok = conn < (unsigned)l->nconns && l->conns[conn].used && !l->conns[conn].closing;
+    if (ok) {
+        l->conns[conn].closing = 1;
+        wake(l);
     }
     unlock(l);
     return PyBool_FromLong(ok);
@@ -1176,7 +1198,8 @@ static PyObject *Lane_poke(Lane *l, PyObject *noargs) {
 static PyObject *Lane_stats(Lane *l, PyObject *noargs) {
     if (!l->poster) return lane_error("the lane was not initialized");
     lock(l);
-    size_t in_flight = 0, waiting = 0, declined = 0;
+    size_t in_flight = 0, waiting = 0, declined = 0, conns = 0;
+    for (int c = 0; c < l->nconns; c++) conns += l->conns[c].used != 0;
     for (int b = 0; b < BUCKETS; b++)
         for (Job *j = l->jobs[b]; j; j = j->next) {
             if (j->in_flight) in_flight++;
@@ -1184,7 +1207,8 @@ static PyObject *Lane_stats(Lane *l, PyObject *noargs) {
             else waiting++;
         }
     PyObject *d = Py_BuildValue(
-        "{s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s}", "jobs_waiting", (Py_ssize_t)waiting,
+        "{s:n,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:s}", "connections", (Py_ssize_t)conns,
+        "jobs_waiting", (Py_ssize_t)waiting,
         "declines", (Py_ssize_t)declined, "writes_in_flight",
         (Py_ssize_t)in_flight, "job_bytes", (Py_ssize_t)l->job_bytes, "pending", (Py_ssize_t)l->pend_count,
         "requests_served", (unsigned long long)l->st_requests, "posts", (unsigned long long)l->st_posts,
@@ -1216,6 +1240,7 @@ static PyMethodDef Lane_methods[] = {
      "request(conn, token, ticket, proof, nonce, layout, block_ids, timeout_ms)"},
     {"cancel", (PyCFunction)Lane_cancel, METH_VARARGS, "cancel(nonce) -> bool"},
     {"forget", (PyCFunction)Lane_forget, METH_VARARGS, "forget(nonce) -> bool"},
+    {"disconnect", (PyCFunction)Lane_disconnect, METH_VARARGS, "disconnect(conn) -> bool"},
     {"completions", (PyCFunction)Lane_completions, METH_NOARGS, "completions() -> [(side, key, status, error)]"},
     {"wait", (PyCFunction)Lane_wait, METH_VARARGS, "wait(timeout_s) -> bool"},
     {"poke", (PyCFunction)Lane_poke, METH_NOARGS, "poke(): wake a thread in wait()"},

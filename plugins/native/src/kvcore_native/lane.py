@@ -202,6 +202,11 @@ class Lane:
         waits for its offer is answered "declined" too: each takes its slower path, which tells them apart."""
         self._lane.request(conn, token, ticket, proof, nonce, layout, _ids(block_ids), timeout_ms)
 
+    def disconnect(self, conn: int) -> bool:
+        """Generation side: ask the lane behind ``conn`` no more. Requests pending there still end (answered, or
+        timed out); the socket closes once none is left. False: no such connection, or disconnected already."""
+        return self._lane.disconnect(conn)
+
     def cancel(self, nonce: bytes) -> bool:
         """Generation side: ask the context to drop a request not yet written; its completion still comes
         ("cancelled", or the write's own end). False: no such request is pending."""
