@@ -225,11 +225,17 @@ static void activate(Lane *l, Job *j) {
     l->active = j;
 }
 
+/* Take a job off the active list (a no-op when it is not on it). */
+static void deactivate(Lane *l, Job *j) {
+    if (!j->active) return;
+    if (j->aprev) j->aprev->anext = j->anext; else l->active = j->anext;
+    if (j->anext) j->anext->aprev = j->aprev;
+    j->active = 0;
+    j->aprev = j->anext = NULL;
+}
+
 static void job_free(Lane *l, Job *j) {
-    if (j->active) {
-        if (j->aprev) j->aprev->anext = j->anext; else l->active = j->anext;
-        if (j->anext) j->anext->aprev = j->aprev;
-    }
+    deactivate(l, j);
     Job **p = &l->jobs[bucket(j->ticket)];
     while (*p && *p != j) p = &(*p)->next;
     if (*p) *p = j->next;
@@ -316,12 +322,7 @@ static int post_piece(Lane *l, Job *j, char *err, size_t errlen) {
 
 /* Drop a job's request part (not in flight), keeping its offer: off the active list, its destinations freed. */
 static void unrequest(Lane *l, Job *j) {
-    if (j->active) {
-        if (j->aprev) j->aprev->anext = j->anext; else l->active = j->anext;
-        if (j->anext) j->anext->aprev = j->aprev;
-        j->active = 0;
-        j->aprev = j->anext = NULL;
-    }
+    deactivate(l, j);
     free(j->dst); free(j->rlen);
     j->dst = j->rlen = NULL;
     size_t bytes = 16 * (size_t)j->rn;

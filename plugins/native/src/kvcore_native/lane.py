@@ -8,7 +8,8 @@ proof its requester must show (:meth:`Lane.offer`). The generation side connects
 (:meth:`Lane.connect`) and asks for a request with the token, the ticket, the proof, a nonce of its own and its
 destination blocks (:meth:`Lane.request`). The context's thread joins the request to its offer (whichever came
 first waits for the other, bounded), checks the proof (a request with another one is answered "declined" and the
-offer waits for its rightful requester) and that the fragments agree, posts one WRITE and answers; both sides learn the end from :meth:`Lane.completions`.
+offer waits for its rightful requester) and that the fragments agree, posts one WRITE and answers; both sides
+learn the end from :meth:`Lane.completions`.
 Everything a peer sends is checked in C before use; the wire format is in ``_lane.c``.
 """
 
