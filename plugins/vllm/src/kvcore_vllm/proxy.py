@@ -15,7 +15,11 @@ instance, and relays that answer (streamed when the client asked for a stream). 
 At most ``--max-in-flight`` requests (default 256) are relayed at once; one more is answered 503 at once
 rather than queued without bound. A decode instance that fails in the middle of a stream (it died, the
 connection broke, its answer ran past ``--timeout-s``) ends the client's stream with an error event,
-``data: {"error": {...}}``, and no ``data: [DONE]``: the client can tell a cut answer from a whole one.
+``data: {"error": {...}}``, and no ``data: [DONE]``: the client can tell a cut answer from a whole one; it is
+logged at WARNING. A client that closes its connection before the proxy ended its stream (after ``data: [DONE]``
+or in the middle) is no failure: the proxy closes the decode's answer, logs it at DEBUG and counts it.
+``GET /health`` carries the counts in its JSON (``"relay"``, both when it answers 200 and 503):
+``client_closed_after_done``, ``client_closed_mid_stream`` and ``decode_failed_mid_stream``.
 
 It binds 127.0.0.1 unless ``--host`` says otherwise. It does not authenticate clients: put it behind what
 guards your API. The ``kv_transfer_params`` are a credential for the request's KV (they carry kvcore's
@@ -25,6 +29,8 @@ ticket): the proxy passes them only to the decode instance and never to the clie
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -73,6 +79,23 @@ def decode_body(body: dict[str, Any], prefill_answer: Any, prefill_url: str) -> 
     return {**body, "kv_transfer_params": params}
 
 
+@dataclasses.dataclass
+class RelayCounts:
+    """How the proxy's streams ended other than whole: ``GET /health`` reports these (``"relay"``)."""
+
+    #: The client closed its connection after ``data: [DONE]``, before the proxy ended the stream.
+    client_closed_after_done: int = 0
+    #: The client closed its connection in the middle of the answer (the decode's answer is closed).
+    client_closed_mid_stream: int = 0
+    #: The decode instance failed in the middle of a stream (the client got an error event).
+    decode_failed_mid_stream: int = 0
+
+
+def _ends_done(tail: bytes) -> bool:
+    """Whether the bytes relayed so far end with the stream's last event, ``data: [DONE]``."""
+    return tail.rstrip().endswith(b"data: [DONE]")
+
+
 class _RoundRobin:
     def __init__(self, name: str, urls: Sequence[str]) -> None:
         if not urls:
@@ -94,6 +117,7 @@ def make_app(
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight: expected >= 1, got {max_in_flight}")
     in_flight = 0
+    counts = RelayCounts()
 
     prefills, decodes = _RoundRobin("prefill", prefill), _RoundRobin("decode", decode)
     session_key = web.AppKey("session", aiohttp.ClientSession)
@@ -104,8 +128,9 @@ def make_app(
     async def on_cleanup(app: web.Application) -> None:
         await app[session_key].close()
 
-    def error(status: int, message: str) -> web.Response:
-        return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}}, status=status)
+    def error(status: int, message: str, **extra: object) -> web.Response:
+        answer = {"error": {"message": message, "type": "proxy_error", "code": status}, **extra}
+        return web.json_response(answer, status=status)
 
     async def relay(request: web.Request) -> web.StreamResponse:
         nonlocal in_flight
@@ -142,36 +167,76 @@ def make_app(
             return error(exc.status, str(exc))
         except (TimeoutError, aiohttp.ClientError) as exc:
             return error(502, f"the prefill instance {p_url} is unreachable or too slow: {exc!r}")
-        out: web.StreamResponse | None = None
         try:
             async with session.post(d_url + request.path, json=second, headers=headers) as r:
                 if not body.get("stream"):
                     return web.Response(
                         body=await r.read(), status=r.status, content_type=r.content_type or "application/json"
                     )
-                out = web.StreamResponse(
-                    status=r.status, headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream")}
-                )
-                await out.prepare(request)
-                async for chunk in r.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
+                return await relay_stream(request, r, d_url)
         except (TimeoutError, aiohttp.ClientError) as exc:
-            if out is None or not out.prepared:
-                return error(502, f"the decode instance {d_url} is unreachable or too slow: {exc!r}")
-            # The status line went out already: end the stream with an error event (and no [DONE]).
-            log.warning("the decode instance %s failed in the middle of a stream: %r", d_url, exc)
-            event = {
-                "error": {
-                    "message": f"the decode instance {d_url} failed in the middle of the answer: {exc!r}",
-                    "type": "proxy_error",
-                    "code": 502,
-                }
+            return error(502, f"the decode instance {d_url} is unreachable or too slow: {exc!r}")
+
+    async def relay_stream(request: web.Request, r: aiohttp.ClientResponse, d_url: str) -> web.StreamResponse:
+        """Relay the decode's stream: a failed read is the decode's failure, a failed write the client's close.
+
+        The two are told apart by where the error is raised, not by its type: a write to a client that went raises
+        ``ClientConnectionResetError``, an ``aiohttp.ClientError`` as every failure of the decode's answer is (and
+        a ``ConnectionResetError``).
+        """
+        out = web.StreamResponse(
+            status=r.status, headers={"Content-Type": r.headers.get("Content-Type", "text/event-stream")}
+        )
+        tail = b""  # the last bytes relayed: did the client have its [DONE]?
+        try:
+            await out.prepare(request)
+            chunks = r.content.iter_any()
+            while True:
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    await decode_failed(out, d_url, exc)
+                    return out
+                await out.write(chunk)
+                tail = (tail + chunk)[-32:]
+            await out.write_eof()
+        except ConnectionError as exc:  # only a write to the client raises here: the client closed its connection
+            client_closed(r, _ends_done(tail), repr(exc))
+        except asyncio.CancelledError:
+            # The handler is cancelled when the client goes if the server runs with handler_cancellation; a
+            # cancellation with the client still there (the server stopping) is not the client's close.
+            if request.transport is None or request.transport.is_closing():
+                client_closed(r, _ends_done(tail), "the handler was cancelled")
+            raise
+        return out
+
+    def client_closed(r: aiohttp.ClientResponse, after_done: bool, why: str) -> None:
+        r.close()  # lets go of the decode's connection: in the middle of an answer, the decode stops generating
+        if after_done:
+            counts.client_closed_after_done += 1
+        else:
+            counts.client_closed_mid_stream += 1
+        where = "after data: [DONE]" if after_done else "in the middle of the answer"
+        log.debug("a client closed its connection %s (%s); the decode's answer is closed", where, why)
+
+    async def decode_failed(out: web.StreamResponse, d_url: str, exc: Exception) -> None:
+        # The status line went out already: end the stream with an error event (and no [DONE]).
+        counts.decode_failed_mid_stream += 1
+        log.warning("the decode instance %s failed in the middle of a stream: %r", d_url, exc)
+        event = {
+            "error": {
+                "message": f"the decode instance {d_url} failed in the middle of the answer: {exc!r}",
+                "type": "proxy_error",
+                "code": 502,
             }
+        }
+        try:
             await out.write(b"\n\ndata: " + json.dumps(event).encode() + b"\n\n")
             await out.write_eof()
-            return out
+        except ConnectionError as write_exc:  # the client went too: there is no one to tell
+            log.debug("the client closed its connection before the error event: %r", write_exc)
 
     async def models(request: web.Request) -> web.Response:
         url = decodes.urls[0]
@@ -190,9 +255,10 @@ def make_app(
                         down.append(f"{url} ({r.status})")
             except aiohttp.ClientError as exc:
                 down.append(f"{url} ({exc.__class__.__name__})")
+        relayed = dataclasses.asdict(counts)
         if down:
-            return error(503, "not every instance is healthy: " + ", ".join(down))
-        return web.json_response({"status": "ok", "prefill": prefills.urls, "decode": decodes.urls})
+            return error(503, "not every instance is healthy: " + ", ".join(down), relay=relayed)
+        return web.json_response({"status": "ok", "prefill": prefills.urls, "decode": decodes.urls, "relay": relayed})
 
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app.on_startup.append(on_startup)
