@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from kvcore_vllm.proxy import make_app
+from kvcore_vllm.proxy import PREFILL_PARAMS, make_app
 
 PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "kvcore": {"request_id": "r"}}
 
@@ -35,7 +35,7 @@ async def _serve(app: web.Application, *, handler_cancellation: bool = False) ->
 def _prefill_app() -> web.Application:
     async def completions(request: web.Request) -> web.Response:
         body = await request.json()
-        assert body["max_tokens"] == 1 and body["kv_transfer_params"] == {"do_remote_decode": True}
+        assert body["max_tokens"] == 1 and body["kv_transfer_params"] == PREFILL_PARAMS
         return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
 
     app = web.Application()

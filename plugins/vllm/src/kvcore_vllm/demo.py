@@ -130,7 +130,7 @@ def deployment(
 ) -> Iterator[Deployment]:
     """Start the two instances side by side and the proxy; stop all of them on the way out."""
     workdir = Path(workdir)
-    extra = {"gil_switch_interval_s": 0.0005, **(extra or {})} if connector == "kvcore" else {}
+    extra = {"gil_switch_interval_s": 0.0005, **(extra or {})} if connector == "kvcore" else dict(extra or {})
     tag = f"{connector}-{backend}-{mode}" if connector == "kvcore" else connector
 
     def side_channel() -> dict[str, str]:

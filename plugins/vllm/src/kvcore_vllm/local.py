@@ -55,7 +55,9 @@ def kv_transfer_config(
     """vLLM's ``--kv-transfer-config`` for ``role`` (``plain``, ``prefill``, ``decode``) and ``connector``.
 
     ``connector`` is ``kvcore`` (this plugin, over kvcore's ``backend`` in ``mode``) or ``nixl`` (vLLM's own
-    NixlConnector on host memory, the baseline of the bench).
+    NixlConnector on host memory, the baseline of the bench), deployed as vLLM's NixlConnector guide deploys it:
+    ``kv_role`` ``kv_both`` on both instances, ``kv_buffer_device`` ``cpu`` (this machine has no GPU), and
+    ``extra`` as its ``kv_connector_extra_config`` (``num_threads``, ``backends``).
     """
     if role == "plain":
         return None
@@ -63,12 +65,15 @@ def kv_transfer_config(
         raise ValueError(f"role: expected 'plain', 'prefill' or 'decode', got {role!r}")
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
     if connector == "nixl":
-        return {
+        config: dict[str, Any] = {
             "kv_connector": "NixlConnector",
-            "kv_role": kv_role,
+            "kv_role": "kv_both",
             "kv_buffer_device": "cpu",
             "kv_load_failure_policy": kv_load_failure_policy,
         }
+        if extra:
+            config["kv_connector_extra_config"] = dict(extra)
+        return config
     if connector != "kvcore":
         raise ValueError(f"connector: expected 'kvcore' or 'nixl', got {connector!r}")
     return {

@@ -6,7 +6,8 @@ both with ``KvcoreConnector`` (or any connector that follows vLLM's P/D protocol
     python -m kvcore_vllm.proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
 For each ``POST /v1/completions`` (and ``/v1/chat/completions``) it sends the request to a prefill instance
-with ``max_tokens: 1``, ``stream: false`` and ``"kv_transfer_params": {"do_remote_decode": true}``, then
+with ``max_tokens: 1``, ``stream: false`` and ``"kv_transfer_params": {"do_remote_decode": true, ...}`` (the
+keys vLLM's own proxies send: :data:`PREFILL_PARAMS`), then
 sends the client's request, unchanged but for the ``kv_transfer_params`` the prefill answered, to a decode
 instance, and relays that answer (streamed when the client asked for a stream). Several ``--prefill`` and
 ``--decode`` URLs are taken in turn (round robin). ``GET /v1/models`` is a decode instance's;
@@ -42,6 +43,16 @@ log = logging.getLogger("kvcore_vllm.proxy")
 
 #: The largest request body the proxy reads (a long prompt as token ids is a few MiB).
 MAX_BODY_BYTES = 32 * 1024 * 1024
+#: The ``kv_transfer_params`` of the prefill step: vLLM's own P/D proxies send these keys (the remote fields empty),
+#: so a connector that reads any of them (vLLM's NixlConnector among them) gets what it gets from vLLM's proxy.
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 #: Headers passed on to the instances (the client's API key among them).
 FORWARDED_HEADERS = ("authorization", "x-request-id")
 
@@ -61,7 +72,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("best_of") not in (None, 1):
         raise ProxyError(400, "best_of: the disaggregated proxy serves one completion per request")
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
-    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    out.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
     if "min_tokens" in out:
         out["min_tokens"] = 0
     return out
