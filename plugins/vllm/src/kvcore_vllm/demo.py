@@ -1,9 +1,9 @@
 """``make demo-vllm``: disaggregated serving on this machine with two ``vllm serve`` and kvcore between them.
 
-It makes a tiny random Llama here (no download), starts a prefill instance and a decode instance with
-``KvcoreConnector`` (one CPU core each) and the proxy of :mod:`kvcore_vllm.proxy` in front of them, sends
-prompts through the proxy as an OpenAI client would (streamed), and then asks the prefill instance for the
-same prompts as one plain engine. It prints whether the tokens are identical, how many of the prompt
+It makes a tiny random Llama here (no download), asks one plain ``vllm serve`` (no connector) for the
+prompts' tokens, then starts a prefill instance and a decode instance with ``KvcoreConnector`` (one CPU
+core each) and the proxy of :mod:`kvcore_vllm.proxy` in front of them and sends the same prompts through
+the proxy as an OpenAI client would (streamed). It prints whether the tokens are identical, how many of the prompt
 tokens the decode instance loaded over kvcore rather than computed itself (vLLM's own counters), and the
 time to first token. It exits 1 when the tokens differ or any prompt token was recomputed: identical
 tokens alone would not show that the KV moved, since a decode that recomputes produces them too.
@@ -183,12 +183,31 @@ class DemoResult:
         return self.identical == self.prompts and self.loaded == self.prompt_tokens and self.computed == 0
 
 
-def run_through(dep: Deployment, prompts: list[str], max_tokens: int, kv_per_token: int) -> DemoResult:
-    """Send ``prompts`` through the proxy (streamed), then to the prefill alone; compare and count."""
+def plain_tokens(
+    workdir: str | Path, model_dir: str, prompts: list[str], max_tokens: int, cpu: str = "0"
+) -> list[list[int]]:
+    """The greedy tokens of one plain ``vllm serve`` (no connector) for ``prompts``; the server is gone after."""
+    server = VllmServer(model_dir, free_port(), "plain", cpu=cpu, log_path=str(Path(workdir) / "plain.log"))
+    try:
+        server.start().wait_ready()
+        return [complete(server.url, p, max_tokens, stream=False).token_ids for p in prompts]
+    finally:
+        server.close()
+
+
+def run_through(
+    dep: Deployment, prompts: list[str], max_tokens: int, kv_per_token: int, want: list[list[int]] | None = None
+) -> DemoResult:
+    """Send ``prompts`` through the proxy (streamed); compare with ``want`` and count.
+
+    ``want`` is a plain engine's tokens (:func:`plain_tokens`); without it the prefill instance answers the
+    same prompts on its own (a quicker check: it has the connector, but computes the whole answer itself).
+    """
     before = dep.decode.metrics()
     got: list[Completion] = [complete(dep.proxy.url, p, max_tokens, stream=True) for p in prompts]
     after = dep.decode.metrics()
-    want = [complete(dep.prefill.url, p, max_tokens, stream=False).token_ids for p in prompts]
+    if want is None:
+        want = [complete(dep.prefill.url, p, max_tokens, stream=False).token_ids for p in prompts]
 
     def d(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
@@ -215,7 +234,7 @@ def report(result: DemoResult, backend: str, mode: str) -> str:
     ttft = statistics.median(result.ttft_s) if result.ttft_s else float("nan")
     lines = [
         f"kvcore-vllm demo: prefill and decode vllm serve, KvcoreConnector over {backend} ({mode}), proxy in front",
-        f"  tokens identical to one engine:   {result.identical} of {result.prompts} prompts",
+        f"  tokens identical to a plain engine (no connector): {result.identical} of {result.prompts} prompts",
         f"  prompt tokens loaded over kvcore: {result.loaded} of {result.prompt_tokens} "
         f"({result.computed} recomputed, {result.cached} from the decode's own cache; {mib:.2f} MiB of KV a request)",
         f"  time to first token (client, through the proxy): median {ttft * 1e3:.0f} ms"
@@ -255,12 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         model = write_model(Path(workdir) / "model")
         from kvcore_vllm.tiny_model import MODEL
 
-        print("starting the prefill and decode instances (about a minute) ...", flush=True)
+        prompts = text_prompts(args.prompts, args.words)
         try:
+            print("asking one plain engine (no connector) for the reference tokens (about a minute) ...", flush=True)
+            want = plain_tokens(workdir, model, prompts, args.max_tokens)
+            print("starting the prefill and decode instances (about a minute) ...", flush=True)
             with deployment(workdir, model, backend=args.backend, mode=args.mode) as dep:
-                result = run_through(
-                    dep, text_prompts(args.prompts, args.words), args.max_tokens, kv_bytes_per_token(MODEL)
-                )
+                result = run_through(dep, prompts, args.max_tokens, kv_bytes_per_token(MODEL), want)
         except ServerError as exc:
             print(f"kvcore-vllm demo: {exc}", file=sys.stderr)
             return 2
