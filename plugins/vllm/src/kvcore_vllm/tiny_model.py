@@ -7,11 +7,17 @@ fixed text, so that ``vllm serve`` takes text prompts as users send them.
 
 KV per token in bfloat16 is ``layers x kv_heads x head_dim x 2 (K, V) x 2 bytes``: 2 KiB for :data:`MODEL`
 (1 MiB for a 512-token prompt), 16 KiB for :data:`LARGE_MODEL` (16 MiB for 1,024 tokens).
+
+To serve it yourself (it prints the folder, to pass as ``--model``)::
+
+    python -m kvcore_vllm.tiny_model [--large] DIR
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +95,22 @@ def write_tokenizer(path: str | Path, vocab_size: int) -> None:
     tokenizer_class: Callable[..., Any] = PreTrainedTokenizerFast  # untyped constructor
     fast = tokenizer_class(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(path))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write the tiny model (or, with ``--large``, :data:`LARGE_MODEL`) and its tokenizer into DIR; print DIR."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcore_vllm.tiny_model",
+        description="Write a tiny random Llama and its tokenizer into DIR (no download), for vllm serve --model DIR.",
+    )
+    parser.add_argument("dir", metavar="DIR", help="the folder to write (created if missing)")
+    parser.add_argument("--large", action="store_true", help="the bench's larger model (16 KiB of KV per token)")
+    args = parser.parse_args(argv)
+    path = Path(args.dir).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    print(write_model(path, LARGE_MODEL if args.large else MODEL))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
