@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # Each plugin with the extra that brings its native library (nixl: the CUDA-12 flavour of the NIXL wheel,
 # which also works on host memory without a GPU; mooncake: mooncake-transfer-engine-non-cuda, a dependency).
-PLUGINS := 'plugins/nixl[cu12]' plugins/ucx plugins/mixers plugins/mooncake plugins/native docs/examples/kvcore-cma
+PLUGINS := 'plugins/nixl[cu12]' plugins/ucx plugins/mixers plugins/mooncake plugins/native docs/examples/kvcore-cma plugins/mpi
 
 .PHONY: install mooncake-syslibs demo test lint mutations mutations-sample
 
@@ -38,7 +38,7 @@ demo: .installed
 
 # mypy --strict runs on the core and on each plugin's sources; the vLLM connector needs vLLM's own types, which only
 # its environment has: `make lint-vllm` checks it there (strict, the same configuration), and test-vllm runs it first.
-MYPY_PLUGINS := plugins/nixl/src/kvcore_nixl plugins/ucx/src/kvcore_ucx plugins/mixers/src/kvcore_mixers plugins/native/src/kvcore_native \
+MYPY_PLUGINS := plugins/nixl/src/kvcore_nixl plugins/ucx/src/kvcore_ucx plugins/mixers/src/kvcore_mixers plugins/native/src/kvcore_native plugins/mpi/src/kvcore_mpi \
 	plugins/mooncake/src/kvcore_mooncake docs/examples/kvcore-cma/src/kvcore_cma
 
 # The last line is the cheap half of `make mutations` (a second): every breakage in mutation/mutations.toml still
