@@ -1,0 +1,146 @@
+"""Bare mpi4py against the kvcore ``mpi`` agent, in one run: ``python -m kvcore_mpi.bench``.
+
+Two shapes, each moved to a second process on this host: one 512 MiB fragment, and 4096 fragments of 16 KiB
+scattered (permuted) over 128 MiB. *Bare*: mpi4py alone, the way a hand-written MPI program would do it: the
+target attaches its buffer to a dynamic window over the joined communicator and probes (MPI progress); the
+initiator calls ``Win.Put`` once per fragment and ``Win.Flush`` once. *Agent*: ``MpiAgent.submit`` +
+``wait`` to a ``kvcore.testing.harness.PeerProcess`` running the agent. Prints the best of ``--repeat`` runs
+of each and the ratio agent / bare (time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from kvcore_mpi._bootstrap import mpi
+
+MiB = 1024 * 1024
+
+
+def _target() -> None:
+    """The bare target: listen, join, attach a buffer to a dynamic window, probe until stdin closes."""
+    MPI = mpi()
+    size = int(sys.argv[2])
+    buf = np.zeros(size, dtype=np.uint8)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        print(json.dumps({"port": listener.getsockname()[1], "address": MPI.Get_address(buf)}), flush=True)
+        conn, _ = listener.accept()
+        with conn:
+            inter = MPI.Comm.Join(conn.fileno())
+    comm = inter.Merge(high=False)
+    win = MPI.Win.Create_dynamic(comm=comm)
+    win.Attach(buf)
+    import select
+
+    while not select.select([sys.stdin], [], [], 0.0005)[0]:
+        comm.Iprobe(1, MPI.ANY_TAG)
+    # stdin closed: the initiator is done; the process exits without collective teardown
+
+
+def _bare(shape: tuple[np.ndarray, np.ndarray, int], repeat: int) -> float:
+    """Best seconds of ``repeat`` bare Put-per-fragment + Flush runs of ``shape`` (offsets, sizes, buffer bytes)."""
+    MPI = mpi()
+    offsets, sizes, total = shape
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcore_mpi.bench", "_target", str(total)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        hello = json.loads(proc.stdout.readline())
+        with socket.create_connection(("127.0.0.1", hello["port"])) as sock:
+            inter = MPI.Comm.Join(sock.fileno())
+        comm = inter.Merge(high=True)
+        win = MPI.Win.Create_dynamic(comm=comm)
+        src = np.ones(int(sizes.sum()), dtype=np.uint8)
+        local = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+        remote = (hello["address"] + offsets).tolist()
+        win.Lock_all(MPI.MODE_NOCHECK)
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            for lo, ro, n in zip(local, remote, sizes.tolist()):
+                win.Put([src[lo : lo + n], MPI.BYTE], 0, target=(ro, n, MPI.BYTE))
+            win.Flush(0)
+            best = min(best, time.perf_counter() - start)
+        win.Unlock_all()
+        return best
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(10)
+
+
+def _agent(shape: tuple[np.ndarray, np.ndarray, int], repeat: int) -> float:
+    """Best seconds of ``repeat`` ``submit`` + ``wait`` runs of ``shape`` through the kvcore agent."""
+    import torch
+
+    from kvcore.testing.harness import PeerProcess
+    from kvcore.transport.agent import TransferOp
+    from kvcore_mpi.agent import MpiAgent
+
+    offsets, sizes, total = shape
+    agent = MpiAgent(f"bench-{uuid.uuid4().hex[:8]}")
+    with PeerProcess("mpi", {}, name=f"bench-peer-{uuid.uuid4().hex[:8]}") as peer:
+        dst = peer.call("alloc", key="b", nbytes=total)["address"]
+        src = torch.ones(int(sizes.sum()), dtype=torch.uint8)
+        agent.register_memory(src)
+        peer.call("load", descriptor=agent.descriptor())
+        name = agent.load_remote_agent(peer.call("descriptor")["descriptor"])
+        local = src.data_ptr() + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
+        remote = np.uint64(dst) + offsets.astype(np.uint64)
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            handle = agent.submit(TransferOp.WRITE, name, local, remote, sizes.astype(np.uint64))
+            agent.wait(handle, timeout=120.0)
+            best = min(best, time.perf_counter() - start)
+            agent.release(handle)
+        agent.close()
+    return best
+
+
+def shapes() -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+    """The two shapes: (destination offsets, sizes, destination buffer bytes)."""
+    n, frag = 4096, 16 * 1024
+    slots = np.random.default_rng(0).permutation(2 * n)[:n].astype(np.int64) * frag
+    return {
+        "512 MiB x 1": (np.zeros(1, dtype=np.int64), np.array([512 * MiB], dtype=np.int64), 512 * MiB),
+        "16 KiB x 4096": (slots, np.full(n, frag, dtype=np.int64), 2 * n * frag),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run both shapes both ways; print seconds, GB/s and the ratio."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "_target":
+        _target()
+        return
+    parser = argparse.ArgumentParser(prog="python -m kvcore_mpi.bench", description=__doc__)
+    parser.add_argument("--repeat", type=int, default=3)
+    opts = parser.parse_args(args)
+    rows: list[dict[str, Any]] = []
+    for label, shape in shapes().items():
+        nbytes = int(shape[1].sum())
+        bare, through = _bare(shape, opts.repeat), _agent(shape, opts.repeat)
+        rows.append({"shape": label, "bare_s": bare, "agent_s": through, "ratio": through / bare})
+        print(
+            f"{label:>14}: bare mpi4py {bare * 1e3:8.1f} ms ({nbytes / bare / 1e9:5.2f} GB/s)   "
+            f"kvcore agent {through * 1e3:8.1f} ms ({nbytes / through / 1e9:5.2f} GB/s)   "
+            f"agent/bare time {through / bare:5.2f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
