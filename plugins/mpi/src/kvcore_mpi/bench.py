@@ -4,7 +4,7 @@ Two shapes, each moved to a second process on this host: one 512 MiB fragment, a
 scattered (permuted) over 128 MiB. *Bare*: mpi4py alone, the way a hand-written MPI program would do it: the
 target attaches its buffer to a dynamic window over the joined communicator and probes (MPI progress); the
 initiator calls ``Win.Put`` once per fragment and ``Win.Flush`` once. *Agent*: ``MpiAgent.submit`` +
-``wait`` to a ``kvcore.testing.harness.PeerProcess`` running the agent. Prints the best of ``--repeat`` runs
+``wait`` to a peer process (:mod:`kvcore.runtime`) running the agent. Prints the best of ``--repeat`` runs
 of each and the ratio agent / bare (time).
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcore.runtime import Channel, RankProcess, serve
 from kvcore_mpi._bootstrap import mpi
 
 MiB = 1024 * 1024
@@ -81,22 +82,49 @@ def _bare(shape: tuple[np.ndarray, np.ndarray, int], repeat: int) -> float:
         proc.wait(10)
 
 
+class _PeerRank:
+    """The peer's commands (:mod:`kvcore.runtime`): an ``MpiAgent`` owning a destination buffer."""
+
+    def __init__(self, nbytes: int) -> None:
+        import torch
+
+        from kvcore_mpi.agent import MpiAgent
+
+        self.agent = MpiAgent(f"bench-peer-{uuid.uuid4().hex[:8]}")
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8)
+        self.agent.register_memory(self.dst)
+
+    def op_load(self, descriptor: bytes) -> dict[str, Any]:
+        return {"name": self.agent.load_remote_agent(descriptor)}
+
+
+def peer_main(channel: Channel, nbytes: int) -> None:
+    """The peer's rank function: say where its buffer is and its descriptor, then serve commands."""
+    rank = _PeerRank(nbytes)
+    try:
+        channel.send({"descriptor": rank.agent.descriptor(), "address": rank.dst.data_ptr()})
+        serve(channel, rank, idle_wait=0.05)
+    finally:
+        rank.agent.close()
+
+
 def _agent(shape: tuple[np.ndarray, np.ndarray, int], repeat: int) -> float:
     """Best seconds of ``repeat`` ``submit`` + ``wait`` runs of ``shape`` through the kvcore agent."""
     import torch
 
-    from kvcore.testing.harness import PeerProcess
     from kvcore.transport.agent import TransferOp
     from kvcore_mpi.agent import MpiAgent
 
     offsets, sizes, total = shape
     agent = MpiAgent(f"bench-{uuid.uuid4().hex[:8]}")
-    with PeerProcess("mpi", {}, name=f"bench-peer-{uuid.uuid4().hex[:8]}") as peer:
-        dst = peer.call("alloc", key="b", nbytes=total)["address"]
+    peer = RankProcess("kvcore_mpi.bench:peer_main", name="mpi bench peer", kwargs={"nbytes": total})
+    try:
+        hello = peer.recv(120.0, op="start")
+        dst = int(hello["address"])
         src = torch.ones(int(sizes.sum()), dtype=torch.uint8)
         agent.register_memory(src)
-        peer.call("load", descriptor=agent.descriptor())
-        name = agent.load_remote_agent(peer.call("descriptor")["descriptor"])
+        peer.call("load", descriptor=agent.descriptor(), timeout=120.0)
+        name = agent.load_remote_agent(hello["descriptor"])
         local = src.data_ptr() + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
         remote = np.uint64(dst) + offsets.astype(np.uint64)
         best = float("inf")
@@ -107,6 +135,8 @@ def _agent(shape: tuple[np.ndarray, np.ndarray, int], repeat: int) -> float:
             best = min(best, time.perf_counter() - start)
             agent.release(handle)
         agent.close()
+    finally:
+        peer.close()
     return best
 
 
