@@ -25,7 +25,34 @@ from kvcore.tools.demo.rank import TEARDOWN_WATCHDOG_S
 __all__ = ["instance_keys", "run_demo"]
 
 
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (where ``bind(0)`` and outgoing connections pick theirs)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_port() -> int:
+    """A free port for torch.distributed's rendezvous, which binds it only later, in rank 0.
+
+    Taken below the ephemeral range: a port from ``bind(0)`` could be handed to another process's ``bind(0)``
+    or outgoing connection between this check and that bind (seen in the test suite: EADDRINUSE in
+    ``init_process_group``); below it only an explicit bind can take it. The ephemeral range if none is free.
+    """
+    import random
+
+    low = _ephemeral_low()
+    pick = random.SystemRandom()
+    for _ in range(64):
+        port = pick.randrange(max(1024, low - 12000), max(1025, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
