@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcore_vllm.local import LOOPBACK, Completion, ServerError, VllmServer, complete
+from kvcore_vllm.local import LOOPBACK, Completion, ServerError, VllmServer, complete, healthy
 from kvcore_vllm.tiny_model import WORDS, kv_bytes_per_token, write_model
 
 #: Counters of the decode instance read before and after the run.
@@ -77,20 +77,12 @@ class Proxy:
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        import http.client
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
                 raise ServerError(f"the proxy exited\n{Path(self.log_path).read_text(errors='replace')[-3000:]}")
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=5)
-                try:
-                    conn.request("GET", "/health")
-                    if conn.getresponse().status == 200:
-                        return
-                finally:
-                    conn.close()
+            if healthy(self.url):
+                return
             time.sleep(0.5)
         raise ServerError(f"the proxy was not healthy within {timeout:.0f}s")
 

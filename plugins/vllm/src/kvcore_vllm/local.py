@@ -169,9 +169,8 @@ class VllmServer:
             if self.proc is None or self.proc.poll() is not None:
                 code = None if self.proc is None else self.proc.returncode
                 raise ServerError(f"vllm serve ({self.role}, port {self.port}) exited with {code}\n{self.tail()}")
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                if _get(self.url + "/health", timeout=5)[0] == 200:
-                    return
+            if healthy(self.url):
+                return
             time.sleep(1.0)
         raise ServerError(f"vllm serve ({self.role}, port {self.port}) not ready within {timeout:.0f}s\n{self.tail()}")
 
@@ -214,6 +213,13 @@ class VllmServer:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.proc = None
+
+
+def healthy(base_url: str, timeout: float = 5.0) -> bool:
+    """Whether ``base_url/health`` answers 200 now (a refused or broken connection is not healthy)."""
+    with contextlib.suppress(OSError, http.client.HTTPException):
+        return _get(base_url + "/health", timeout)[0] == 200
+    return False
 
 
 def _get(url: str, timeout: float) -> tuple[int, bytes]:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import Reference
+from kvcore_vllm.bench import counter_sum
 from kvcore_vllm.demo import COMPUTED, LOADED, PROMPT_TOKENS
 from kvcore_vllm.local import VllmServer
 from kvcore_vllm.tiny_model import MODEL, kv_bytes_per_token
@@ -49,10 +50,6 @@ def rx_bytes(hosts: TwoHosts, label: str) -> int:
         ["ip", "-s", "-j", "-n", h.netns, "link", "show", "dev", h.link], capture_output=True, text=True, check=True
     )
     return int(json.loads(out.stdout)[0]["stats64"]["rx"]["bytes"])
-
-
-def total(metrics: dict[str, float], name: str) -> float:
-    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
 
 
 def curve(tmp: Path) -> tuple[dict[str, str], dict[str, str]]:
@@ -132,7 +129,7 @@ def test_prefill_on_one_host_decode_on_the_other_every_prompt_token_loaded_over_
     assert got["tokens"] == reference.tokens(prompts, MAX_TOKENS)
 
     def delta(side: str, name: str) -> float:
-        return total(got["after"][side], name) - total(got["before"][side], name)
+        return counter_sum(got["after"][side], name) - counter_sum(got["before"][side], name)
 
     prompt_tokens = delta("decode", PROMPT_TOKENS)
     assert prompt_tokens == PROMPTS * PROMPT_LEN

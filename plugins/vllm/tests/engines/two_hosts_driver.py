@@ -10,8 +10,6 @@ counters of both instances before and after. Everything it started is stopped be
 
 from __future__ import annotations
 
-import contextlib
-import http.client
 import json
 import sys
 import time
@@ -21,25 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from kvcore_vllm.demo import Proxy, free_port
-from kvcore_vllm.local import ServerError, VllmServer, complete, prometheus
+from kvcore_vllm.local import ServerError, VllmServer, complete, healthy, prometheus
 
 
 def wait_healthy(url: str, timeout: float) -> None:
-    from urllib.parse import urlsplit
-
-    u = urlsplit(url)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, http.client.HTTPException):
-            conn = http.client.HTTPConnection(u.hostname or "", u.port, timeout=5)
-            try:
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return
-            finally:
-                conn.close()
+    while not healthy(url):
+        if time.monotonic() > deadline:
+            raise ServerError(f"{url} was not healthy within {timeout:.0f}s (from host b, over the link)")
         time.sleep(1.0)
-    raise ServerError(f"{url} was not healthy within {timeout:.0f}s (from host b, over the link)")
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
