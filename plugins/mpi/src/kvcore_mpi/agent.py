@@ -78,6 +78,9 @@ MAX_BLOCK = 1 << 30
 MAX_ADDRESS = 255
 #: Length of the join token.
 TOKEN_BYTES = 16
+#: Seconds the acceptor waits for a caller's token: a peer sends it right after connecting, so a silent stranger
+#: holds the (one) accept loop this long at most, not ``connect_timeout_s``.
+TOKEN_READ_S = 2.0
 #: The acceptor's answer to a token: join now (it holds its process's join lock), or busy (retry later).
 GO, BUSY = b"G", b"B"
 #: Serializes connection setup (``MPI_Comm_join``, merge, window creation) in this process: two joins at once
@@ -534,7 +537,7 @@ class MpiAgent(TransferAgent):
                 return  # the listener was closed
             try:
                 with sock:
-                    sock.settimeout(self.opts.connect_timeout_s)
+                    sock.settimeout(min(TOKEN_READ_S, self.opts.connect_timeout_s))
                     token = _read_exactly(sock, TOKEN_BYTES)
                     if not hmac.compare_digest(token, self._token):
                         log.warning("mpi agent %r: refused a connection with a wrong token", self.name)
